@@ -1,0 +1,142 @@
+"""The ``vllm-pd`` command: one subcommand per tool.
+
+Subcommands import their modules lazily so that ``vllm-pd --help`` and ``vllm-pd kv-size``
+stay fast and work without vLLM or torch installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be a positive integer")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError("must be a positive number")
+    return value
+
+
+def _cmd_kv_size(args: argparse.Namespace) -> int:
+    from vllm_pd_ext.tools.kv_size import (
+        ConfigError,
+        compute_kv_size,
+        format_report,
+        load_config,
+    )
+
+    try:
+        size = compute_kv_size(load_config(args.config), args.dtype, args.ssm_dtype)
+    except ConfigError as exc:
+        print(f"vllm-pd kv-size: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(size.to_json(args.tokens, args.link_gbps), indent=2))
+    else:
+        print(format_report(size, args.tokens, args.link_gbps))
+    return 0
+
+
+def _cmd_tiny_model(args: argparse.Namespace) -> int:
+    from vllm_pd_ext.tools.tiny_model import ensure_model
+
+    print(ensure_model(args.name, args.cache_dir))
+    return 0
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from vllm_pd_ext.tools.pd_demo import run_demo
+
+    return run_demo(
+        model=args.model,
+        prompt_tokens=args.prompt_tokens,
+        max_tokens=args.max_tokens,
+        log_dir=args.log_dir,
+        as_json=args.json,
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from vllm_pd_ext import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="vllm-pd",
+        description="Disaggregated prefill/decode serving tools for stock vLLM.",
+    )
+    parser.add_argument("--version", action="version", version=f"vllm-pd-ext {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    kv = sub.add_parser(
+        "kv-size",
+        help="KV-cache bytes per token and per prompt for a Hugging Face config.json",
+        description="Print KV-cache bytes per token, per prompt and per P/D transfer for the "
+        "model a config.json describes (full attention with GQA, MLA, sliding-window and "
+        "hybrid attention + SSM models).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    kv.add_argument("config", help="path to config.json or to the model directory holding it")
+    kv.add_argument("--tokens", type=_positive_int, default=8192, help="prompt length")
+    kv.add_argument(
+        "--dtype",
+        default="auto",
+        help="KV cache dtype: auto (the model's), bfloat16, float16, float32, fp8",
+    )
+    kv.add_argument(
+        "--ssm-dtype",
+        default="auto",
+        help="SSM (temporal) state dtype for hybrid models; auto = same as --dtype",
+    )
+    kv.add_argument(
+        "--link-gbps",
+        type=_positive_float,
+        default=None,
+        help="also print the ideal transfer time over a link of this many Gb/s",
+    )
+    kv.add_argument("--json", action="store_true", help="print one JSON object")
+    kv.set_defaults(func=_cmd_kv_size)
+
+    tiny = sub.add_parser(
+        "tiny-model",
+        help="build (or find cached) a tiny random-weight test model and print its path",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    tiny.add_argument("name", choices=["tiny-llama", "tiny-qwen"])
+    tiny.add_argument("--cache-dir", type=Path, default=None,
+                      help="cache folder (default: $VLLM_PD_EXT_CACHE or ~/.cache/vllm-pd-ext)")
+    tiny.set_defaults(func=_cmd_tiny_model)
+
+    demo = sub.add_parser(
+        "demo",
+        help="run one real P/D request on a tiny model (two vllm serve, NixlConnector on CPU)",
+        description="Start a prefill and a decode `vllm serve` with vLLM's NixlConnector on "
+        "CPU, send one greedy request through both legs and compare it with the same "
+        "request served colocated. Needs vLLM and nixl installed (scripts/bootstrap.sh).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    demo.add_argument("--model", default="tiny-llama",
+                      help="tiny-llama, tiny-qwen, or a local model directory")
+    demo.add_argument("--prompt-tokens", type=_positive_int, default=300)
+    demo.add_argument("--max-tokens", type=_positive_int, default=32)
+    demo.add_argument("--log-dir", type=Path, default=Path("logs/demo"))
+    demo.add_argument("--json", action="store_true", help="print the result as JSON")
+    demo.set_defaults(func=_cmd_demo)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

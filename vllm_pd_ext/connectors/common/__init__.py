@@ -1,0 +1,1 @@
+"""What the connectors share (block layout, handshake side channel, leases, stats)."""

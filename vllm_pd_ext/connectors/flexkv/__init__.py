@@ -1,0 +1,1 @@
+"""PdExtFlexKVConnector: tiered KV cache (device, CPU memory, SSD) with prefix reuse."""

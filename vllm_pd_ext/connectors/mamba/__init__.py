@@ -1,0 +1,1 @@
+"""PdExtMambaStateConnector: P/D for hybrid attention + SSM models."""

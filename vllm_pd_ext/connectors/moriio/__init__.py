@@ -1,0 +1,1 @@
+"""PdExtMoRIIOConnector: prefill-to-decode KV transfer (MoRI-IO on ROCm, Mooncake elsewhere)."""

@@ -1,0 +1,1 @@
+"""P/D-aware OpenAI-compatible proxy (issue #3)."""

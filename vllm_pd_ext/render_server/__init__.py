@@ -1,0 +1,1 @@
+"""Standalone render / derender server (issue #4)."""

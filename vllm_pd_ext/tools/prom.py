@@ -1,0 +1,41 @@
+"""Reading Prometheus text (an engine's ``/metrics``) into something a program can query."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+@dataclass(frozen=True)
+class Sample:
+    name: str
+    labels: tuple[tuple[str, str], ...]
+    value: float
+
+
+@dataclass(frozen=True)
+class Metrics:
+    """The samples of one scrape."""
+
+    samples: tuple[Sample, ...]
+
+    def total(self, name: str, **labels: str) -> float:
+        """Sum of samples named ``name`` whose labels include every ``labels`` pair."""
+        want = labels.items()
+        return sum(
+            s.value for s in self.samples if s.name == name and want <= dict(s.labels).items()
+        )
+
+    def names(self) -> set[str]:
+        return {s.name for s in self.samples}
+
+
+def parse_metrics(text: str) -> Metrics:
+    """Parse Prometheus exposition text; counters keep their ``_total`` sample names."""
+    samples = [
+        Sample(s.name, tuple(sorted(s.labels.items())), float(s.value))
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    ]
+    return Metrics(tuple(samples))

