@@ -111,8 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     tiny.add_argument("name", choices=["tiny-llama", "tiny-qwen"])
-    tiny.add_argument("--cache-dir", type=Path, default=None,
-                      help="cache folder (default: $VLLM_PD_EXT_CACHE or ~/.cache/vllm-pd-ext)")
+    tiny.add_argument(
+        "--cache-dir",
+        type=Path,
+        default=None,
+        help="cache folder (default: $VLLM_PD_EXT_CACHE or ~/.cache/vllm-pd-ext)",
+    )
     tiny.set_defaults(func=_cmd_tiny_model)
 
     demo = sub.add_parser(
@@ -123,8 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
         "request served colocated. Needs vLLM and nixl installed (scripts/bootstrap.sh).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    demo.add_argument("--model", default="tiny-llama",
-                      help="tiny-llama, tiny-qwen, or a local model directory")
+    demo.add_argument(
+        "--model", default="tiny-llama", help="tiny-llama, tiny-qwen, or a local model directory"
+    )
     demo.add_argument("--prompt-tokens", type=_positive_int, default=300)
     demo.add_argument("--max-tokens", type=_positive_int, default=32)
     demo.add_argument("--log-dir", type=Path, default=Path("logs/demo"))

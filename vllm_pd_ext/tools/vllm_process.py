@@ -122,10 +122,8 @@ class VllmServer:
             _kill_group(self.proc.pid, signal.SIGKILL)  # reap stragglers of a dead leader
             return
         _kill_group(self.proc.pid, signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=grace)
-        except subprocess.TimeoutExpired:
-            pass
         _kill_group(self.proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=5)

