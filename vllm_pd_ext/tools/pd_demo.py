@@ -221,7 +221,11 @@ def run_demo(
     try:
         prefill.wait_healthy()
         decode.wait_healthy()
-        _progress(f"both healthy after {time.monotonic() - start:.0f}s; sending requests")
+        _progress(f"both healthy after {time.monotonic() - start:.0f}s; warming up")
+        # The first split request pays one-off costs (NIXL handshake, memory registration):
+        # one short round trip first, so the figures shown are the steady state.
+        run_pd_round_trip(prefill, decode, model_dir, 16, 2)
+        _progress("measuring")
         result = run_pd_round_trip(prefill, decode, model_dir, prompt_tokens, max_tokens)
     finally:
         _progress(f"stopping servers (logs in {log_dir})")
