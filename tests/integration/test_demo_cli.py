@@ -37,6 +37,8 @@ def test_demo_reports_kv_transfer_and_equal_output(model_cache, tiny_llama, tmp_
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     result = json.loads(proc.stdout)
+    assert result["ok"] is True
+    assert result["rounds"] == 5 and result["outputs_equal"] and result["kv_received"]
     assert result["prompt_tokens"] == 180
     assert result["decode_external_kv_tokens"] >= 179
     assert result["pd_token_ids"] == result["colocated_token_ids"]
