@@ -3,7 +3,7 @@
 #   make test   - the test suite (unit + integration against real vllm serve)
 comma   := ,
 VENV    := .venv
-EXTRAS  ?= cpu,nixl,dev
+EXTRAS  ?= cpu,nixl,mooncake-cpu,dev
 STAMP   := $(VENV)/.bootstrap-$(subst $(comma),-,$(EXTRAS))
 
 .PHONY: demo test unit lint venv clean

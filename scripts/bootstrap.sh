@@ -15,6 +15,20 @@ extras="${1:-cpu,test}"
 venv=.venv
 py="${PYTHON:-python3}"
 
+# Mooncake's transfer engine (any wheel) needs libibverbs at import time, even for TCP.
+case ",$extras," in
+  *,mooncake*)
+    if ! ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1'; then
+      if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+        echo "bootstrap: installing libibverbs1 (needed by mooncake-transfer-engine)"
+        apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 >/dev/null
+      else
+        echo "bootstrap: warning: libibverbs.so.1 missing; install libibverbs1 for Mooncake" >&2
+      fi
+    fi
+    ;;
+esac
+
 if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
