@@ -1,0 +1,331 @@
+"""The render server in-process (FastAPI TestClient) on tiny-qwen: routes, errors, streaming."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from vllm_pd_ext.render_server.app import create_app
+from vllm_pd_ext.render_server.settings import RenderSettings
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def client(tiny_qwen):
+    app = create_app(RenderSettings(model=str(tiny_qwen), max_model_len=512, max_body_bytes=65536))
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def parser_client(tiny_qwen_think):
+    settings = RenderSettings(
+        model=str(tiny_qwen_think),
+        reasoning_parser="deepseek_r1",
+        tool_call_parser="hermes",
+        enable_auto_tool_choice=True,
+    )
+    with TestClient(create_app(settings)) as c:
+        yield c
+
+
+def _ids(client, text: str) -> list[int]:
+    out = client.post("/v1/completions/render", json={"prompt": text, "add_special_tokens": False})
+    assert out.status_code == 200, out.text
+    return out.json()[0]["token_ids"]
+
+
+def test_chat_render_chatml_ids_and_defaults(client):
+    resp = client.post(
+        "/v1/chat/completions/render",
+        json={"messages": [{"role": "user", "content": "Hi there ü"}]},
+        headers={"X-Request-Id": "abc"},
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["request_id"] == "chatcmpl-abc"
+    ids = body["token_ids"]
+    assert ids[0] == 151644 and ids[-3:] == [151644, 77091, 198]  # <|im_start|>assistant\n
+    sp = body["sampling_params"]
+    assert sp["max_tokens"] == 512 - len(ids)
+    assert sp["output_kind"] == 2 and sp["stop"] == [] and sp["temperature"] == 1.0
+
+
+def test_chat_render_greedy_params_and_logprobs(client):
+    body = client.post(
+        "/v1/chat/completions/render",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "temperature": 0,
+            "max_tokens": 7,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "stop": "abc",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    ).json()
+    sp = body["sampling_params"]
+    assert sp["temperature"] == 0.0 and "top_p" not in sp and "top_k" not in sp
+    assert sp["logprobs"] == 3 and sp["max_tokens"] == 7 and sp["stop"] == ["abc"]
+    assert sp["output_text_buffer_length"] == 2 and sp["output_kind"] == 1
+    assert body["stream"] is True
+    assert body["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+
+
+def test_completion_render_token_prompts_and_batch(client):
+    resp = client.post("/v1/completions/render", json={"prompt": [[1, 2, 3], [4, 5]]})
+    assert resp.status_code == 200
+    items = resp.json()
+    assert [i["token_ids"] for i in items] == [[1, 2, 3], [4, 5]]
+    assert items[0]["request_id"].endswith("-0") and items[1]["request_id"].endswith("-1")
+    assert "max_tokens" not in items[0]["sampling_params"]  # default 16 is omitted like vLLM
+
+
+@pytest.mark.parametrize(
+    ("body", "fragment"),
+    [
+        ({"messages": [{"role": "user", "content": "word " * 600}]}, "maximum context length"),
+        ({"messages": [{"role": "user", "content": "x"}], "temperature": 5}, "temperature"),
+        ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}, "max_tokens"),
+        ({"messages": [{"role": "user", "content": "x"}], "tools": TOOLS}, "auto"),
+        ({"messages": "nope"}, "messages"),
+        ({"prompt": []}, None),
+    ],
+)
+def test_client_mistakes_are_400_with_openai_body(client, body, fragment):
+    route = "/v1/completions/render" if "prompt" in body else "/v1/chat/completions/render"
+    resp = client.post(route, json=body)
+    assert resp.status_code == 400, resp.text
+    err = resp.json()["error"]
+    assert err["code"] == 400 and err["type"]
+    if fragment:
+        assert fragment in err["message"]
+
+
+def test_malformed_and_oversized_bodies_are_400(client):
+    bad = client.post(
+        "/v1/chat/completions/render",
+        content=b"{not json",
+        headers={"content-type": "application/json"},
+    )
+    assert bad.status_code == 400 and "malformed JSON" in bad.json()["error"]["message"]
+    big = client.post("/v1/completions/render", json={"prompt": "a" * 70000})
+    assert big.status_code == 400 and "exceeds the limit" in big.json()["error"]["message"]
+    arr = client.post("/v1/completions/derender", json=[1, 2])
+    assert arr.status_code == 400
+
+
+def test_unknown_model_is_404(client):
+    resp = client.post(
+        "/v1/chat/completions/render",
+        json={"model": "other", "messages": [{"role": "user", "content": "x"}]},
+    )
+    assert resp.status_code == 404 and resp.json()["error"]["param"] == "model"
+
+
+def test_chat_derender_batch_multibyte_and_logprobs(client):
+    ids = _ids(client, "Grüße, 日本語 ok")
+    gen = {
+        "request_id": "r1",
+        "choices": [
+            {
+                "index": 0,
+                "token_ids": [*ids, 151645],
+                "finish_reason": "stop",
+                "logprobs": {
+                    "content": [
+                        {
+                            "token_id": ids[0],
+                            "logprob": -0.5,
+                            "top_logprobs": [{"token_id": ids[0], "logprob": -0.5}],
+                        }
+                    ]
+                },
+            }
+        ],
+    }
+    resp = client.post(
+        "/v1/chat/completions/derender", json={"generate_response": gen, "prompt_tokens": 3}
+    )
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    choice = body["choices"][0]
+    assert choice["message"]["content"] == "Grüße, 日本語 ok"  # <|im_end|> skipped
+    assert choice["finish_reason"] == "stop"
+    assert choice["logprobs"]["content"][0]["logprob"] == -0.5
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "total_tokens": 3 + len(ids) + 1,
+        "completion_tokens": len(ids) + 1,
+        "prompt_tokens_details": None,
+        "completion_tokens_details": None,
+    }
+
+
+def _stream_chat(client, ids: list[int], sizes: list[int], **extra) -> tuple[str, list[dict]]:
+    state = None
+    text = []
+    chunks = []
+    pos = 0
+    for i, size in enumerate(sizes):
+        part = ids[pos : pos + size]
+        pos += size
+        last = i == len(sizes) - 1
+        body = {
+            "stream": True,
+            "generate_chunk": {
+                "request_id": "r",
+                "choices": [
+                    {"index": 0, "token_ids": part, "finish_reason": "stop" if last else None}
+                ],
+            },
+            "stream_state": state,
+            **extra,
+        }
+        resp = client.post("/v1/chat/completions/derender", json=body)
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        state = out["stream_state"]
+        assert len(state["prev_tokens"]) <= 16  # bounded window, never the whole output
+        delta = out["chunk"]["choices"][0]["delta"]
+        chunks.append(out["chunk"])
+        text.append(delta.get("content") or "")
+    return "".join(text), chunks
+
+
+def test_chat_derender_stream_splits_multibyte_chars(client):
+    text = "naïve 日本語 emoji 🎉 done"
+    ids = _ids(client, text)
+    # byte-level BPE splits 🎉 and CJK over several tokens: feed one token per chunk
+    streamed, chunks = _stream_chat(client, ids, [1] * len(ids))
+    assert streamed == text
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["choices"][0]["delta"]["role"] is None for c in chunks[1:])
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert all("\ufffd" not in (c["choices"][0]["delta"]["content"] or "") for c in chunks)
+
+
+def test_completion_derender_batch_and_stream_agree(client):
+    text = "Grüße aus 東京 🎉"
+    ids = _ids(client, text)
+    batch = client.post(
+        "/v1/completions/derender",
+        json={"generate_responses": [{"request_id": "c", "choices": [{"token_ids": ids}]}]},
+    ).json()
+    assert batch["choices"][0]["text"] == text
+    state, parts = None, []
+    for i in range(0, len(ids), 3):
+        resp = client.post(
+            "/v1/completions/derender",
+            json={
+                "stream": True,
+                "generate_chunk": {"choices": [{"index": 0, "token_ids": ids[i : i + 3]}]},
+                "stream_state": state,
+            },
+        ).json()
+        state = resp["stream_state"]
+        parts.append(resp["chunk"]["choices"][0]["text"])
+    assert "".join(parts) == text
+    assert state["logprob_text_offset"] == len(text)
+
+
+def test_health_models_metrics(client):
+    assert client.get("/health").status_code == 200
+    models = client.get("/v1/models").json()
+    assert models["data"][0]["max_model_len"] == 512
+    client.post("/v1/completions/render", json={"prompt": "hello"})
+    metrics = client.get("/metrics").text
+    assert 'vllm_pd_render_requests_total{route="completion_render",status="200"}' in metrics
+    assert "vllm_pd_render_prompt_tokens_total" in metrics
+
+
+# ---- parsers ------------------------------------------------------------------------------
+
+
+def _parser_chat_request() -> dict:
+    return {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
+
+
+def test_reasoning_and_tool_call_batch(parser_client):
+    text = (
+        "<think>Need the weather.</think>Let me check."
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+    )
+    ids = _ids(parser_client, text)
+    body = {
+        "generate_response": {"choices": [{"token_ids": ids, "finish_reason": "stop"}]},
+        "chat_request": _parser_chat_request(),
+        "prompt_token_ids": [1, 2],
+    }
+    resp = parser_client.post("/v1/chat/completions/derender", json=body)
+    assert resp.status_code == 200, resp.text
+    msg = resp.json()["choices"][0]["message"]
+    assert msg["reasoning"] == "Need the weather."
+    assert msg["content"] == "Let me check."
+    assert msg["tool_calls"][0]["function"] == {
+        "name": "get_weather",
+        "arguments": '{"city": "Zürich"}',
+    }
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 7])
+def test_reasoning_and_tool_call_stream(parser_client, size):
+    text = (
+        "<think>Need the weather.</think>Let me check."
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+    )
+    ids = _ids(parser_client, text)
+    sizes = [size] * (len(ids) // size) + ([len(ids) % size] if len(ids) % size else [])
+    state = None
+    reasoning, content, calls, finish = [], [], [], None
+    pos = 0
+    for i, n in enumerate(sizes):
+        last = i == len(sizes) - 1
+        resp = parser_client.post(
+            "/v1/chat/completions/derender",
+            json={
+                "stream": True,
+                "generate_chunk": {
+                    "choices": [
+                        {"token_ids": ids[pos : pos + n], "finish_reason": "stop" if last else None}
+                    ]
+                },
+                "stream_state": state,
+                "chat_request": _parser_chat_request(),
+                "prompt_token_ids": [1, 2],
+            },
+        )
+        pos += n
+        assert resp.status_code == 200, resp.text
+        out = resp.json()
+        state = out["stream_state"]
+        assert state["output_token_ids"] == []  # no replay buffer
+        choice = out["chunk"]["choices"][0]
+        reasoning.append(choice["delta"].get("reasoning") or "")
+        content.append(choice["delta"].get("content") or "")
+        calls += choice["delta"].get("tool_calls") or []
+        finish = choice["finish_reason"]
+    assert "".join(reasoning) == "Need the weather."
+    assert "".join(content) == "Let me check."
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+    assert calls[0]["function"]["arguments"] == '{"city": "Zürich"}'
+    assert finish == "tool_calls"
+
+
+def test_parser_server_requires_chat_request(parser_client):
+    resp = parser_client.post(
+        "/v1/chat/completions/derender",
+        json={"generate_response": {"choices": [{"token_ids": [1, 2]}]}},
+    )
+    assert resp.status_code == 400 and "chat_request" in resp.json()["error"]["message"]

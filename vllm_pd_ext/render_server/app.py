@@ -1,0 +1,261 @@
+"""The FastAPI app: vLLM-compatible render / derender routes, health, metrics, models.
+
+Bodies are read and validated here (not by FastAPI) so that every client mistake -- malformed
+JSON, an oversized body, a schema violation, a prompt over the context length -- becomes an
+OpenAI error body with status 400 (404 for an unknown model), never a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ValidationError
+
+from vllm_pd_ext.render_server.derender import Derenderer
+from vllm_pd_ext.render_server.errors import RenderError, body_for, error_body, validation_message
+from vllm_pd_ext.render_server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DerenderChatRequest,
+    DerenderChatStreamRequest,
+    DerenderCompletionRequest,
+    DerenderCompletionStreamRequest,
+)
+from vllm_pd_ext.render_server.renderer import Renderer
+from vllm_pd_ext.render_server.settings import RenderSettings
+from vllm_pd_ext.render_server.tokenizer import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: Environment variable carrying the settings JSON to uvicorn worker processes.
+SETTINGS_ENV = "VLLM_PD_RENDER_SETTINGS"
+
+
+class _Metrics:
+    """Prometheus metrics of one worker process (a private registry per app)."""
+
+    def __init__(self) -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "vllm_pd_render_requests",
+            "Requests handled, by route and HTTP status.",
+            ["route", "status"],
+            registry=self.registry,
+        )
+        self.seconds = Histogram(
+            "vllm_pd_render_request_seconds",
+            "Time spent handling a request (server side), by route.",
+            ["route"],
+            registry=self.registry,
+        )
+        self.prompt_tokens = Counter(
+            "vllm_pd_render_prompt_tokens",
+            "Prompt tokens produced by render routes.",
+            registry=self.registry,
+        )
+        self.output_tokens = Counter(
+            "vllm_pd_render_derendered_tokens",
+            "Output tokens consumed by derender routes.",
+            registry=self.registry,
+        )
+
+
+class _State:
+    def __init__(self, settings: RenderSettings) -> None:
+        tok = load_tokenizer(settings.model, settings.resolved_chat_template())
+        self.settings = settings
+        self.renderer = Renderer(settings, tok)
+        self.derenderer = Derenderer(settings, tok, self.renderer.max_model_len)
+        self.metrics = _Metrics()
+        self.created = int(time.time())
+
+
+async def _read_json(request: Request, limit: int) -> Any:
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > limit:
+        raise RenderError(f"request body of {length} bytes exceeds the limit of {limit} bytes")
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise RenderError(f"request body exceeds the limit of {limit} bytes")
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise RenderError(f"malformed JSON body: {exc}") from None
+
+
+def _validate(model: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise RenderError("request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        message, param = validation_message(exc.errors(include_url=False, include_input=False))
+        raise RenderError(message, param=param) from None
+
+
+def create_app(settings: RenderSettings) -> FastAPI:
+    """The render server app for ``settings``; the tokenizer loads at startup."""
+    holder: dict[str, _State] = {}
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        holder["state"] = _State(settings)
+        yield
+        holder.clear()
+
+    app = FastAPI(title="vllm-pd-ext render server", lifespan=lifespan)
+
+    def state() -> _State:
+        if "state" not in holder:  # TestClient without lifespan, or a very early request
+            holder["state"] = _State(settings)
+        return holder["state"]
+
+    async def handle(route: str, request: Request, fn: Callable[[Any], Any]) -> Response:
+        st = state()
+        started = time.perf_counter()
+        status = 200
+        try:
+            data = await _read_json(request, st.settings.max_body_bytes)
+            result = fn(data)
+            response: Response = JSONResponse(result)
+        except RenderError as exc:
+            status = exc.status
+            response = JSONResponse(body_for(exc), status_code=status)
+        except Exception as exc:  # a bug of ours: still an OpenAI body, logged with a stack
+            logger.exception("unexpected error on %s", route)
+            status = 500
+            response = JSONResponse(
+                error_body(
+                    f"internal error: {type(exc).__name__}",
+                    err_type="InternalServerError",
+                    code=500,
+                ),
+                status_code=500,
+            )
+        st.metrics.requests.labels(route, str(status)).inc()
+        st.metrics.seconds.labels(route).observe(time.perf_counter() - started)
+        return response
+
+    def _request_id(request: Request) -> str | None:
+        return request.headers.get("x-request-id")
+
+    @app.post("/v1/chat/completions/render")
+    async def render_chat(request: Request) -> Response:
+        rid = _request_id(request)
+
+        def run(data: Any) -> Any:
+            out = state().renderer.render_chat(_validate(ChatCompletionRequest, data), rid)
+            state().metrics.prompt_tokens.inc(len(out["token_ids"]))
+            return out
+
+        return await handle("chat_render", request, run)
+
+    @app.post("/v1/completions/render")
+    async def render_completion(request: Request) -> Response:
+        rid = _request_id(request)
+
+        def run(data: Any) -> Any:
+            out = state().renderer.render_completion(_validate(CompletionRequest, data), rid)
+            state().metrics.prompt_tokens.inc(sum(len(o["token_ids"]) for o in out))
+            return out
+
+        return await handle("completion_render", request, run)
+
+    @app.post("/v1/chat/completions/derender")
+    async def derender_chat(request: Request) -> Response:
+        def run(data: Any) -> Any:
+            d = state().derenderer
+            if isinstance(data, dict) and data.get("stream") is True:
+                req = _validate(DerenderChatStreamRequest, data)
+                _count(req.generate_chunk.choices)
+                return d.chat_stream(req)
+            req = _validate(DerenderChatRequest, data)
+            _count(req.generate_response.choices)
+            return d.chat(req)
+
+        return await handle("chat_derender", request, run)
+
+    @app.post("/v1/completions/derender")
+    async def derender_completion(request: Request) -> Response:
+        def run(data: Any) -> Any:
+            d = state().derenderer
+            if isinstance(data, dict) and data.get("stream") is True:
+                req = _validate(DerenderCompletionStreamRequest, data)
+                _count(req.generate_chunk.choices)
+                return d.completion_stream(req)
+            req = _validate(DerenderCompletionRequest, data)
+            for gen in req.generate_responses:
+                _count(gen.choices)
+            return d.completion(req)
+
+        return await handle("completion_derender", request, run)
+
+    def _count(choices: list[Any]) -> None:
+        state().metrics.output_tokens.inc(sum(len(c.token_ids or []) for c in choices))
+
+    @app.get("/health")
+    async def health() -> Response:
+        state()
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(state().metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        st = state()
+        return {
+            "object": "list",
+            "data": [
+                {
+                    "id": st.settings.model_name,
+                    "object": "model",
+                    "created": st.created,
+                    "owned_by": "vllm-pd-ext",
+                    "root": st.settings.model,
+                    "parent": None,
+                    "max_model_len": st.renderer.max_model_len,
+                    "permission": [],
+                }
+            ],
+        }
+
+    @app.exception_handler(404)
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return JSONResponse(
+            error_body(f"no route {request.url.path}", err_type="NotFoundError", code=404),
+            status_code=404,
+        )
+
+    @app.exception_handler(405)
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return JSONResponse(
+            error_body(
+                f"method {request.method} not allowed on {request.url.path}",
+                err_type="MethodNotAllowed",
+                code=405,
+            ),
+            status_code=405,
+        )
+
+    return app
+
+
+def app_from_env() -> FastAPI:
+    """uvicorn factory for worker processes: settings come from :data:`SETTINGS_ENV`."""
+    return create_app(RenderSettings.model_validate_json(os.environ[SETTINGS_ENV]))

@@ -1,0 +1,110 @@
+"""``vllm-pd render``: argument parsing and the uvicorn launch of the render server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from pydantic import ValidationError
+
+from vllm_pd_ext.render_server.settings import RenderSettings
+
+logger = logging.getLogger(__name__)
+
+_DEFAULTS = RenderSettings.model_fields
+
+
+def _json_dict(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``render`` subcommand to ``subparsers``; its handler is :func:`main`."""
+    p = subparsers.add_parser(
+        "render",
+        help="run the standalone render / derender server (CPU only, no vLLM needed)",
+        description="Serve vLLM-compatible /v1/chat/completions/render, /v1/completions/render "
+        "and the matching derender routes for the tokenizer in MODEL_OR_TOKENIZER_DIR.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("model", metavar="MODEL_OR_TOKENIZER_DIR")
+    p.add_argument("--host", default=_DEFAULTS["host"].default)
+    p.add_argument("--port", type=int, default=_DEFAULTS["port"].default)
+    p.add_argument("--workers", type=int, default=_DEFAULTS["workers"].default)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--chat-template", default=None, help="file path or template text")
+    p.add_argument(
+        "--chat-template-content-format", default="auto", choices=["auto", "string", "openai"]
+    )
+    p.add_argument("--default-chat-template-kwargs", type=_json_dict, default=None)
+    p.add_argument("--reasoning-parser", default=None)
+    p.add_argument("--tool-call-parser", default=None)
+    p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument("--max-logprobs", type=int, default=_DEFAULTS["max_logprobs"].default)
+    p.add_argument("--max-body-bytes", type=int, default=_DEFAULTS["max_body_bytes"].default)
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=main)
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> RenderSettings:
+    """The validated settings for parsed ``args`` (raises ``ValidationError``)."""
+    return RenderSettings(
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        port=args.port,
+        workers=args.workers,
+        max_model_len=args.max_model_len,
+        chat_template=args.chat_template,
+        chat_template_content_format=args.chat_template_content_format,
+        default_chat_template_kwargs=args.default_chat_template_kwargs or {},
+        reasoning_parser=args.reasoning_parser,
+        tool_call_parser=args.tool_call_parser,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        max_logprobs=args.max_logprobs,
+        max_body_bytes=args.max_body_bytes,
+        log_level=args.log_level,
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the server until interrupted; returns the process exit code."""
+    import uvicorn
+
+    try:
+        settings = settings_from_args(args)
+    except ValidationError as exc:
+        print(f"vllm-pd render: error: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
+    )
+    os.environ["VLLM_PD_RENDER_SETTINGS"] = settings.model_dump_json()
+    uvicorn.run(
+        "vllm_pd_ext.render_server.app:app_from_env",
+        factory=True,
+        host=settings.host,
+        port=settings.port,
+        workers=settings.workers,
+        log_level=settings.log_level,
+        access_log=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="vllm-pd")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    ns = parser.parse_args()
+    sys.exit(ns.func(ns))

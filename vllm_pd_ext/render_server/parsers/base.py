@@ -1,0 +1,68 @@
+"""The combined parser: reasoning first, then tool calls on what follows the reasoning."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_pd_ext.render_server.parsers.hermes import HermesToolParser
+from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
+
+
+class ChatParser:
+    """Reasoning parser and tool parser (either may be absent), batch and streaming."""
+
+    def __init__(
+        self, reasoning: ThinkReasoningParser | None, tools: HermesToolParser | None
+    ) -> None:
+        self.reasoning = reasoning
+        self.tools = tools
+
+    def parse(
+        self, text: str, token_ids: list[int], prompt_token_ids: list[int] | None
+    ) -> tuple[str | None, str | None, list[dict[str, str]]]:
+        """``(reasoning, content, tool_calls)`` of a complete output, as vLLM's ``parse``."""
+        reasoning: str | None = None
+        content: str | None = text
+        if self.reasoning is not None:
+            reasoning, content = self.reasoning.extract(text)
+        calls: list[dict[str, str]] = []
+        if self.tools is not None:
+            calls, content = self.tools.extract(content if content is not None else "", content)
+        return reasoning, content, calls
+
+    def initial_state(self, prompt_token_ids: list[int]) -> dict[str, Any]:
+        """The streaming state before the first output token."""
+        state: dict[str, Any] = {}
+        if self.reasoning is not None:
+            state["reasoning_ended"] = self.reasoning.prompt_ended_reasoning(prompt_token_ids)
+        if self.tools is not None:
+            state["tools"] = self.tools.initial_state()
+        return state
+
+    def parse_delta(
+        self, state: dict[str, Any], text: str, token_ids: list[int], *, finished: bool
+    ) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The delta message for one chunk and the next state; O(len(text)) work."""
+        state = dict(state)
+        reasoning = None
+        content: str | None = text
+        if self.reasoning is not None and not state.get("reasoning_ended", True):
+            reasoning, content, ended = self.reasoning.split_delta(text, token_ids)
+            state["reasoning_ended"] = ended
+        delta: dict[str, Any] = {}
+        if reasoning:
+            delta["reasoning"] = reasoning
+        if self.tools is not None and "tools" in state:
+            tool_state = state["tools"]
+            if content or finished:
+                out_content, calls, tool_state = self.tools.stream(
+                    tool_state, content or "", finished=finished
+                )
+                state["tools"] = tool_state
+                if out_content:
+                    delta["content"] = out_content
+                if calls:
+                    delta["tool_calls"] = calls
+        elif content:
+            delta["content"] = content
+        return delta, state

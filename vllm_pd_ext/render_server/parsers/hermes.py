@@ -1,0 +1,123 @@
+"""Hermes / Qwen2.5 tool calls: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+START = "<tool_call>"
+END = "</tool_call>"
+_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+
+def _overlap(text: str, tag: str) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of ``tag``."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:n]):
+            return n
+    return 0
+
+
+def _call(raw: str) -> dict[str, str] | None:
+    try:
+        obj = json.loads(raw)
+        return {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+class HermesToolParser:
+    """Batch extraction as vLLM's ``hermes`` parser; streaming emits each call when it closes.
+
+    Streaming state: ``{"buf": text held back, "in_call": bool, "index": next call index,
+    "called": bool}``. ``buf`` holds at most a partial tag or the call being read.
+    """
+
+    def extract(self, text: str, content: str | None) -> tuple[list[dict[str, str]], str | None]:
+        """``(tool_calls, content)`` of a complete output (content: text before the first call)."""
+        if START not in text:
+            return [], content
+        try:
+            calls = []
+            for closed, open_ended in _CALL_RE.findall(text):
+                obj = json.loads(closed if closed else open_ended)
+                calls.append(
+                    {
+                        "name": obj["name"],
+                        "arguments": json.dumps(obj["arguments"], ensure_ascii=False),
+                    }
+                )
+        except (ValueError, KeyError, TypeError):
+            return [], content
+        before = text[: text.find(START)]
+        if before.strip() == "":
+            before = ""
+        return calls, before or None
+
+    @staticmethod
+    def initial_state() -> dict[str, Any]:
+        return {"buf": "", "in_call": False, "index": 0, "called": False}
+
+    def stream(
+        self, state: dict[str, Any], text: str, *, finished: bool
+    ) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
+        """``(content, tool_call_deltas, next_state)`` for one chunk of post-reasoning text."""
+        buf = str(state.get("buf", "")) + text
+        in_call = bool(state.get("in_call"))
+        index = int(state.get("index", 0))
+        called = bool(state.get("called"))
+        content_parts: list[str] = []
+        calls: list[dict[str, Any]] = []
+        while True:
+            if in_call:
+                # only the new tail can complete END: search from where it could start
+                start_at = max(0, len(buf) - len(text) - len(END))
+                pos = buf.find(END, start_at)
+                if pos < 0:
+                    break
+                call = _call(buf[:pos])
+                if call is not None:
+                    calls.append(
+                        {
+                            "index": index,
+                            "function": {"name": call["name"], "arguments": call["arguments"]},
+                        }
+                    )
+                    index += 1
+                buf = buf[pos + len(END) :]
+                text = buf
+                in_call = False
+                called = True
+                continue
+            pos = buf.find(START)
+            if pos >= 0:
+                if not called:
+                    content_parts.append(buf[:pos])
+                buf = buf[pos + len(START) :]
+                text = buf
+                in_call = True
+                continue
+            keep = _overlap(buf, START)
+            if not called:
+                content_parts.append(buf[: len(buf) - keep])
+            buf = buf[len(buf) - keep :]
+            break
+        if finished:
+            if in_call:
+                call = _call(buf)
+                if call is not None:
+                    calls.append(
+                        {
+                            "index": index,
+                            "function": {"name": call["name"], "arguments": call["arguments"]},
+                        }
+                    )
+                    index += 1
+                    called = True
+            elif not called:
+                content_parts.append(buf)
+            buf = ""
+        content = "".join(content_parts)
+        new_state = {"buf": buf, "in_call": in_call, "index": index, "called": called}
+        return content, calls, new_state

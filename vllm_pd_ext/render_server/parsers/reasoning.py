@@ -1,0 +1,64 @@
+"""The ``<think>...</think>`` reasoning family (vLLM's ``deepseek_r1``; ``qwen3`` alias)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_pd_ext.render_server.errors import RenderError
+
+
+class ThinkReasoningParser:
+    """Splits reasoning from content at ``</think>``; a leading ``<think>`` is dropped.
+
+    Like vLLM's DeepSeek-R1 parser, output without any marker counts as reasoning until
+    ``</think>`` arrives (models whose template opens ``<think>`` in the prompt).
+    """
+
+    start = "<think>"
+    end = "</think>"
+
+    def __init__(self, tok: Any) -> None:
+        self.start_id = tok.token_id(self.start)
+        self.end_id = tok.token_id(self.end)
+        if self.start_id is None or self.end_id is None:
+            raise RenderError(
+                "ThinkReasoningParser reasoning parser could not locate think start/end "
+                "tokens in the tokenizer!",
+                status=500,
+                err_type="InternalServerError",
+            )
+
+    def extract(self, text: str) -> tuple[str | None, str | None]:
+        """``(reasoning, content)`` of a complete output."""
+        before, sep, after = text.partition(self.start)
+        text = after if sep else before
+        if self.end not in text:
+            return text, None
+        reasoning, _, content = text.partition(self.end)
+        return reasoning, content or None
+
+    def prompt_ended_reasoning(self, prompt_ids: list[int]) -> bool:
+        """True when the prompt's last think marker closes reasoning (scans from the end)."""
+        for tid in reversed(prompt_ids):
+            if tid == self.start_id:
+                return False
+            if tid == self.end_id:
+                return True
+        return False
+
+    def split_delta(self, text: str, ids: list[int]) -> tuple[str | None, str | None, bool]:
+        """``(reasoning, content, ended)`` for one chunk while reasoning is open."""
+        if len(ids) == 1 and ids[0] in (self.start_id, self.end_id):
+            return None, None, ids[0] == self.end_id
+        if self.start_id in ids:
+            idx = text.find(self.start)
+            if idx >= 0:
+                text = text[idx + len(self.start) :]
+        if self.end_id in ids:
+            idx = text.find(self.end)
+            if idx >= 0:
+                reasoning = text[:idx]
+                content = text[idx + len(self.end) :]
+                return reasoning or None, content or None, True
+            return text or None, None, True
+        return text or None, None, False

@@ -1,0 +1,302 @@
+"""OpenAI request fields -> vLLM ``SamplingParams``, as JSON, without importing vLLM.
+
+Mirrors vLLM 0.32's ``ChatCompletionRequest.to_sampling_params`` /
+``CompletionRequest.to_sampling_params``, ``SamplingParams.from_optional`` and
+``__post_init__``, and the wire form vLLM sends: a msgspec struct with ``omit_defaults``, which
+drops a field only when its value *is* the declared default object. In practice: float fields
+are always present, int/bool/None fields only when they differ from the default, list fields
+that ``__post_init__`` fills (``stop``, ``stop_token_ids``, ``bad_words``) always.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from vllm_pd_ext.render_server.errors import RenderError
+from vllm_pd_ext.render_server.protocol import ChatCompletionRequest, CompletionRequest
+
+_SAMPLING_EPS = 1e-5
+_MAX_TEMP = 1e-2
+
+#: Request -> server default -> OpenAI default, as vLLM resolves these.
+_DEFAULT_SAMPLING_PARAMS: dict[str, float | int] = {
+    "repetition_penalty": 1.0,
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+}
+
+#: Fields in ``SamplingParams`` declaration order with their defaults; floats always emitted.
+_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("n", 1),
+    ("presence_penalty", float),
+    ("frequency_penalty", float),
+    ("repetition_penalty", float),
+    ("temperature", float),
+    ("watermarking", None),
+    ("top_p", float),
+    ("top_k", 0),
+    ("min_p", float),
+    ("seed", None),
+    ("stop", list),
+    ("stop_token_ids", list),
+    ("ignore_eos", False),
+    ("max_tokens", 16),
+    ("min_tokens", 0),
+    ("logprobs", None),
+    ("prompt_logprobs", None),
+    ("logprob_token_ids", None),
+    ("skip_special_tokens", True),
+    ("spaces_between_special_tokens", True),
+    ("include_stop_str_in_output", False),
+    ("output_kind", 0),
+    ("stream_interval", None),
+    ("skip_clone", False),
+    ("output_text_buffer_length", 0),
+    ("logit_bias", None),
+    ("allowed_token_ids", None),
+    ("extra_args", None),
+    ("bad_words", list),
+    ("skip_reading_prefix_cache", object),  # always a bool after __post_init__
+    ("thinking_token_budget", None),
+    ("routed_experts_prompt_start", 0),
+)
+
+#: ``RequestOutputKind``: DELTA for streams, FINAL_ONLY otherwise.
+OUTPUT_KIND_DELTA = 1
+OUTPUT_KIND_FINAL_ONLY = 2
+
+
+def _bad(message: str, param: str | None = None) -> RenderError:
+    return RenderError(message, param=param)
+
+
+def get_max_tokens(
+    max_model_len: int,
+    max_tokens: int | None,
+    input_length: int,
+    default_sampling_params: dict[str, Any],
+    truncate_prompt_tokens: int | None = None,
+) -> int:
+    """The ``max_tokens`` vLLM sends: the request's value capped by what the context leaves."""
+    if truncate_prompt_tokens is not None:
+        limit = truncate_prompt_tokens
+        input_length = min(input_length, max_model_len if limit == -1 else limit)
+    if max_model_len < input_length:
+        raise _bad(
+            f"Input length ({input_length}) exceeds model's maximum "
+            f"context length ({max_model_len})."
+        )
+    fallback = max_tokens if max_tokens is not None else default_sampling_params.get("max_tokens")
+    return min(v for v in (max_model_len - input_length, fallback) if v is not None)
+
+
+def _verify(sp: dict[str, Any]) -> None:
+    """``SamplingParams._verify_args`` (the checks a client can trip), same wording."""
+    if not -2.0 <= sp["presence_penalty"] <= 2.0:
+        raise _bad(f"presence_penalty must be in [-2, 2], got {sp['presence_penalty']}.")
+    if not -2.0 <= sp["frequency_penalty"] <= 2.0:
+        raise _bad(f"frequency_penalty must be in [-2, 2], got {sp['frequency_penalty']}.")
+    rep = sp["repetition_penalty"]
+    if not math.isfinite(rep) or rep <= 0.0:
+        raise _bad(f"repetition_penalty must be a finite number greater than zero, got {rep}.")
+    temp = sp["temperature"]
+    if not math.isfinite(temp):
+        raise _bad(f"temperature must be a finite number, got {temp}.", "temperature")
+    if temp < 0.0:
+        raise _bad(f"temperature must be non-negative, got {temp}.", "temperature")
+    if temp > 2.0:
+        raise _bad(f"temperature must be in [0, 2], got {temp}.", "temperature")
+    if not 0.0 < sp["top_p"] <= 1.0:
+        raise _bad(f"top_p must be in (0, 1], got {sp['top_p']}.", "top_p")
+    if sp["top_k"] < -1:
+        raise _bad(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.", "top_k")
+    if not 0.0 <= sp["min_p"] <= 1.0:
+        raise _bad(f"min_p must be in [0, 1], got {sp['min_p']}.", "min_p")
+    max_tokens = sp["max_tokens"]
+    if max_tokens is not None and max_tokens < 1:
+        raise _bad(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    if sp["min_tokens"] < 0:
+        raise _bad(
+            f"min_tokens must be greater than or equal to 0, got {sp['min_tokens']}.",
+            "min_tokens",
+        )
+    if max_tokens is not None and sp["min_tokens"] > max_tokens:
+        raise _bad(
+            f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
+            f"got {sp['min_tokens']}.",
+            "min_tokens",
+        )
+    if sp["stream_interval"] is not None and sp["stream_interval"] < 1:
+        raise _bad(f"stream_interval must be at least 1, got {sp['stream_interval']}.")
+    logprobs = sp["logprobs"]
+    if logprobs is not None and logprobs != -1 and logprobs < 0:
+        raise _bad(f"logprobs must be non-negative or -1, got {logprobs}.", "logprobs")
+    plp = sp["prompt_logprobs"]
+    if plp is not None and plp != -1 and plp < 0:
+        raise _bad(f"prompt_logprobs must be non-negative or -1, got {plp}.", "prompt_logprobs")
+    if sp["n"] < 1:
+        raise _bad(f"n must be at least 1, got {sp['n']}.", "n")
+    if sp["temperature"] < _SAMPLING_EPS and sp["n"] > 1:
+        raise _bad(f"n must be 1 when using greedy sampling, got {sp['n']}.", "n")
+
+
+def to_sampling_params(
+    request: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    default_sampling_params: dict[str, Any],
+    *,
+    max_logprobs: int = 20,
+) -> dict[str, Any]:
+    """The ``sampling_params`` object of the GenerateRequest vLLM builds for ``request``.
+
+    Raises :class:`RenderError` with vLLM's wording for values vLLM rejects.
+    """
+    if request.response_format is not None or request.structured_outputs is not None:
+        raise _bad(
+            "structured outputs (response_format / structured_outputs) are not supported by "
+            "this render server yet",
+            "response_format",
+        )
+    sp: dict[str, Any] = {}
+    for name, default in _DEFAULT_SAMPLING_PARAMS.items():
+        value = getattr(request, name)
+        sp[name] = value if value is not None else default_sampling_params.get(name, default)
+    for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature"):
+        sp[name] = float(sp[name])
+    sp["top_p"] = float(sp["top_p"])
+    sp["min_p"] = float(sp["min_p"])
+
+    stop_token_ids = request.stop_token_ids
+    default_stop_ids = default_sampling_params.get("stop_token_ids")
+    if default_stop_ids:
+        stop_token_ids = list(dict.fromkeys([*(stop_token_ids or []), *default_stop_ids]))
+
+    is_chat = isinstance(request, ChatCompletionRequest)
+    if is_chat:
+        top_logprobs = request.top_logprobs
+        if request.logprobs and top_logprobs is None:
+            top_logprobs = 0
+        logprobs = top_logprobs if request.logprobs and not request.logprob_token_ids else None
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.top_logprobs
+        out_max_tokens = max_tokens
+    else:
+        logprobs = None if request.logprob_token_ids else request.logprobs
+        prompt_logprobs = request.prompt_logprobs
+        if prompt_logprobs is None and request.echo:
+            prompt_logprobs = request.logprobs
+        out_max_tokens = 1 if (request.echo and request.max_tokens == 0) else max_tokens
+    _check_logprobs(request, logprobs, prompt_logprobs, max_logprobs)
+
+    extra_args: dict[str, Any] = dict(request.vllm_xargs) if request.vllm_xargs else {}
+    if request.kv_transfer_params:
+        extra_args["kv_transfer_params"] = request.kv_transfer_params
+    if request.ec_transfer_params:
+        extra_args["ec_transfer_params"] = request.ec_transfer_params
+
+    logit_bias = None
+    if request.logit_bias is not None:
+        invalid = []
+        logit_bias = {}
+        for token, bias in request.logit_bias.items():
+            try:
+                logit_bias[int(token)] = min(100.0, max(-100.0, bias))
+            except (TypeError, ValueError):
+                invalid.append(token)
+        if invalid:
+            raise _bad(
+                "logit_bias contains key(s) that cannot be converted to integer token "
+                f"IDs: {invalid!r}",
+                "logit_bias",
+            )
+
+    stop = request.stop
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else list(stop)
+    seed = None if request.seed == -1 else request.seed
+    temperature = sp["temperature"]
+    if 0 < temperature < _MAX_TEMP:
+        temperature = _MAX_TEMP
+    sp.update(
+        n=1 if request.n is None else request.n,
+        temperature=temperature,
+        watermarking=request.watermarking,
+        seed=seed,
+        stop=stop,
+        stop_token_ids=list(dict.fromkeys(stop_token_ids or [])),
+        ignore_eos=request.ignore_eos,
+        max_tokens=out_max_tokens,
+        min_tokens=request.min_tokens,
+        logprobs=1 if logprobs is True else logprobs,
+        prompt_logprobs=1 if prompt_logprobs is True else prompt_logprobs,
+        logprob_token_ids=request.logprob_token_ids or None,
+        skip_special_tokens=request.skip_special_tokens,
+        spaces_between_special_tokens=request.spaces_between_special_tokens,
+        include_stop_str_in_output=request.include_stop_str_in_output,
+        output_kind=OUTPUT_KIND_DELTA if request.stream else OUTPUT_KIND_FINAL_ONLY,
+        stream_interval=request.stream_interval,
+        skip_clone=True,
+        output_text_buffer_length=(
+            max(len(s) for s in stop) - 1 if stop and not request.include_stop_str_in_output else 0
+        ),
+        logit_bias=logit_bias,
+        allowed_token_ids=request.allowed_token_ids,
+        extra_args=extra_args or None,
+        bad_words=list(dict.fromkeys(request.bad_words or [])),
+        skip_reading_prefix_cache=prompt_logprobs is not None,
+        thinking_token_budget=request.thinking_token_budget,
+        routed_experts_prompt_start=request.routed_experts_prompt_start,
+    )
+    _verify(sp)
+    out = _wire(sp)
+    if sp["temperature"] < _SAMPLING_EPS:
+        # greedy: __post_init__ resets these to the declared defaults, which msgspec omits
+        for name in ("top_p", "top_k", "min_p"):
+            out.pop(name, None)
+    return out
+
+
+def _check_logprobs(
+    request: ChatCompletionRequest | CompletionRequest,
+    logprobs: int | None,
+    prompt_logprobs: int | None,
+    max_logprobs: int,
+) -> None:
+    if prompt_logprobs is not None and request.stream:
+        raise _bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+    if isinstance(request, ChatCompletionRequest):
+        top = request.top_logprobs
+        if top is not None and top < 0 and top != -1:
+            raise _bad("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+        if top and not request.logprobs:
+            raise _bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+    elif logprobs is not None and logprobs < 0 and logprobs != -1:
+        raise _bad("`logprobs` must be a positive value or -1.", "logprobs")
+    for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
+        if value is not None and max_logprobs >= 0 and value > max_logprobs:
+            raise _bad(
+                f"Requested {name.replace('_', ' ')} of {value}, which is greater than "
+                f"max allowed: {max_logprobs}",
+                name,
+            )
+
+
+def _wire(sp: dict[str, Any]) -> dict[str, Any]:
+    """Drop the fields msgspec would omit (see the module docstring); JSON-safe keys."""
+    out: dict[str, Any] = {}
+    for name, default in _FIELDS:
+        value = sp.get(name, default if default not in (float, list, object) else None)
+        if (
+            default in (float, list, object)
+            or (value is not default and value != default)
+            or type(value) is not type(default)
+        ):
+            out[name] = value
+    if out.get("logit_bias") is not None:
+        out["logit_bias"] = {str(k): v for k, v in out["logit_bias"].items()}
+    return out

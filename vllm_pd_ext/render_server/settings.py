@@ -1,0 +1,113 @@
+"""Settings of one render server process: a pydantic model built once in ``main()``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+#: Keys of ``config.json`` that give a model's context length, in the order vLLM tries them.
+_CONTEXT_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+#: Reasoning parsers built in (no vLLM needed).
+REASONING_PARSERS = ("deepseek_r1", "qwen3")
+#: Tool-call parsers built in (no vLLM needed).
+TOOL_CALL_PARSERS = ("hermes",)
+
+
+class RenderSettings(BaseModel):
+    """Everything a render server needs; validated once, fails fast on a bad value."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: str = Field(description="model or tokenizer directory (holds tokenizer files)")
+    served_model_name: str | None = Field(
+        default=None, description="name in /v1/models and responses; default: the path given"
+    )
+    host: str = "127.0.0.1"
+    port: int = Field(default=8300, ge=0, le=65535)
+    workers: int = Field(default=1, ge=1, description="uvicorn worker processes")
+    max_model_len: int | None = Field(
+        default=None, ge=1, description="context length; default: the model's config.json"
+    )
+    chat_template: str | None = Field(
+        default=None, description="a template file path or the template text itself"
+    )
+    chat_template_content_format: Literal["auto", "string", "openai"] = "auto"
+    default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    enable_auto_tool_choice: bool = False
+    max_logprobs: int = Field(default=20, ge=-1)
+    max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_n: int = Field(default=16384, ge=1)
+    log_level: str = "info"
+
+    @field_validator("model")
+    @classmethod
+    def _model_dir_exists(cls, value: str) -> str:
+        if not Path(value).is_dir():
+            raise ValueError(f"model directory {value!r} does not exist")
+        return value
+
+    @field_validator("reasoning_parser")
+    @classmethod
+    def _known_reasoning_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in REASONING_PARSERS:
+            raise ValueError(
+                f"unknown reasoning parser {value!r}; built in: {', '.join(REASONING_PARSERS)}"
+            )
+        return value
+
+    @field_validator("tool_call_parser")
+    @classmethod
+    def _known_tool_parser(cls, value: str | None) -> str | None:
+        if value is not None and value not in TOOL_CALL_PARSERS:
+            raise ValueError(
+                f"unknown tool-call parser {value!r}; built in: {', '.join(TOOL_CALL_PARSERS)}"
+            )
+        return value
+
+    @property
+    def model_name(self) -> str:
+        """The name clients use for this model (vLLM's default: the path as given)."""
+        return self.served_model_name or self.model
+
+    def resolved_max_model_len(self, tokenizer_max_len: int | None = None) -> int:
+        """``max_model_len`` if set, else the model's context length from ``config.json``."""
+        if self.max_model_len is not None:
+            return self.max_model_len
+        config_path = Path(self.model) / "config.json"
+        if config_path.is_file():
+            config = json.loads(config_path.read_text())
+            text_config = config.get("text_config") or {}
+            for source in (config, text_config):
+                for key in _CONTEXT_KEYS:
+                    value = source.get(key)
+                    if isinstance(value, int) and value > 0:
+                        return value
+        if tokenizer_max_len and tokenizer_max_len < 10**9:
+            return tokenizer_max_len
+        return 2048
+
+    def resolved_chat_template(self) -> str | None:
+        """The ``--chat-template`` text: read from a file when it names one."""
+        if self.chat_template is None:
+            return None
+        path = Path(self.chat_template)
+        try:
+            if path.is_file():
+                return path.read_text()
+        except OSError:
+            pass
+        return self.chat_template
