@@ -135,6 +135,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--log-dir", type=Path, default=Path("logs/demo"))
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
     demo.set_defaults(func=_cmd_demo)
+
+    from vllm_pd_ext.proxy.cli import add_parser as add_proxy_parser
+
+    add_proxy_parser(sub)
     return parser
 
 

@@ -1,0 +1,256 @@
+"""An in-process stand-in for a `vllm serve` instance with a NIXL-style P/D connector.
+
+Served by a real uvicorn server on 127.0.0.1 in a thread, so the proxy talks to it over real
+sockets and real disconnects. It answers completions with deterministic "tokens", keeps prefill
+KV "blocks" until a decode instance pulls them (``POST /_fake/pull``), and can be told to fail,
+stall or die mid-stream. It records every request and every client disconnect it sees.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+import httpx
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm_pd_ext.tools.vllm_process import free_port
+
+
+@dataclass
+class Behavior:
+    status: int = 200  # answer completions with this status (200 = normal)
+    health_status: int = 200
+    delay_s: float = 0.0  # before answering a completion
+    token_delay_s: float = 0.0  # between streamed tokens
+    die_after_tokens: int | None = None  # streaming: break the connection after N tokens
+    omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params
+
+
+@dataclass
+class FakeEngine:
+    name: str
+    behavior: Behavior = field(default_factory=Behavior)
+    requests: list[dict] = field(default_factory=list)
+    disconnects: int = 0
+    held_blocks: dict[str, int] = field(default_factory=dict)  # prefill side: req -> blocks
+    pulls: int = 0
+    running: int = 0
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/health")
+        async def health() -> Response:
+            return Response(status_code=self.behavior.health_status)
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            text = (
+                "# TYPE vllm:num_requests_running gauge\n"
+                f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
+                "# TYPE vllm:num_requests_waiting gauge\n"
+                'vllm:num_requests_waiting{engine="0"} 0\n'
+                "# TYPE vllm:kv_cache_usage_perc gauge\n"
+                f'vllm:kv_cache_usage_perc{{engine="0"}} {len(self.held_blocks) / 100}\n'
+            )
+            return Response(text, media_type="text/plain")
+
+        @app.get("/v1/models")
+        async def models() -> JSONResponse:
+            return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+
+        @app.post("/_fake/pull")
+        async def pull(request: Request) -> JSONResponse:
+            body = await request.json()
+            released = self.held_blocks.pop(body["remote_request_id"], None)
+            self.pulls += 1
+            return JSONResponse({"released": released is not None})
+
+        async def complete(request: Request, chat: bool) -> Response:
+            body = await request.json()
+            self.requests.append({"body": body, "headers": dict(request.headers)})
+            b = self.behavior
+            if b.delay_s:
+                try:
+                    await _sleep_unless_disconnected(request, b.delay_s)
+                except _Disconnected:
+                    self.disconnects += 1
+                    return Response(status_code=499)
+            if b.status != 200:
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": f"{self.name} failed",
+                            "type": "X",
+                            "param": None,
+                            "code": b.status,
+                        }
+                    },
+                    status_code=b.status,
+                )
+            if body.get("model") == "bad":
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "model 'bad' does not exist",
+                            "type": "NotFoundError",
+                            "param": "model",
+                            "code": 404,
+                        }
+                    },
+                    status_code=404,
+                )
+            params = body.get("kv_transfer_params") or {}
+            rid = request.headers.get("x-request-id", "r")
+            if params.get("do_remote_prefill") and params.get("remote_host"):
+                async with httpx.AsyncClient() as client:
+                    await client.post(
+                        f"http://{params['remote_host']}:{params['remote_port']}/_fake/pull",
+                        json={"remote_request_id": params["remote_request_id"]},
+                    )
+            prompt = _prompt_text(body, chat)
+            n_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 8
+            tokens = [f"t{(len(prompt) + i) % 97}" for i in range(n_tokens)]
+            out_params = None
+            if params.get("do_remote_decode"):
+                self.held_blocks[rid] = 4
+                out_params = (
+                    None
+                    if b.omit_kv_params
+                    else {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_block_ids": [[1, 2, 3, 4]],
+                        "remote_engine_id": self.name,
+                        "remote_request_id": rid,
+                        "remote_host": "127.0.0.1",
+                        "remote_port": self.port,
+                        "remote_prefill_cached_tokens": 3,
+                    }
+                )
+            usage = {
+                "prompt_tokens": len(prompt.split()),
+                "completion_tokens": len(tokens),
+                "total_tokens": len(prompt.split()) + len(tokens),
+                "prompt_tokens_details": {"cached_tokens": len(prompt.split())},
+            }
+            if body.get("stream"):
+                return StreamingResponse(
+                    self._stream(request, tokens, chat, body, usage), media_type="text/event-stream"
+                )
+            choice = (
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": " ".join(tokens)},
+                    "finish_reason": "length",
+                }
+                if chat
+                else {"index": 0, "text": " ".join(tokens), "finish_reason": "length"}
+            )
+            return JSONResponse(
+                {
+                    "id": rid,
+                    "object": "x",
+                    "model": body.get("model"),
+                    "choices": [choice],
+                    "usage": usage,
+                    "kv_transfer_params": out_params,
+                }
+            )
+
+        @app.post("/v1/completions")
+        async def completions(request: Request) -> Response:
+            return await complete(request, chat=False)
+
+        @app.post("/v1/chat/completions")
+        async def chat_completions(request: Request) -> Response:
+            return await complete(request, chat=True)
+
+        return app
+
+    async def _stream(
+        self, request: Request, tokens: list[str], chat: bool, body: dict, usage: dict
+    ):
+        self.running += 1
+        try:
+            for i, tok in enumerate(tokens):
+                if (
+                    self.behavior.die_after_tokens is not None
+                    and i >= self.behavior.die_after_tokens
+                ):
+                    raise RuntimeError("fake engine died mid-stream")
+                delta = {"delta": {"content": tok + " "}} if chat else {"text": tok + " "}
+                yield f"data: {json.dumps({'choices': [{'index': 0, **delta}]})}\n\n"
+                if self.behavior.token_delay_s:
+                    await asyncio.sleep(self.behavior.token_delay_s)
+            if (body.get("stream_options") or {}).get("include_usage"):
+                final = {"choices": [], "usage": usage, "kv_transfer_params": None}
+                yield f"data: {json.dumps(final)}\n\n"
+            yield "data: [DONE]\n\n"
+        except asyncio.CancelledError:
+            self.disconnects += 1
+            raise
+        finally:
+            self.running -= 1
+
+
+class _Disconnected(Exception):
+    pass
+
+
+async def _sleep_unless_disconnected(request: Request, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if await request.is_disconnected():
+            raise _Disconnected
+        await asyncio.sleep(0.02)
+
+
+def _prompt_text(body: dict, chat: bool) -> str:
+    if chat:
+        return " ".join(str(m.get("content", "")) for m in body.get("messages", []))
+    prompt = body.get("prompt", "")
+    return prompt if isinstance(prompt, str) else " ".join(map(str, prompt))
+
+
+class ServerThread:
+    """Runs an ASGI app with uvicorn on 127.0.0.1 in a daemon thread."""
+
+    def __init__(self, app, port: int | None = None):
+        self.port = port or free_port()
+        config = uvicorn.Config(
+            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+        )
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + 20
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("server thread did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=20)
+
+
+def start_engine(name: str) -> tuple[FakeEngine, ServerThread]:
+    engine = FakeEngine(name)
+    engine.port = free_port()
+    thread = ServerThread(engine.app(), engine.port).__enter__()
+    return engine, thread

@@ -1,0 +1,418 @@
+"""The proxy end to end against fake engines on loopback: legs, failures, disconnects, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from tests.unit.proxy.fake_engine import Behavior, FakeEngine, ServerThread, start_engine
+from vllm_pd_ext.proxy.app import create_app
+from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.tools.prom import parse_metrics
+
+LONG = "word " * 400  # ~500 estimated tokens: above the default split threshold
+SHORT = "hi there"
+
+
+@pytest.fixture(scope="module")
+def engines() -> Iterator[dict[str, FakeEngine]]:
+    started = {name: start_engine(name) for name in ("p1", "p2", "d1", "d2")}
+    yield {name: engine for name, (engine, _) in started.items()}
+    for _, thread in started.values():
+        thread.__exit__(None, None, None)
+
+
+@pytest.fixture(autouse=True)
+def reset(engines):
+    for e in engines.values():
+        e.behavior = Behavior()
+        e.requests.clear()
+        e.held_blocks.clear()
+        e.disconnects = 0
+        e.pulls = 0
+
+
+def fleet(engines, prefill=("p1", "p2"), decode=("d1", "d2")) -> list[dict]:
+    return [{"url": engines[n].url, "role": "prefill"} for n in prefill] + [
+        {"url": engines[n].url, "role": "decode"} for n in decode
+    ]
+
+
+@contextmanager
+def proxy(engines, **overrides) -> Iterator[tuple[str, object]]:
+    data = {
+        "instances": fleet(engines),
+        "health_interval_s": 0.2,
+        "decision": {"cost_model": False},
+        "prefill_policy": "round-robin",
+        "decode_policy": "round-robin",
+        **overrides,
+    }
+    app = create_app(ProxyConfig.model_validate(data))
+    with ServerThread(app) as server:
+        yield f"http://127.0.0.1:{server.port}", app.state.service
+
+
+def wait_until(predicate, timeout=10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not reached in time")
+        time.sleep(0.02)
+
+
+def metric(base: str, name: str, **labels) -> float:
+    return parse_metrics(httpx.get(f"{base}/metrics").text).total(name, **labels)
+
+
+def sent(engine: FakeEngine) -> list[dict]:
+    return [r["body"] for r in engine.requests]
+
+
+def test_split_non_streaming_legs_and_response(engines):
+    with proxy(engines) as (base, _):
+        body = {
+            "model": "m",
+            "prompt": LONG,
+            "max_tokens": 5,
+            "min_tokens": 2,
+            "stream_options": {"include_usage": True},
+            "temperature": 0,
+        }
+        resp = httpx.post(
+            f"{base}/v1/completions", json=body, headers={"X-Request-Id": "req-42"}, timeout=10
+        )
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert "kv_transfer_params" not in data
+    assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 3  # from the prefill side
+    (p_req,) = engines["p1"].requests
+    (d_req,) = engines["d1"].requests
+    p_body, d_body = p_req["body"], d_req["body"]
+    assert p_body["max_tokens"] == 1 and p_body["stream"] is False
+    assert "min_tokens" not in p_body and "stream_options" not in p_body
+    assert p_body["kv_transfer_params"]["do_remote_decode"] is True
+    assert d_body["max_tokens"] == 5 and d_body["min_tokens"] == 2
+    assert d_body["stream_options"] == {"include_usage": True}
+    assert d_body["kv_transfer_params"]["remote_engine_id"] == "p1"
+    assert p_req["headers"]["x-request-id"] == d_req["headers"]["x-request-id"] == "req-42"
+    assert engines["p1"].held_blocks == {}  # the decode side pulled them
+
+
+def test_split_streaming_chat_relays_events_and_counts(engines):
+    with proxy(engines) as (base, _):
+        body = {
+            "model": "m",
+            "messages": [{"role": "user", "content": LONG}],
+            "max_tokens": 6,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        chunks = [json.loads(e[6:]) for e in events[:-1]]
+        text = "".join(c["choices"][0]["delta"]["content"] for c in chunks if c["choices"])
+        assert len(text.split()) == 6
+        usage = chunks[-1]["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] == 3
+        assert "kv_transfer_params" not in chunks[-1]
+        assert metric(base, "vllm_pd_ttft_seconds_count", decision="split") == 1
+        assert metric(base, "vllm_pd_transfer_gap_seconds_count") == 1
+        assert metric(base, "vllm_pd_requests_total", decision="split", outcome="ok") == 1
+        assert metric(base, "vllm_pd_in_flight") == 0
+
+
+def test_short_prompt_is_served_colocated(engines):
+    with proxy(engines) as (base, _):
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            json={"model": "m", "prompt": SHORT, "max_tokens": 3},
+            timeout=10,
+        )
+        assert resp.status_code == 200
+        assert not engines["p1"].requests and not engines["p2"].requests
+        (d_body,) = sent(engines["d1"])
+        assert "kv_transfer_params" not in d_body
+        assert (
+            metric(base, "vllm_pd_decisions_total", decision="colocated", reason="short_prompt")
+            == 1
+        )
+
+
+def test_client_kv_transfer_params_dropped_or_rejected(engines):
+    evil = {"do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_port": 1}
+    with proxy(engines) as (base, _):
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            timeout=10,
+            json={"model": "m", "prompt": SHORT, "max_tokens": 2, "kv_transfer_params": evil},
+        )
+        assert resp.status_code == 200
+        assert "kv_transfer_params" not in sent(engines["d1"])[0]
+    with proxy(engines, client_kv_transfer_params="reject") as (base, _):
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            timeout=10,
+            json={"model": "m", "prompt": SHORT, "kv_transfer_params": evil},
+        )
+        assert resp.status_code == 400
+        assert resp.json()["error"]["param"] == "kv_transfer_params"
+
+
+@pytest.mark.parametrize(
+    ("content", "status", "fragment"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b"[1, 2]", 400, "JSON object"),
+        (json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(), 400, "'max_tokens'"),
+        (json.dumps({"prompt": "x", "stream": "yes"}).encode(), 400, "'stream'"),
+        (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), 400, "non-negative"),
+        (json.dumps({"prompt": None}).encode(), 400, "'prompt'"),
+        (json.dumps({"prompt": "x" * 5000}).encode(), 413, "exceeds"),
+    ],
+)
+def test_bad_bodies_get_openai_errors(engines, content, status, fragment):
+    with proxy(engines, max_body_bytes=4096) as (base, _):
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            content=content,
+            headers={"content-type": "application/json"},
+            timeout=10,
+        )
+    assert resp.status_code == status
+    err = resp.json()["error"]
+    assert fragment in err["message"] and err["type"]
+    assert not any(e.requests for e in engines.values())
+
+
+def test_chat_without_messages_and_engine_4xx_pass_through(engines):
+    with proxy(engines) as (base, _):
+        resp = httpx.post(f"{base}/v1/chat/completions", json={"model": "m"}, timeout=10)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+        resp = httpx.post(
+            f"{base}/v1/completions", timeout=10, json={"model": "bad", "prompt": LONG}
+        )
+        assert resp.status_code == 404
+        assert "does not exist" in resp.json()["error"]["message"]
+
+
+def test_prefill_error_retries_then_falls_back_colocated(engines):
+    engines["p1"].behavior.status = 500
+    with proxy(engines) as (base, _):
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            timeout=10,
+            json={"model": "m", "prompt": LONG, "max_tokens": 2},
+        )
+        assert resp.status_code == 200
+        assert len(engines["p1"].requests) == 1 and len(engines["p2"].requests) == 1
+        assert sent(engines["d1"])[0]["kv_transfer_params"]["remote_engine_id"] == "p2"
+        assert metric(base, "vllm_pd_retries_total", leg="prefill") == 1
+
+        engines["p2"].behavior.status = 503
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            timeout=10,
+            json={"model": "m", "prompt": LONG, "max_tokens": 2},
+        )
+        assert resp.status_code == 200
+        last_decode = (engines["d1"].requests + engines["d2"].requests)[-1]["body"]
+        assert "kv_transfer_params" not in last_decode
+        assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_failed") == 1
+
+
+def test_prefill_failure_can_fail_the_request(engines):
+    engines["p1"].behavior.omit_kv_params = True
+    engines["p2"].behavior.status = 500
+    with proxy(engines, on_prefill_failure="retry-then-fail") as (base, _):
+        resp = httpx.post(f"{base}/v1/completions", timeout=10, json={"model": "m", "prompt": LONG})
+    assert resp.status_code == 502
+    assert "no kv_transfer_params" in resp.json()["error"]["message"]
+    assert not engines["d1"].requests and not engines["d2"].requests
+
+
+def test_unreachable_prefill_is_marked_down_and_skipped(engines):
+    dead = "http://127.0.0.1:9"  # discard port: nothing listens
+    instances = [{"url": dead, "role": "prefill"}, *fleet(engines, prefill=("p1",))]
+    with proxy(engines, instances=instances, prefill_policy="least-loaded") as (base, svc):
+        assert {i.url: i.healthy for i in svc.fleet.instances()}[dead] is False
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            timeout=10,
+            json={"model": "m", "prompt": LONG, "max_tokens": 2},
+        )
+        assert resp.status_code == 200
+        assert len(engines["p1"].requests) == 1
+        assert metric(base, "vllm_pd_upstream_healthy", instance=dead) == 0
+
+
+def test_decode_error_before_first_byte_retries_other_decode(engines):
+    engines["d1"].behavior.status = 500
+    with proxy(engines) as (base, _):
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            timeout=10,
+            json={"model": "m", "prompt": SHORT, "max_tokens": 2, "stream": True},
+        )
+        assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
+        assert len(engines["d2"].requests) == 1
+        assert metric(base, "vllm_pd_retries_total", leg="decode") == 1
+
+
+def test_decode_dying_mid_stream_ends_with_one_error_event(engines):
+    for d in ("d1", "d2"):
+        engines[d].behavior.die_after_tokens = 2
+    with proxy(engines) as (base, _):
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            timeout=10,
+            json={"model": "m", "prompt": SHORT, "max_tokens": 8, "stream": True},
+        ) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert len(events) == 3
+        assert json.loads(events[-1][6:])["error"]["code"] == 502
+        assert metric(base, "vllm_pd_requests_total", outcome="decode_failed_mid_stream") == 1
+        assert metric(base, "vllm_pd_in_flight") == 0
+
+
+def _disconnect_after(base: str, body: dict, seconds: float, path="/v1/completions") -> None:
+    async def go():
+        async with httpx.AsyncClient(timeout=10) as client:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.post(f"{base}{path}", json=body), seconds)
+
+    asyncio.run(go())
+
+
+def test_disconnect_while_waiting_for_prefill_cancels_it(engines):
+    for p in ("p1", "p2"):
+        engines[p].behavior.delay_s = 5
+    with proxy(engines) as (base, svc):
+        _disconnect_after(base, {"model": "m", "prompt": LONG}, 0.5)
+        wait_until(lambda: engines["p1"].disconnects + engines["p2"].disconnects == 1)
+        wait_until(lambda: svc.admission.in_flight == 0)
+        assert metric(base, "vllm_pd_aborts_total", phase="prefill") == 1
+        assert not engines["d1"].requests and not engines["d2"].requests
+        assert engines["p1"].held_blocks == {} and engines["p2"].held_blocks == {}
+
+
+def test_disconnect_between_legs_drains_prefill_kv(engines, monkeypatch):
+    from vllm_pd_ext.proxy import service as service_mod
+
+    real = service_mod.DisconnectWatch.race
+
+    async def slow_after_prefill(self, work, phase):
+        result = await real(self, work, phase)
+        if phase == "prefill":
+            await asyncio.sleep(1.0)  # the client leaves while the proxy holds P's answer
+        return result
+
+    monkeypatch.setattr(service_mod.DisconnectWatch, "race", slow_after_prefill)
+    with proxy(engines) as (base, svc):
+        _disconnect_after(base, {"model": "m", "prompt": LONG, "max_tokens": 50}, 0.5)
+        wait_until(lambda: metric(base, "vllm_pd_drains_total", outcome="ok") == 1)
+        assert engines["p1"].held_blocks == {} and engines["p1"].pulls == 1
+        drain = (engines["d1"].requests + engines["d2"].requests)[-1]
+        assert drain["body"]["max_tokens"] == 1
+        assert drain["headers"]["x-request-id"].endswith("-drain")
+        assert metric(base, "vllm_pd_aborts_total", phase="between_legs") == 1
+        wait_until(lambda: not svc._tasks and svc.admission.in_flight == 0)
+
+
+def test_disconnect_while_streaming_aborts_decode(engines):
+    for d in ("d1", "d2"):
+        engines[d].behavior.token_delay_s = 0.2
+    with proxy(engines) as (base, svc):
+
+        async def go():
+            async with httpx.AsyncClient(timeout=10) as client:
+                body = {"model": "m", "prompt": SHORT, "max_tokens": 50, "stream": True}
+                async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+                    async for _ in r.aiter_lines():
+                        break
+
+        asyncio.run(go())
+        wait_until(lambda: engines["d1"].disconnects + engines["d2"].disconnects == 1)
+        wait_until(lambda: svc.admission.in_flight == 0)
+        assert metric(base, "vllm_pd_aborts_total", phase="decode_stream") == 1
+        assert engines["d1"].running == 0 and engines["d2"].running == 0
+
+
+def test_admission_limit_answers_429_with_retry_after(engines):
+    for d in ("d1", "d2"):
+        engines[d].behavior.delay_s = 1.0
+    with proxy(engines, max_in_flight=1, max_queued=0) as (base, _):
+
+        async def go():
+            async with httpx.AsyncClient(timeout=10) as client:
+                body = {"model": "m", "prompt": SHORT, "max_tokens": 1}
+                first = asyncio.create_task(client.post(f"{base}/v1/completions", json=body))
+                await asyncio.sleep(0.3)
+                second = await client.post(f"{base}/v1/completions", json=body)
+                return await first, second
+
+        first, second = asyncio.run(go())
+        assert first.status_code == 200
+        assert second.status_code == 429
+        assert second.headers["retry-after"] == "1"
+        assert second.json()["error"]["type"] == "RateLimitError"
+        assert metric(base, "vllm_pd_rejected_total", reason="queue_full") == 1
+
+
+def test_api_key_and_admin_token(engines):
+    with proxy(engines, api_key="sekret", admin_token="adm") as (base, _):
+        body = {"model": "m", "prompt": SHORT, "max_tokens": 1}
+        assert httpx.post(f"{base}/v1/completions", json=body).status_code == 401
+        bad = httpx.post(
+            f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
+        )
+        assert bad.status_code == 401 and bad.json()["error"]["code"] == "invalid_api_key"
+        ok = httpx.post(
+            f"{base}/v1/completions",
+            json=body,
+            headers={"Authorization": "Bearer sekret"},
+            timeout=10,
+        )
+        assert ok.status_code == 200
+        assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
+        assert (
+            httpx.get(f"{base}/admin/fleet", headers={"Authorization": "Bearer sekret"}).status_code
+            == 401
+        )
+        fleet_state = httpx.get(f"{base}/admin/fleet", headers={"Authorization": "Bearer adm"})
+        assert fleet_state.status_code == 200 and len(fleet_state.json()) == 4
+    with proxy(engines) as (base, _):
+        assert httpx.get(f"{base}/admin/fleet").status_code == 404
+
+
+def test_health_models_and_recovery(engines):
+    with proxy(engines, instances=fleet(engines, decode=("d1",))) as (base, _):
+        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "fake"
+        engines["d1"].behavior.health_status = 503
+        wait_until(lambda: httpx.get(f"{base}/health").status_code == 503)
+        resp = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": SHORT})
+        assert resp.status_code == 503 and "retry-after" in resp.headers
+        engines["d1"].behavior.health_status = 200
+        wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, timeout=15)
+
+
+def test_watched_instances_file(engines, tmp_path):
+    path = tmp_path / "fleet.json"
+    path.write_text(json.dumps({"instances": fleet(engines, prefill=(), decode=("d1",))}))
+    with proxy(engines, instances=[], instances_file=str(path)) as (_, svc):
+        assert [i.url for i in svc.fleet.instances()] == [engines["d1"].url]
+        time.sleep(0.05)  # a distinct mtime
+        path.write_text(json.dumps({"instances": fleet(engines, prefill=("p1",), decode=("d2",))}))
+        wait_until(lambda: {i.url for i in svc.fleet.healthy("decode")} == {engines["d2"].url})
+        path.write_text("instances: [oops")  # a bad edit keeps the last good fleet
+        time.sleep(0.5)
+        assert {i.url for i in svc.fleet.instances()} == {engines["p1"].url, engines["d2"].url}

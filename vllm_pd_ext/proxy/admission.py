@@ -1,0 +1,48 @@
+"""Admission control: a bounded number in flight and a bounded, time-limited queue."""
+
+from __future__ import annotations
+
+import asyncio
+
+from vllm_pd_ext.proxy.errors import ProxyError
+
+
+class Admission:
+    """Hands out in-flight slots; callers ``release()`` each slot they ``acquire()``."""
+
+    def __init__(self, max_in_flight: int, max_queued: int, queue_timeout_s: float):
+        self._slots = asyncio.Semaphore(max_in_flight)
+        self.max_queued = max_queued
+        self.queue_timeout_s = queue_timeout_s
+        self.queued = 0
+        self.in_flight = 0
+
+    async def acquire(self) -> None:
+        """Wait for a slot. Raises 429 when the queue is full, 503 on queue timeout."""
+        if self._slots.locked():
+            if self.queued >= self.max_queued:
+                raise ProxyError(
+                    429,
+                    "proxy saturated: too many queued requests",
+                    code="queue_full",
+                    retry_after=1,
+                )
+            self.queued += 1
+            try:
+                await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
+            except asyncio.TimeoutError:
+                raise ProxyError(
+                    503,
+                    "proxy saturated: timed out waiting for a slot",
+                    code="queue_timeout",
+                    retry_after=self.queue_timeout_s,
+                ) from None
+            finally:
+                self.queued -= 1
+        else:
+            await self._slots.acquire()
+        self.in_flight += 1
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        self._slots.release()

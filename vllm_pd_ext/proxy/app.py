@@ -1,0 +1,130 @@
+"""The proxy's FastAPI app: OpenAI-compatible routes in front of the P/D fleet."""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.proxy.errors import ProxyError, error_body, error_response
+from vllm_pd_ext.proxy.service import ProxyService
+
+logger = logging.getLogger(__name__)
+
+
+def _token_ok(request: Request, secret: str) -> bool:
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), secret.encode())
+
+
+def create_app(config: ProxyConfig) -> FastAPI:
+    """Build the app; the fleet starts and stops with the app's lifespan."""
+    service = ProxyService(config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await service.start()
+        try:
+            yield
+        finally:
+            await service.close()
+
+    app = FastAPI(title="vllm-pd proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.service = service
+
+    @app.exception_handler(ProxyError)
+    async def _proxy_error(request: Request, exc: ProxyError) -> JSONResponse:
+        return error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unexpected error serving %s", request.url.path)
+        return JSONResponse(error_body(500, "internal proxy error"), status_code=500)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        path = request.url.path
+        if (
+            path.startswith("/v1/")
+            and config.api_key is not None
+            and not _token_ok(request, config.api_key.get_secret_value())
+        ):
+            return error_response(
+                ProxyError(401, "invalid or missing API key", code="invalid_api_key")
+            )
+        if path.startswith("/admin/"):
+            if config.admin_token is None:
+                return error_response(ProxyError(404, "admin endpoints are disabled"))
+            if not _token_ok(request, config.admin_token.get_secret_value()):
+                return error_response(ProxyError(401, "invalid or missing admin token"))
+        return await call_next(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await service.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await service.handle(request, "completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        for inst in service.fleet.healthy("decode") + service.fleet.healthy("prefill"):
+            try:
+                resp = await inst.client.get("/v1/models", timeout=config.timeouts.health_s)
+            except httpx.HTTPError:
+                continue
+            if resp.status_code == 200:
+                return Response(resp.content, media_type="application/json")
+        raise ProxyError(503, "no healthy instance to list models", code="no_upstream")
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        decode = len(service.fleet.healthy("decode"))
+        prefill = len(service.fleet.healthy("prefill"))
+        status = 200 if decode else 503
+        return JSONResponse(
+            {
+                "status": "ok" if decode else "no_decode",
+                "healthy_decode": decode,
+                "healthy_prefill": prefill,
+            },
+            status_code=status,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        m = service.metrics
+        for inst in service.fleet.instances():
+            m.upstream_healthy.labels(inst.label, inst.role).set(1 if inst.healthy else 0)
+            m.upstream_in_flight.labels(inst.label, inst.role).set(inst.in_flight)
+        return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/admin/fleet")
+    async def fleet_state() -> JSONResponse:
+        return JSONResponse(
+            [
+                {
+                    "url": i.url,
+                    "role": i.role,
+                    "healthy": i.healthy,
+                    "in_flight": i.in_flight,
+                    "running": i.running,
+                    "waiting": i.waiting,
+                    "kv_usage": i.kv_usage,
+                    "failures": i.failures,
+                    "last_error": i.last_error,
+                }
+                for i in service.fleet.instances()
+            ]
+        )
+
+    return app

@@ -1,0 +1,125 @@
+"""``vllm-pd proxy``: flags and config file to a running proxy."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from vllm_pd_ext.proxy.config import ProxyConfig, read_mapping
+
+ENV_PREFIX = "VLLM_PD_PROXY_"
+
+
+def add_parser(subparsers: Any) -> None:
+    """Add the ``proxy`` subcommand to the ``vllm-pd`` parser."""
+    defaults = ProxyConfig.model_fields
+    p = subparsers.add_parser(
+        "proxy",
+        help="run the P/D-aware OpenAI-compatible proxy",
+        description="OpenAI-compatible front door for prefill and decode `vllm serve` "
+        "instances. Settings come from --config (YAML/JSON), then VLLM_PD_PROXY_* "
+        "environment variables (e.g. VLLM_PD_PROXY_API_KEY), then flags.",
+    )
+    p.add_argument("--config", type=Path, help="YAML or JSON file with ProxyConfig fields")
+    p.add_argument("--host", default=None, help=f"(default {defaults['host'].default})")
+    p.add_argument("--port", type=int, default=None, help=f"(default {defaults['port'].default})")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a prefill instance (repeatable)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a decode instance (repeatable)",
+    )
+    p.add_argument(
+        "--both",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="an instance serving both roles (repeatable)",
+    )
+    p.add_argument(
+        "--instances-file",
+        type=Path,
+        default=None,
+        help="watched JSON/YAML file with an `instances` list",
+    )
+    p.add_argument(
+        "--prefill-policy", default=None, help=f"(default {defaults['prefill_policy'].default})"
+    )
+    p.add_argument(
+        "--decode-policy", default=None, help=f"(default {defaults['decode_policy'].default})"
+    )
+    p.add_argument(
+        "--min-split-prompt-tokens",
+        type=int,
+        default=None,
+        help="prompts shorter than this run colocated (default 256)",
+    )
+    p.add_argument(
+        "--no-cost-model", action="store_true", help="never colocate on measured transfer cost"
+    )
+    p.add_argument("--log-level", default="info")
+    p.set_defaults(func=main)
+
+
+def build_config(args: argparse.Namespace) -> ProxyConfig:
+    """Merge file, environment and flags (later wins) into one validated config."""
+    data: dict[str, Any] = read_mapping(args.config) if args.config else {}
+    for key in ("api_key", "admin_token", "host", "port"):
+        value = os.environ.get(ENV_PREFIX + key.upper())
+        if value:
+            data[key] = value
+    for key in ("host", "port", "instances_file", "prefill_policy", "decode_policy"):
+        value = getattr(args, key)
+        if value is not None:
+            data[key] = str(value) if isinstance(value, Path) else value
+    flags = [
+        {"url": u, "role": role}
+        for role, urls in (("prefill", args.prefill), ("decode", args.decode), ("both", args.both))
+        for u in urls
+    ]
+    if flags:
+        data["instances"] = [*data.get("instances", []), *flags]
+    decision = dict(data.get("decision", {}))
+    if args.min_split_prompt_tokens is not None:
+        decision["min_split_prompt_tokens"] = args.min_split_prompt_tokens
+    if args.no_cost_model:
+        decision["cost_model"] = False
+    if decision:
+        data["decision"] = decision
+    return ProxyConfig.model_validate(data)
+
+
+def main(args: argparse.Namespace) -> int:
+    import uvicorn
+    from pydantic import ValidationError
+
+    from vllm_pd_ext.proxy.app import create_app
+
+    try:
+        config = build_config(args)
+    except (ValidationError, ValueError, OSError) as exc:
+        print(f"vllm-pd proxy: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    uvicorn.run(
+        create_app(config),
+        host=config.host,
+        port=config.port,
+        log_level=args.log_level.lower(),
+        access_log=False,
+    )
+    return 0

@@ -1,0 +1,126 @@
+"""The proxy's settings: one pydantic model, validated once, loadable from a file and flags."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+Role = Literal["prefill", "decode", "both"]
+
+#: P/D protocols (how the two legs are sequenced and what kv_transfer_params carry).
+PROTOCOLS = ("nixl-pull",)
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class InstanceConfig(_Strict):
+    """One engine: its base URL and role."""
+
+    url: str
+    role: Role = "both"
+    name: str | None = None
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        value = value.rstrip("/")
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"instance url must start with http:// or https://: {value!r}")
+        return value
+
+    @property
+    def label(self) -> str:
+        return self.name or self.url
+
+
+class DecisionConfig(_Strict):
+    """When to split a request across prefill and decode, and when to serve it colocated."""
+
+    min_split_prompt_tokens: int = Field(
+        256, ge=0, description="estimated prompt tokens below which a request runs colocated"
+    )
+    chars_per_token: float = Field(
+        4.0, gt=0, description="text prompts: characters per token for the length estimate"
+    )
+    max_prefill_waiting: int = Field(
+        8, ge=1, description="colocate when every healthy prefill has this many queued requests"
+    )
+    cost_model: bool = Field(
+        True,
+        description="colocate when the measured KV transfer cost exceeds the predicted "
+        "stall that prefilling on the decode instance would cause its running requests",
+    )
+    cost_min_samples: int = Field(5, ge=1, description="measurements before the cost model acts")
+
+
+class TimeoutConfig(_Strict):
+    connect_s: float = Field(3.0, gt=0)
+    prefill_s: float = Field(120.0, gt=0, description="whole prefill leg")
+    decode_first_byte_s: float = Field(120.0, gt=0, description="decode leg until its headers")
+    decode_idle_s: float = Field(120.0, gt=0, description="longest gap between decode chunks")
+    health_s: float = Field(2.0, gt=0)
+    drain_s: float = Field(60.0, gt=0, description="background drain of an abandoned split")
+
+
+class ProxyConfig(_Strict):
+    """Everything ``vllm-pd proxy`` needs. Unknown keys are errors."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    protocol: Literal["nixl-pull"] = "nixl-pull"
+    instances: tuple[InstanceConfig, ...] = ()
+    instances_file: Path | None = Field(
+        None, description="JSON/YAML file with an `instances` list, re-read when it changes"
+    )
+    prefill_policy: str = "least-loaded"
+    decode_policy: str = "least-loaded"
+    client_kv_transfer_params: Literal["drop", "reject"] = "drop"
+    on_prefill_failure: Literal["retry-then-colocated", "retry-then-fail"] = "retry-then-colocated"
+    prefill_retries: int = Field(1, ge=0, description="other prefill instances tried")
+    decode_retries: int = Field(1, ge=0, description="other decode instances tried (pre-stream)")
+    max_in_flight: int = Field(256, ge=1)
+    max_queued: int = Field(512, ge=0)
+    queue_timeout_s: float = Field(30.0, gt=0)
+    max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    health_interval_s: float = Field(2.0, gt=0)
+    health_backoff_max_s: float = Field(30.0, gt=0)
+    api_key: SecretStr | None = None
+    admin_token: SecretStr | None = None
+    affinity_prefix_chars: int = Field(1024, ge=16, description="prefix-affinity key length")
+    decision: DecisionConfig = DecisionConfig()
+    timeouts: TimeoutConfig = TimeoutConfig()
+
+    @model_validator(mode="after")
+    def _fleet(self) -> ProxyConfig:
+        if not self.instances and self.instances_file is None:
+            raise ValueError("no instances: give `instances` or `instances_file`")
+        from vllm_pd_ext.proxy.policies import POLICIES
+
+        for field in ("prefill_policy", "decode_policy"):
+            if getattr(self, field) not in POLICIES:
+                raise ValueError(
+                    f"{field}: unknown policy {getattr(self, field)!r}; "
+                    f"choose one of {', '.join(sorted(POLICIES))}"
+                )
+        return self
+
+
+def read_mapping(path: Path) -> dict[str, Any]:
+    """A YAML or JSON file holding one mapping."""
+    text = path.read_text(encoding="utf-8")
+    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a mapping at the top level")
+    return data
+
+
+def read_instances(path: Path) -> tuple[InstanceConfig, ...]:
+    """The ``instances`` list of a watched fleet file."""
+    data = read_mapping(path)
+    return tuple(InstanceConfig.model_validate(item) for item in data.get("instances", []))

@@ -1,0 +1,107 @@
+"""Per request: split across prefill and decode, or serve colocated on the decode instance.
+
+Rules, in order (the first that applies wins):
+
+1. ``not_splittable``: ``n > 1``, ``best_of`` or a batch of prompts.
+2. ``no_prefill``: no healthy prefill instance.
+3. ``short_prompt``: estimated prompt tokens below ``min_split_prompt_tokens`` (default 256):
+   the transfer and the extra hop cost more than a short prefill stalls anyone.
+4. ``prefill_overloaded``: every healthy prefill instance has ``max_prefill_waiting`` (default
+   8) or more requests queued: a colocated prefill starts sooner.
+5. ``transfer_cost`` (with ``cost_model``, after ``cost_min_samples`` measured splits): the
+   measured transfer gap for this prompt length exceeds the predicted stall, i.e. the measured
+   prefill time for this length times the requests running on the chosen decode instance. At
+   light load (nothing running on the decode side) this chooses colocated, as the
+   disaggregation guide advises.
+
+Otherwise ``split``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from vllm_pd_ext.proxy.config import DecisionConfig
+from vllm_pd_ext.proxy.fleet import Instance
+from vllm_pd_ext.proxy.request import RequestContext
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    split: bool
+    reason: str
+    inputs: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return "split" if self.split else "colocated"
+
+
+class Ewma:
+    def __init__(self, alpha: float = 0.2):
+        self.alpha = alpha
+        self.value: float | None = None
+        self.samples = 0
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else self.alpha * x + (1 - self.alpha) * self.value
+        self.samples += 1
+
+
+class Decider:
+    """Makes decisions and learns per-token prefill and transfer costs from measured splits."""
+
+    def __init__(self, config: DecisionConfig):
+        self.config = config
+        self.prefill_s_per_token = Ewma()
+        self.transfer_s_per_token = Ewma()
+
+    def observe(self, prompt_tokens: int, prefill_s: float, transfer_gap_s: float) -> None:
+        """Record one completed split (called after the first decode token arrives)."""
+        if prompt_tokens > 0:
+            self.prefill_s_per_token.add(prefill_s / prompt_tokens)
+            self.transfer_s_per_token.add(transfer_gap_s / prompt_tokens)
+
+    def decide(
+        self, ctx: RequestContext, prefill_pool: Sequence[Instance], decode: Instance
+    ) -> Decision:
+        cfg = self.config
+        tokens = ctx.est_prompt_tokens
+        inputs: dict = {
+            "est_prompt_tokens": tokens,
+            "healthy_prefill": len(prefill_pool),
+            "decode_running": decode.running,
+        }
+        if not ctx.splittable:
+            return self._log(ctx, Decision(False, "not_splittable", inputs))
+        if not prefill_pool:
+            return self._log(ctx, Decision(False, "no_prefill", inputs))
+        if tokens < cfg.min_split_prompt_tokens:
+            return self._log(ctx, Decision(False, "short_prompt", inputs))
+        min_waiting = min(p.waiting for p in prefill_pool)
+        inputs["min_prefill_waiting"] = min_waiting
+        if min_waiting >= cfg.max_prefill_waiting:
+            return self._log(ctx, Decision(False, "prefill_overloaded", inputs))
+        transfer, prefill = self.transfer_s_per_token, self.prefill_s_per_token
+        if cfg.cost_model and min(transfer.samples, prefill.samples) >= cfg.cost_min_samples:
+            transfer_cost = transfer.value * tokens
+            stall_cost = prefill.value * tokens * max(decode.running, decode.in_flight)
+            inputs.update(transfer_cost_s=transfer_cost, stall_cost_s=stall_cost)
+            if transfer_cost > stall_cost:
+                return self._log(ctx, Decision(False, "transfer_cost", inputs))
+        return self._log(ctx, Decision(True, "split", inputs))
+
+    @staticmethod
+    def _log(ctx: RequestContext, decision: Decision) -> Decision:
+        logger.debug(
+            "request %s: %s (%s) inputs=%s",
+            ctx.request_id,
+            decision.label,
+            decision.reason,
+            decision.inputs,
+        )
+        return decision

@@ -1,0 +1,69 @@
+"""OpenAI-style error bodies, built in one place."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    413: "BadRequestError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+class ProxyError(Exception):
+    """An error the proxy answers with an OpenAI error body."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.retry_after = retry_after
+
+
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict:
+    return {
+        "error": {
+            "message": message[:2000],
+            "type": _TYPES.get(status, "APIError"),
+            "param": param,
+            "code": code or status,
+        }
+    }
+
+
+def error_response(exc: ProxyError) -> JSONResponse:
+    headers = {}
+    if exc.retry_after is not None:
+        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
+    return JSONResponse(
+        error_body(exc.status, exc.message, exc.param, exc.code),
+        status_code=exc.status,
+        headers=headers,
+    )
+
+
+def sse_error(status: int, message: str) -> bytes:
+    """One SSE event carrying an error, for streams that fail after their headers."""
+    import json
+
+    return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n"

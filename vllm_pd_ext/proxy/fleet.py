@@ -1,0 +1,199 @@
+"""The fleet: engine instances, their health and load, and the HTTP client for each.
+
+Health is checked actively (``GET /health`` with exponential backoff after failures) and
+passively (a connection error while proxying marks the instance down at once). Load comes from
+the engine's ``/metrics`` (running and waiting requests, KV usage) plus the proxy's own
+in-flight count, which moves the moment a request is routed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from vllm_pd_ext.proxy.config import InstanceConfig, ProxyConfig, read_instances
+from vllm_pd_ext.tools.prom import parse_metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class Instance:
+    """One engine as the proxy sees it. Mutated only on the proxy's event loop."""
+
+    config: InstanceConfig
+    client: httpx.AsyncClient
+    healthy: bool = False
+    failures: int = 0
+    next_check: float = 0.0
+    in_flight: int = 0
+    running: float = 0.0
+    waiting: float = 0.0
+    kv_usage: float = 0.0
+    last_error: str = ""
+    _metrics_at: float = field(default=0.0, repr=False)
+
+    @property
+    def url(self) -> str:
+        return self.config.url
+
+    @property
+    def role(self) -> str:
+        return self.config.role
+
+    @property
+    def label(self) -> str:
+        return self.config.label
+
+    def serves(self, role: str) -> bool:
+        return self.config.role in (role, "both")
+
+    def load(self) -> float:
+        """In-flight through us, plus what the engine reported running and waiting."""
+        return self.in_flight + self.running + 2.0 * self.waiting
+
+    def mark_ok(self) -> None:
+        self.healthy = True
+        self.failures = 0
+        self.last_error = ""
+
+    def mark_failed(self, error: str, backoff_max: float) -> None:
+        """Take the instance out of rotation and back off before the next health check."""
+        self.healthy = False
+        self.failures += 1
+        self.last_error = error
+        self.next_check = time.monotonic() + min(backoff_max, 0.5 * 2 ** min(self.failures, 8))
+
+
+class Fleet:
+    """All instances, kept healthy and loaded by one background task."""
+
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self._instances: dict[str, Instance] = {}
+        self._task: asyncio.Task | None = None
+        self._file_mtime: float | None = None
+        self._limits = httpx.Limits(
+            max_connections=config.max_in_flight * 2, max_keepalive_connections=64
+        )
+
+    # -- membership ---------------------------------------------------------------------
+
+    def _client(self, url: str) -> httpx.AsyncClient:
+        t = self.config.timeouts
+        return httpx.AsyncClient(
+            base_url=url,
+            limits=self._limits,
+            timeout=httpx.Timeout(t.prefill_s, connect=t.connect_s),
+            trust_env=False,
+        )
+
+    async def set_instances(self, configs: Iterable[InstanceConfig]) -> None:
+        """Make the fleet exactly ``configs``: add new URLs, drop missing ones, keep state."""
+        wanted = {c.url: c for c in configs}
+        for url in list(self._instances):
+            if url not in wanted:
+                old = self._instances.pop(url)
+                logger.info("fleet: removed %s", old.label)
+                await old.client.aclose()
+        for url, cfg in wanted.items():
+            current = self._instances.get(url)
+            if current is None:
+                self._instances[url] = Instance(cfg, self._client(url))
+                logger.info("fleet: added %s as %s", cfg.label, cfg.role)
+            elif current.config != cfg:
+                current.config = cfg
+
+    def instances(self) -> list[Instance]:
+        return list(self._instances.values())
+
+    def healthy(self, role: str) -> list[Instance]:
+        return [i for i in self._instances.values() if i.healthy and i.serves(role)]
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the initial members, check them all once, then keep checking in background."""
+        await self.set_instances(self.config.instances)
+        await self._reload_file()
+        await self.check_all()
+        self._task = asyncio.create_task(self._loop(), name="fleet-health")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for inst in self._instances.values():
+            await inst.client.aclose()
+        self._instances.clear()
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.health_interval_s)
+            try:
+                await self._reload_file()
+                await self.check_all()
+            except Exception:  # the loop must survive anything one round throws
+                logger.exception("fleet: health round failed")
+
+    async def _reload_file(self) -> None:
+        path: Path | None = self.config.instances_file
+        if path is None:
+            return
+        try:
+            mtime = path.stat().st_mtime
+        except OSError as exc:
+            logger.warning("fleet: cannot read %s: %s", path, exc)
+            return
+        if mtime == self._file_mtime:
+            return
+        try:
+            configs = read_instances(path)
+        except Exception as exc:  # keep the old fleet on a bad edit
+            logger.warning("fleet: ignoring invalid %s: %s", path, exc)
+            return
+        self._file_mtime = mtime
+        await self.set_instances((*self.config.instances, *configs))
+
+    async def check_all(self) -> None:
+        now = time.monotonic()
+        due = [i for i in self._instances.values() if i.next_check <= now]
+        await asyncio.gather(*(self._check(i) for i in due))
+
+    async def _check(self, inst: Instance) -> None:
+        t = self.config.timeouts
+        try:
+            resp = await inst.client.get("/health", timeout=t.health_s)
+            if resp.status_code != 200:
+                raise httpx.HTTPStatusError("unhealthy", request=resp.request, response=resp)
+            metrics = await inst.client.get("/metrics", timeout=t.health_s)
+        except httpx.HTTPError as exc:
+            was = inst.healthy
+            inst.mark_failed(f"{type(exc).__name__}: {exc}", self.config.health_backoff_max_s)
+            if was:
+                logger.warning("fleet: %s is down: %s", inst.label, inst.last_error)
+            return
+        if not inst.healthy:
+            logger.info("fleet: %s is healthy", inst.label)
+        inst.mark_ok()
+        if metrics.status_code == 200:
+            self._read_load(inst, metrics.text)
+
+    @staticmethod
+    def _read_load(inst: Instance, text: str) -> None:
+        try:
+            m = parse_metrics(text)
+        except Exception:  # a scrape we cannot parse leaves the last values
+            return
+        inst.running = m.total("vllm:num_requests_running")
+        inst.waiting = m.total("vllm:num_requests_waiting")
+        inst.kv_usage = m.total("vllm:kv_cache_usage_perc")
+        inst._metrics_at = time.monotonic()

@@ -1,0 +1,86 @@
+"""The proxy's Prometheus metrics (``vllm_pd_`` prefix), in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class ProxyMetrics:
+    """All metric objects of one proxy app."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter(
+            "vllm_pd_requests",
+            "Requests by route, decision and outcome",
+            ["route", "decision", "outcome"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "vllm_pd_decisions",
+            "Split-or-colocated decisions by reason",
+            ["decision", "reason"],
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "vllm_pd_ttft_seconds",
+            "Time to first token as the client sees it",
+            ["route", "decision"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.itl = Histogram(
+            "vllm_pd_itl_seconds",
+            "Gap between streamed chunks as the client sees it",
+            ["decision"],
+            buckets=_ITL,
+            registry=r,
+        )
+        self.prefill_leg = Histogram(
+            "vllm_pd_prefill_leg_seconds",
+            "Prefill leg, request sent to response received",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.transfer_gap = Histogram(
+            "vllm_pd_transfer_gap_seconds",
+            "Prefill leg done to first decode token (KV transfer plus decode admission)",
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.retries = Counter("vllm_pd_retries", "Retries by leg", ["leg"], registry=r)
+        self.fallbacks = Counter(
+            "vllm_pd_fallbacks",
+            "Split requests served colocated after a failure",
+            ["reason"],
+            registry=r,
+        )
+        self.aborts = Counter(
+            "vllm_pd_aborts", "Client disconnects by phase", ["phase"], registry=r
+        )
+        self.drains = Counter(
+            "vllm_pd_drains",
+            "Abandoned splits whose prefill KV was drained",
+            ["outcome"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            "vllm_pd_rejected", "Requests refused before routing", ["reason"], registry=r
+        )
+        self.in_flight = Gauge("vllm_pd_in_flight", "Requests being served", registry=r)
+        self.queued = Gauge("vllm_pd_queued", "Requests waiting for admission", registry=r)
+        self.upstream_healthy = Gauge(
+            "vllm_pd_upstream_healthy",
+            "1 when the instance passes health checks",
+            ["instance", "role"],
+            registry=r,
+        )
+        self.upstream_in_flight = Gauge(
+            "vllm_pd_upstream_in_flight",
+            "Requests this proxy has in flight per instance",
+            ["instance", "role"],
+            registry=r,
+        )

@@ -1,0 +1,19 @@
+"""Power of two choices: sample two candidates, take the less loaded."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+from vllm_pd_ext.proxy.policies.base import Candidate
+
+
+class PowerOfTwo:
+    def __init__(self, seed: int | None = None) -> None:
+        self._rng = random.Random(seed)
+
+    def select(self, key: str, candidates: Sequence[Candidate]) -> Candidate:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(list(candidates), 2)
+        return a if a.load() <= b.load() else b

@@ -1,0 +1,16 @@
+"""Round robin over the current candidates."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from vllm_pd_ext.proxy.policies.base import Candidate
+
+
+class RoundRobin:
+    def __init__(self) -> None:
+        self._counter = itertools.count()
+
+    def select(self, key: str, candidates: Sequence[Candidate]) -> Candidate:
+        return candidates[next(self._counter) % len(candidates)]

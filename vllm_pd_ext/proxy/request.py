@@ -1,0 +1,142 @@
+"""Reading a client request: bounded body, minimal validation, routing facts.
+
+The engines validate the full OpenAI schema and their 400s pass through unchanged; here we
+check only what the proxy itself relies on, so a malformed body never becomes a 500.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import Request
+
+from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.proxy.errors import ProxyError
+
+Route = Literal["chat", "completions"]
+PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclass
+class RequestContext:
+    route: Route
+    body: dict[str, Any]
+    request_id: str
+    stream: bool
+    est_prompt_tokens: int
+    affinity_key: str
+    splittable: bool
+
+    @property
+    def path(self) -> str:
+        return PATHS[self.route]
+
+
+async def read_body(request: Request, limit: int) -> dict[str, Any]:
+    """The JSON object in the request body; 413 past ``limit`` bytes, 400 when malformed."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        chunks.append(chunk)
+    try:
+        body = json.loads(b"".join(chunks))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ProxyError(400, f"request body is not valid JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProxyError(400, "request body must be a JSON object")
+    return body
+
+
+def _expect(body: dict, key: str, types: tuple[type, ...], what: str) -> None:
+    value = body.get(key)
+    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
+    if value is not None and not ok:
+        raise ProxyError(400, f"'{key}' must be {what}", param=key)
+
+
+def _text_of_messages(messages: list) -> str:
+    parts: list[str] = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise ProxyError(400, "each message must be an object", param="messages")
+        content = message.get("content")
+        if isinstance(content, str):
+            parts.append(content)
+        elif isinstance(content, list):
+            parts.extend(
+                p.get("text", "")
+                for p in content
+                if isinstance(p, dict) and isinstance(p.get("text"), str)
+            )
+    return "\n".join(parts)
+
+
+def parse_request(
+    route: Route, body: dict[str, Any], request: Request, config: ProxyConfig
+) -> RequestContext:
+    """Validate what routing needs and strip what the proxy owns."""
+    _expect(body, "model", (str,), "a string")
+    _expect(body, "stream", (bool,), "a boolean")
+    _expect(body, "max_tokens", (int,), "an integer")
+    _expect(body, "max_completion_tokens", (int,), "an integer")
+    _expect(body, "n", (int,), "an integer")
+    _expect(body, "stream_options", (dict,), "an object")
+    for key in ("max_tokens", "max_completion_tokens"):
+        if isinstance(body.get(key), int) and body[key] < 0:
+            raise ProxyError(400, f"'{key}' must be non-negative", param=key)
+
+    if "kv_transfer_params" in body:
+        if config.client_kv_transfer_params == "reject":
+            raise ProxyError(
+                400,
+                "'kv_transfer_params' is set by the proxy, not by clients",
+                param="kv_transfer_params",
+            )
+        body.pop("kv_transfer_params")
+
+    cpt = config.decision.chars_per_token
+    splittable = body.get("n") in (None, 1) and not body.get("best_of")
+    if route == "chat":
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ProxyError(400, "'messages' must be a non-empty list", param="messages")
+        text = _text_of_messages(messages)
+        est = int(len(text) / cpt) + 4 * len(messages)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, str):
+            text, est = prompt, int(len(prompt) / cpt)
+        elif (
+            isinstance(prompt, list)
+            and prompt
+            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
+        ):
+            text, est = " ".join(map(str, prompt[:256])), len(prompt)
+        elif isinstance(prompt, list) and prompt:
+            # A batch of prompts: the engine answers it as one request; never split.
+            text, est, splittable = json.dumps(prompt[:1])[:4096], 0, False
+        else:
+            raise ProxyError(
+                400,
+                "'prompt' must be a string, a list of token ids or a non-empty list of prompts",
+                param="prompt",
+            )
+    request_id = request.headers.get("x-request-id") or f"pdx-{uuid.uuid4().hex}"
+    return RequestContext(
+        route=route,
+        body=body,
+        request_id=request_id[:256],
+        stream=bool(body.get("stream")),
+        est_prompt_tokens=est,
+        affinity_key=text[: config.affinity_prefix_chars],
+        splittable=splittable,
+    )

@@ -1,0 +1,517 @@
+"""Serving one request: admission, decision, the prefill leg, the decode leg, the relay.
+
+Failure semantics (all timeouts come from ``TimeoutConfig``):
+
+* prefill leg fails (unreachable, 5xx, timeout, no ``kv_transfer_params``): try up to
+  ``prefill_retries`` other prefill instances, then serve colocated on the decode instance
+  (``retry-then-colocated``, default) or answer 502 (``retry-then-fail``). Never a partial answer.
+* decode leg fails before its first byte: try up to ``decode_retries`` other decode instances.
+* decode fails mid-stream: one SSE error event, then the stream closes.
+* a 4xx from an engine is the client's mistake: passed through unchanged.
+* the client disconnects: waiting for the prefill leg -> that request is cancelled (the engine
+  aborts it and frees its KV); between the legs -> the prefill's KV is drained by a background
+  one-token decode request, so the prefill instance frees it at once instead of at lease expiry;
+  during the decode leg -> the decode request is cancelled (the engine aborts it; the prefill
+  side frees any KV not yet pulled when its lease runs out).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from vllm_pd_ext.proxy.admission import Admission
+from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.proxy.decision import Decider, Decision
+from vllm_pd_ext.proxy.errors import ProxyError, sse_error
+from vllm_pd_ext.proxy.fleet import Fleet, Instance
+from vllm_pd_ext.proxy.metrics import ProxyMetrics
+from vllm_pd_ext.proxy.policies import make_policy
+from vllm_pd_ext.proxy.request import RequestContext, Route, parse_request, read_body
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: The prefill leg's marker, as vLLM's NIXL connector expects it (pull mode).
+NIXL_PREFILL_PARAMS = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+
+#: Fields the prefill leg drops or overrides; the decode leg sends the client's originals.
+PREFILL_DROPPED = ("stream_options", "min_tokens")
+
+
+class ClientGone(Exception):
+    """The client disconnected while the proxy was waiting on an engine."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
+class LegFailed(Exception):
+    """Every instance tried for one leg failed with a server-side error."""
+
+
+class _Slot:
+    """One admission slot, released exactly once by whoever ends the request."""
+
+    def __init__(self, admission: Admission):
+        self._admission = admission
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._admission.release()
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg: one token, not streamed, KV kept for a remote decode."""
+    out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
+    out["max_tokens"] = 1
+    if "max_completion_tokens" in out:
+        out["max_completion_tokens"] = 1
+    out["stream"] = False
+    out["kv_transfer_params"] = dict(NIXL_PREFILL_PARAMS)
+    return out
+
+
+def prefill_cached_tokens(params: dict[str, Any], usage: dict[str, Any] | None) -> int | None:
+    """Prompt tokens the prefill instance found in its own prefix cache, when it says."""
+    cached = params.get("remote_prefill_cached_tokens")
+    if isinstance(cached, int):
+        return cached
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens")
+    return value if isinstance(value, int) else None
+
+
+def patch_payload(data: dict[str, Any], cached: int | None) -> dict[str, Any]:
+    """Hide ``kv_transfer_params`` from the client; report the prefill side's cache hits.
+
+    The decode instance counts the KV it received as cached; the client cares about what the
+    prefill instance found in its prefix cache.
+    """
+    data.pop("kv_transfer_params", None)
+    usage = data.get("usage")
+    if cached is not None and isinstance(usage, dict):
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict):
+            details["cached_tokens"] = cached
+    return data
+
+
+class ProxyService:
+    """The proxy's state and request path; one per app."""
+
+    def __init__(self, config: ProxyConfig):
+        self.config = config
+        self.fleet = Fleet(config)
+        self.metrics = ProxyMetrics()
+        self.admission = Admission(config.max_in_flight, config.max_queued, config.queue_timeout_s)
+        self.decider = Decider(config.decision)
+        self.prefill_policy = make_policy(config.prefill_policy)
+        self.decode_policy = make_policy(config.decode_policy)
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self) -> None:
+        await self.fleet.start()
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.fleet.close()
+
+    def _spawn(self, coro: Awaitable[None], name: str) -> None:
+        task = asyncio.ensure_future(coro)
+        task.set_name(name)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # -- entry point ---------------------------------------------------------------------
+
+    async def handle(self, request: Request, route: Route) -> Response:
+        """Serve one OpenAI request. Raises ``ProxyError`` for answers the app maps."""
+        body = await read_body(request, self.config.max_body_bytes)
+        ctx = parse_request(route, body, request, self.config)
+        self.metrics.queued.set(self.admission.queued + 1)
+        try:
+            await self.admission.acquire()
+        except ProxyError as exc:
+            self.metrics.rejected.labels(exc.code or "saturated").inc()
+            raise
+        finally:
+            self.metrics.queued.set(self.admission.queued)
+        slot = _Slot(self.admission)
+        self.metrics.in_flight.inc()
+        handed_over = False
+        watch = DisconnectWatch(request)
+        try:
+            response = await self._serve(watch, ctx, slot)
+            handed_over = isinstance(response, StreamingResponse)
+            return response
+        except ClientGone as gone:
+            self.metrics.aborts.labels(gone.phase).inc()
+            self.metrics.requests.labels(route, "-", "client_gone").inc()
+            logger.info("request %s: client disconnected during %s", ctx.request_id, gone.phase)
+            return Response(status_code=499)
+        finally:
+            watch.stop()
+            if not handed_over:
+                slot.release()
+                self.metrics.in_flight.dec()
+
+    async def _serve(self, watch: DisconnectWatch, ctx: RequestContext, slot: _Slot) -> Response:
+        decode_pool = self.fleet.healthy("decode")
+        if not decode_pool:
+            raise ProxyError(
+                503,
+                "no healthy decode instance",
+                code="no_upstream",
+                retry_after=self.config.health_interval_s,
+            )
+        decode = self.decode_policy.select(ctx.affinity_key, decode_pool)
+        prefill_pool = [p for p in self.fleet.healthy("prefill") if p is not decode]
+        decision = self.decider.decide(ctx, prefill_pool, decode)
+        self.metrics.decisions.labels(decision.label, decision.reason).inc()
+        start = time.perf_counter()
+        params: dict[str, Any] | None = None
+        cached: int | None = None
+        prefill_done: float | None = None
+        if decision.split:
+            try:
+                params, usage = await watch.race(self._prefill(ctx, prefill_pool), "prefill")
+            except LegFailed as exc:
+                if self.config.on_prefill_failure == "retry-then-fail":
+                    self.metrics.requests.labels(ctx.route, "split", "prefill_failed").inc()
+                    raise ProxyError(502, f"prefill failed: {exc}", code="prefill_failed") from None
+                self.metrics.fallbacks.labels("prefill_failed").inc()
+                logger.warning(
+                    "request %s: prefill failed (%s); serving colocated", ctx.request_id, exc
+                )
+                decision = Decision(False, "prefill_failed")
+            else:
+                prefill_done = time.perf_counter()
+                self.metrics.prefill_leg.observe(prefill_done - start)
+                cached = prefill_cached_tokens(params, usage)
+                if watch.gone.is_set():
+                    self._spawn(self._drain(ctx, params, decode), f"drain-{ctx.request_id}")
+                    raise ClientGone("between_legs")
+        return await self._decode(
+            watch, ctx, decode, decode_pool, decision, params, cached, start, prefill_done, slot
+        )
+
+    # -- legs ----------------------------------------------------------------------------
+
+    async def _prefill(
+        self, ctx: RequestContext, pool: list[Instance]
+    ) -> tuple[dict[str, Any], dict | None]:
+        """Run the prefill leg; return the engine's kv_transfer_params and usage."""
+        body = prefill_body(ctx.body)
+        tried: list[Instance] = []
+        errors: list[str] = []
+        for attempt in range(1 + self.config.prefill_retries):
+            candidates = [p for p in pool if p not in tried and p.healthy]
+            if not candidates:
+                break
+            inst = self.prefill_policy.select(ctx.affinity_key, candidates)
+            tried.append(inst)
+            if attempt:
+                self.metrics.retries.labels("prefill").inc()
+            inst.in_flight += 1
+            try:
+                resp = await inst.client.post(
+                    ctx.path,
+                    json=body,
+                    headers={"X-Request-Id": ctx.request_id},
+                    timeout=httpx.Timeout(
+                        self.config.timeouts.prefill_s, connect=self.config.timeouts.connect_s
+                    ),
+                )
+            except httpx.HTTPError as exc:
+                self._upstream_failed(inst, exc)
+                errors.append(f"{inst.label}: {type(exc).__name__}")
+                continue
+            finally:
+                inst.in_flight -= 1
+            if 400 <= resp.status_code < 500:
+                raise _passthrough(resp)
+            if resp.status_code != 200:
+                errors.append(f"{inst.label}: HTTP {resp.status_code}")
+                continue
+            data = _json_or_none(resp)
+            params = (data or {}).get("kv_transfer_params")
+            if not isinstance(params, dict):
+                errors.append(f"{inst.label}: no kv_transfer_params (is a KV connector set?)")
+                continue
+            return params, (data or {}).get("usage")
+        raise LegFailed("; ".join(errors) or "no healthy prefill instance")
+
+    async def _decode(
+        self,
+        watch: DisconnectWatch,
+        ctx: RequestContext,
+        first: Instance,
+        pool: list[Instance],
+        decision: Decision,
+        params: dict | None,
+        cached: int | None,
+        start: float,
+        prefill_done: float | None,
+        slot: _Slot,
+    ) -> Response:
+        body = dict(ctx.body)
+        if params is not None:
+            body["kv_transfer_params"] = params
+        t = self.config.timeouts
+        timeout = httpx.Timeout(
+            t.decode_first_byte_s,
+            connect=t.connect_s,
+            read=max(t.decode_first_byte_s, t.decode_idle_s),
+        )
+        tried: list[Instance] = []
+        inst: Instance | None = first
+        errors: list[str] = []
+        for attempt in range(1 + self.config.decode_retries):
+            if inst is None:
+                candidates = [d for d in pool if d not in tried and d.healthy]
+                if not candidates:
+                    break
+                inst = self.decode_policy.select(ctx.affinity_key, candidates)
+            tried.append(inst)
+            if attempt:
+                self.metrics.retries.labels("decode").inc()
+            inst.in_flight += 1
+            keep = False
+            try:
+                req = inst.client.build_request(
+                    "POST",
+                    ctx.path,
+                    json=body,
+                    headers={"X-Request-Id": ctx.request_id},
+                    timeout=timeout,
+                )
+                try:
+                    resp = await watch.race(inst.client.send(req, stream=True), "decode_wait")
+                except httpx.HTTPError as exc:
+                    self._upstream_failed(inst, exc)
+                    errors.append(f"{inst.label}: {type(exc).__name__}")
+                    inst = None
+                    continue
+                if resp.status_code >= 500:
+                    await resp.aclose()
+                    errors.append(f"{inst.label}: HTTP {resp.status_code}")
+                    inst = None
+                    continue
+                if resp.status_code != 200:
+                    await resp.aread()
+                    await resp.aclose()
+                    self.metrics.requests.labels(ctx.route, decision.label, "client_error").inc()
+                    raise _passthrough(resp)
+                if ctx.stream:
+                    keep = True
+                    watch.stop()
+                    return StreamingResponse(
+                        self._relay(resp, ctx, inst, decision, cached, start, prefill_done, slot),
+                        media_type="text/event-stream",
+                        headers={"X-Request-Id": ctx.request_id},
+                    )
+                try:
+                    raw = await watch.race(resp.aread(), "decode")
+                except httpx.HTTPError as exc:
+                    self._upstream_failed(inst, exc)
+                    raise ProxyError(
+                        502, f"decode instance failed: {type(exc).__name__}", code="decode_failed"
+                    ) from None
+                finally:
+                    await resp.aclose()
+                data = json.loads(raw)
+                if isinstance(data, dict):
+                    patch_payload(data, cached)
+                self.metrics.requests.labels(ctx.route, decision.label, "ok").inc()
+                return JSONResponse(data, headers={"X-Request-Id": ctx.request_id})
+            finally:
+                if not keep:
+                    inst_done = tried[-1]
+                    inst_done.in_flight -= 1
+        self.metrics.requests.labels(ctx.route, decision.label, "decode_failed").inc()
+        raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
+
+    async def _relay(
+        self,
+        resp: httpx.Response,
+        ctx: RequestContext,
+        inst: Instance,
+        decision: Decision,
+        cached: int | None,
+        start: float,
+        prefill_done: float | None,
+        slot: _Slot,
+    ) -> AsyncIterator[bytes]:
+        """Forward the decode stream event by event; measure TTFT, ITL and the transfer gap."""
+        outcome = "ok"
+        buffer = b""
+        first: float | None = None
+        last = 0.0
+        try:
+            async for chunk in resp.aiter_raw():
+                now = time.perf_counter()
+                buffer += chunk
+                while b"\n\n" in buffer:
+                    event, buffer = buffer.split(b"\n\n", 1)
+                    if b"kv_transfer_params" in event or b'"usage"' in event:
+                        event = _patch_event(event, cached)
+                    if first is None and event.startswith(b"data: {"):
+                        first = now
+                        self._observe_first(ctx, decision, start, prefill_done, now)
+                    elif first is not None:
+                        self.metrics.itl.labels(decision.label).observe(now - last)
+                    last = now
+                    yield event + b"\n\n"
+            if buffer.strip():
+                yield buffer
+        except httpx.HTTPError as exc:
+            outcome = "decode_failed_mid_stream"
+            self._upstream_failed(inst, exc)
+            logger.warning(
+                "request %s: decode stream from %s failed: %s", ctx.request_id, inst.label, exc
+            )
+            yield sse_error(502, f"decode instance failed mid-stream: {type(exc).__name__}")
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "client_gone"
+            self.metrics.aborts.labels("decode_stream").inc()
+            logger.info("request %s: client disconnected while streaming", ctx.request_id)
+            raise
+        finally:
+            with contextlib.suppress(Exception):
+                await resp.aclose()
+            inst.in_flight -= 1
+            slot.release()
+            self.metrics.in_flight.dec()
+            self.metrics.requests.labels(ctx.route, decision.label, outcome).inc()
+
+    def _observe_first(
+        self,
+        ctx: RequestContext,
+        decision: Decision,
+        start: float,
+        prefill_done: float | None,
+        now: float,
+    ) -> None:
+        self.metrics.ttft.labels(ctx.route, decision.label).observe(now - start)
+        if prefill_done is not None:
+            gap = now - prefill_done
+            self.metrics.transfer_gap.observe(gap)
+            self.decider.observe(ctx.est_prompt_tokens, prefill_done - start, gap)
+
+    async def _drain(self, ctx: RequestContext, params: dict[str, Any], decode: Instance) -> None:
+        """Let a decode instance pull an abandoned prefill's KV so the prefill frees it now."""
+        body = {**ctx.body, "kv_transfer_params": params, "max_tokens": 1, "stream": False}
+        body.pop("stream_options", None)
+        if "max_completion_tokens" in body:
+            body["max_completion_tokens"] = 1
+        outcome = "ok"
+        try:
+            resp = await decode.client.post(
+                ctx.path,
+                json=body,
+                headers={"X-Request-Id": f"{ctx.request_id}-drain"},
+                timeout=self.config.timeouts.drain_s,
+            )
+            if resp.status_code != 200:
+                outcome = f"http_{resp.status_code}"
+        except httpx.HTTPError as exc:
+            outcome = type(exc).__name__
+        self.metrics.drains.labels(outcome).inc()
+        logger.info("request %s: drained abandoned prefill KV (%s)", ctx.request_id, outcome)
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _upstream_failed(self, inst: Instance, exc: Exception) -> None:
+        if isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.ReadTimeout):
+            inst.mark_failed(f"{type(exc).__name__}: {exc}", self.config.health_backoff_max_s)
+        logger.warning("upstream %s failed: %s: %s", inst.label, type(exc).__name__, exc)
+
+
+class DisconnectWatch:
+    """Watches one request's ASGI channel for the client going away.
+
+    One long-lived watcher per request: a one-shot ``is_disconnected()`` can miss a
+    disconnect while the server has paused reading the socket. Stop it before handing the
+    connection to a ``StreamingResponse``, which listens for disconnects itself.
+    """
+
+    def __init__(self, request: Request):
+        self.gone = asyncio.Event()
+        self._task = asyncio.ensure_future(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                self.gone.set()
+                return
+
+    async def race(self, work: Awaitable[T], phase: str) -> T:
+        """Await ``work``; if the client disconnects first, cancel it and raise ClientGone."""
+        task = asyncio.ensure_future(work)
+        gone = asyncio.ensure_future(self.gone.wait())
+        try:
+            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            task.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if task in done:
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(BaseException):
+            await task
+        raise ClientGone(phase)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
+def _json_or_none(resp: httpx.Response) -> dict | None:
+    try:
+        data = resp.json()
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _passthrough(resp: httpx.Response) -> ProxyError:
+    """An engine's 4xx, forwarded with its own message."""
+    data = _json_or_none(resp) or {}
+    err = data.get("error") if isinstance(data.get("error"), dict) else data
+    message = str(err.get("message") or resp.text[:2000] or f"HTTP {resp.status_code}")
+    return ProxyError(resp.status_code, message, param=err.get("param"), code=err.get("code"))
+
+
+def _patch_event(event: bytes, cached: int | None) -> bytes:
+    if not event.startswith(b"data: {"):
+        return event
+    try:
+        data = json.loads(event[6:])
+    except ValueError:
+        return event
+    return b"data: " + json.dumps(patch_payload(data, cached)).encode()
