@@ -1,0 +1,23 @@
+"""Transport factories the contract tests run in both processes, by backend name."""
+
+from __future__ import annotations
+
+import importlib.util
+
+from vllm_pd_ext.transport import Transport, get_backend
+
+HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
+
+#: Backends the contract suite runs over.
+BACKENDS = ["mooncake", "mori"]
+
+
+def make_transport(name: str) -> Transport:
+    """A transport of backend ``name`` on 127.0.0.1 (mori through the fake engine)."""
+    if name == "mooncake":
+        return get_backend("mooncake", host="127.0.0.1", protocol="tcp")
+    if name == "mori":
+        from tests.unit.transport import fake_mori
+
+        return get_backend("mori", host="127.0.0.1", backend="rdma", module=fake_mori)
+    raise ValueError(name)

@@ -1,0 +1,126 @@
+"""A transport in a second process, driven over a pipe: the remote side of contract tests.
+
+The child owns named numpy buffers registered with its transport and answers commands;
+the parent-side :class:`PeerProcess` sends them with a bounded wait for every reply.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+from typing import Any
+
+import numpy as np
+
+REPLY_TIMEOUT_S = 60.0
+
+
+def pattern(seed: int, size: int) -> np.ndarray:
+    """Deterministic bytes for a buffer."""
+    return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def _serve(conn: Any, backend: str) -> None:
+    from tests.unit.transport.backends import make_transport
+
+    transport = make_transport(backend)
+    buffers: dict[str, np.ndarray] = {}
+    while True:
+        try:
+            cmd, args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if cmd == "exit":
+                transport.close()
+                conn.send(("ok", None))
+                break
+            result = _handle(transport, buffers, cmd, args)
+            conn.send(("ok", result))
+        except Exception as e:  # report to the parent, keep serving
+            conn.send(("err", (type(e).__name__, str(e))))
+
+
+def _handle(transport: Any, buffers: dict[str, np.ndarray], cmd: str, args: tuple) -> Any:
+    if cmd == "register":
+        name, size, seed = args
+        buf = pattern(seed, size)
+        buffers[name] = buf
+        transport.register_buffer(name, buf.ctypes.data, buf.nbytes, owner=buf)
+        return transport.descriptor().to_bytes()
+    if cmd == "descriptor":
+        return transport.descriptor().to_bytes()
+    if cmd == "connect":
+        return transport.connect(args[0])
+    if cmd == "bytes":
+        name, start, stop = args
+        return buffers[name][start:stop].tobytes()
+    if cmd == "fill":
+        name, seed = args
+        buffers[name][:] = pattern(seed, buffers[name].nbytes)
+        return None
+    if cmd == "write":
+        peer, local, remote, spans, timeout = args
+        transport.write(peer, local, remote, spans).wait(timeout)
+        return None
+    if cmd == "notify":
+        peer, payload = args
+        transport.notify(peer, payload)
+        return None
+    if cmd == "drain":
+        return [(n.sender, n.payload) for n in transport.drain_notifications()]
+    if cmd == "close":
+        transport.close()
+        return None
+    raise ValueError(f"unknown command {cmd!r}")
+
+
+class PeerError(RuntimeError):
+    """The peer process raised; ``kind`` is the exception's class name."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+
+
+class PeerProcess:
+    """Parent-side handle of a peer process (spawned, so no state is inherited)."""
+
+    def __init__(self, backend: str) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, backend), daemon=True)
+        self.process.start()
+        child.close()
+
+    def call(self, cmd: str, *args: Any, timeout: float = REPLY_TIMEOUT_S) -> Any:
+        """Run ``cmd`` in the peer and return its result; bounded by ``timeout``."""
+        self._conn.send((cmd, args))
+        if not self._conn.poll(timeout):
+            raise TimeoutError(f"peer did not answer {cmd!r} within {timeout}s")
+        status, value = self._conn.recv()
+        if status == "err":
+            raise PeerError(*value)
+        return value
+
+    def pause(self) -> None:
+        """SIGSTOP the peer: its engine stops serving until :meth:`resume`."""
+        os.kill(self.process.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        os.kill(self.process.pid, signal.SIGCONT)
+
+    def stop(self) -> None:
+        """Ask the peer to exit; kill it if it does not within a few seconds."""
+        if self.process.is_alive():
+            try:
+                self.resume()
+                self.call("exit", timeout=10)
+            except (TimeoutError, OSError, EOFError, PeerError):
+                pass
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(5)
+        self._conn.close()

@@ -1,0 +1,122 @@
+"""A tiny TCP notification channel for backends whose engine carries no messages (MoRI-IO).
+
+Each transport runs one :class:`NotifyServer` (a listening socket and one daemon thread) and
+advertises its ``host:port`` in its descriptor. :func:`send_notification` opens a connection,
+sends one frame and waits for a one-byte acknowledgement, so a returned call means the peer
+has queued the message. Frames: ``u32 sender length, sender (UTF-8), u32 payload length,
+payload``; payloads are capped at :data:`MAX_PAYLOAD` bytes.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import select
+import socket
+import struct
+import threading
+
+from vllm_pd_ext.transport.base import Notification
+from vllm_pd_ext.transport.errors import TransferError, TransferTimeout
+
+logger = logging.getLogger(__name__)
+
+#: Largest payload a notification may carry.
+MAX_PAYLOAD = 64 * 1024
+_LEN = struct.Struct("!I")
+_ACK = b"\x06"
+_CONN_TIMEOUT_S = 5.0
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the notification connection")
+        buf += chunk
+    return bytes(buf)
+
+
+class NotifyServer:
+    """Receives notifications on ``host:port`` (port 0 picks a free one) into a queue."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._sock = socket.create_server((host, port))
+        self._sock.settimeout(None)
+        self.host = host
+        self.port = int(self._sock.getsockname()[1])
+        self._queue: collections.deque[Notification] = collections.deque()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, name=f"pdext-notify-{self.port}", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def address(self) -> str:
+        """``host:port`` to put in the descriptor."""
+        return f"{self.host}:{self.port}"
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self._sock], [], [], 0.2)
+            except (OSError, ValueError):
+                return  # socket closed
+            if not ready:
+                continue
+            try:
+                conn, _ = self._sock.accept()
+            except OSError:
+                return
+            with conn:
+                try:
+                    conn.settimeout(_CONN_TIMEOUT_S)
+                    (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+                    sender = _recv_exact(conn, n).decode()
+                    (m,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+                    if m > MAX_PAYLOAD:
+                        raise ValueError(f"notification of {m} bytes exceeds {MAX_PAYLOAD}")
+                    payload = _recv_exact(conn, m)
+                    self._queue.append(Notification(sender=sender, payload=payload))
+                    conn.sendall(_ACK)
+                except (OSError, ValueError, UnicodeDecodeError) as e:
+                    logger.warning("dropped a bad notification frame: %s", e)
+
+    def drain(self) -> list[Notification]:
+        """Notifications received since the last call, oldest first."""
+        out = []
+        while self._queue:
+            out.append(self._queue.popleft())
+        return out
+
+    def close(self) -> None:
+        """Stop accepting and join the thread (bounded)."""
+        self._stop.set()
+        try:
+            self._sock.close()
+        finally:
+            self._thread.join(timeout=2.0)
+
+
+def send_notification(address: str, sender: str, payload: bytes, timeout: float) -> None:
+    """Deliver one notification to the server at ``address`` and wait for its ack.
+
+    Raises :class:`TransferTimeout` past ``timeout`` and :class:`TransferError` when the
+    server cannot be reached or the payload is too large.
+    """
+    if len(payload) > MAX_PAYLOAD:
+        raise TransferError(f"notification of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    host, _, port = address.rpartition(":")
+    name = sender.encode()
+    frame = _LEN.pack(len(name)) + name + _LEN.pack(len(payload)) + payload
+    try:
+        with socket.create_connection((host, int(port)), timeout=max(timeout, 1e-3)) as s:
+            s.sendall(frame)
+            if _recv_exact(s, 1) != _ACK:
+                raise TransferError(f"notification to {address} was not acknowledged")
+    except TimeoutError as e:
+        raise TransferTimeout(f"notification to {address} timed out after {timeout:.3f}s") from e
+    except (OSError, ConnectionError) as e:
+        raise TransferError(f"notification to {address} failed: {e}") from e
