@@ -112,6 +112,7 @@ def main(args: argparse.Namespace) -> int:
     except (ValidationError, ValueError, OSError) as exc:
         print(f"vllm-pd proxy: invalid configuration:\n{exc}", file=sys.stderr)
         return 2
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )

@@ -64,7 +64,7 @@ class TimeoutConfig(_Strict):
     prefill_s: float = Field(120.0, gt=0, description="whole prefill leg")
     decode_first_byte_s: float = Field(120.0, gt=0, description="decode leg until its headers")
     decode_idle_s: float = Field(120.0, gt=0, description="longest gap between decode chunks")
-    health_s: float = Field(2.0, gt=0)
+    health_s: float = Field(5.0, gt=0)
     drain_s: float = Field(60.0, gt=0, description="background drain of an abandoned split")
 
 
@@ -90,6 +90,9 @@ class ProxyConfig(_Strict):
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
     health_interval_s: float = Field(2.0, gt=0)
     health_backoff_max_s: float = Field(30.0, gt=0)
+    unhealthy_after: int = Field(
+        3, ge=1, description="failed health checks in a row (not refusals) before ejecting"
+    )
     api_key: SecretStr | None = None
     admin_token: SecretStr | None = None
     affinity_prefix_chars: int = Field(1024, ge=16, description="prefix-affinity key length")

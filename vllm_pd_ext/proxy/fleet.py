@@ -67,7 +67,7 @@ class Instance:
     def mark_failed(self, error: str, backoff_max: float) -> None:
         """Take the instance out of rotation and back off before the next health check."""
         self.healthy = False
-        self.failures += 1
+        self.failures = max(self.failures, 1)
         self.last_error = error
         self.next_check = time.monotonic() + min(backoff_max, 0.5 * 2 ** min(self.failures, 8))
 
@@ -176,10 +176,14 @@ class Fleet:
                 raise httpx.HTTPStatusError("unhealthy", request=resp.request, response=resp)
             metrics = await inst.client.get("/metrics", timeout=t.health_s)
         except httpx.HTTPError as exc:
+            # A refused connection is decisive; a slow or failing answer from a busy engine
+            # takes `unhealthy_after` rounds in a row, so load alone does not eject it.
             was = inst.healthy
-            inst.mark_failed(f"{type(exc).__name__}: {exc}", self.config.health_backoff_max_s)
-            if was:
-                logger.warning("fleet: %s is down: %s", inst.label, inst.last_error)
+            inst.failures += 1
+            if isinstance(exc, httpx.ConnectError) or inst.failures >= self.config.unhealthy_after:
+                inst.mark_failed(f"{type(exc).__name__}: {exc}", self.config.health_backoff_max_s)
+                if was:
+                    logger.warning("fleet: %s is down: %s", inst.label, inst.last_error)
             return
         if not inst.healthy:
             logger.info("fleet: %s is healthy", inst.label)

