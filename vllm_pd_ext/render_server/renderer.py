@@ -17,7 +17,11 @@ from typing import Any
 
 from vllm_pd_ext.render_server.errors import RenderError
 from vllm_pd_ext.render_server.protocol import ChatCompletionRequest, CompletionRequest
-from vllm_pd_ext.render_server.sampling import get_max_tokens, to_sampling_params
+from vllm_pd_ext.render_server.sampling import (
+    get_max_tokens,
+    to_sampling_params,
+    validation_error,
+)
 from vllm_pd_ext.render_server.settings import RenderSettings
 from vllm_pd_ext.render_server.tokenizer import TokenizerInfo
 
@@ -97,31 +101,34 @@ class Renderer:
         if len(ids) > limit:
             count = min(len(ids), limit + 1)  # vLLM encodes with max_length = limit + 1
             qualifier = "at least " if count == limit + 1 else ""
-            raise RenderError(
+            raise validation_error(
                 f"This model's maximum context length is {limit} tokens. However, your "
                 f"prompt contains {qualifier}{count} input tokens, which exceeds this limit "
                 "even without any output tokens. Please reduce the length of the input prompt.",
-                param="input_tokens",
+                "input_tokens",
+                count,
             )
 
     def _check_text_len(self, text: str) -> None:
         max_chars = self.max_model_len * self.tok.max_chars_per_token
         if len(text) > max_chars:
-            raise RenderError(
+            raise validation_error(
                 f"This model's maximum context length is {self.max_model_len} tokens. "
                 f"However, your prompt contains {len(text)} characters (more than "
                 f"{max_chars} characters, which is the upper bound for "
                 f"{self.max_model_len} input tokens). Please reduce the length of the "
                 "input prompt.",
-                param="input_text",
+                "input_text",
+                len(text),
             )
 
     def _check_output_budget(self, requested: int | None, param: str) -> None:
         if requested is not None and requested > self.max_model_len:
-            raise RenderError(
+            raise validation_error(
                 f"{param}={requested} cannot be greater than max_model_len="
                 f"{self.max_model_len}. Please request fewer output tokens.",
-                param=param,
+                param,
+                requested,
             )
 
     def _truncate(self, ids: list[int], truncate: int | None, side: str | None) -> list[int]:
@@ -130,10 +137,11 @@ class Renderer:
         if truncate < 0:
             truncate = max(0, self.max_model_len - 1)
         if truncate > self.max_model_len:
-            raise RenderError(
+            raise validation_error(
                 f"truncate_prompt_tokens={truncate} cannot be greater than max_model_len "
                 f"= {self.max_model_len}. Please request a smaller truncation size.",
-                param="truncate_prompt_tokens",
+                "truncate_prompt_tokens",
+                truncate,
             )
         if truncate >= len(ids):
             return ids
@@ -217,8 +225,12 @@ class Renderer:
         }
         if request.reasoning_effort is not None and "enable_thinking" not in user:
             extra["enable_thinking"] = request.reasoning_effort != "none"
-        merged = {**self.settings.default_chat_template_kwargs, **user}
-        merged.update({k: v for k, v in extra.items() if v is not None})
+        unset = (None, "auto")
+        merged = {**user, **{k: v for k, v in extra.items() if v not in unset}}
+        # vLLM folds its --cohere-format default (cmd4) into the default kwargs
+        defaults = {"cohere_format": "cmd4", **self.settings.default_chat_template_kwargs}
+        if defaults:
+            merged = {**defaults, **{k: v for k, v in merged.items() if v not in unset}}
         return merged
 
     def render_chat_text(self, request: ChatCompletionRequest) -> str:
@@ -317,7 +329,18 @@ class Renderer:
             params,
             request,
             reasoning_parser_kwargs=self._reasoning_parser_kwargs(request),
+            reasoning_ended=self._reasoning_ended(request, ids),
         )
+
+    def _reasoning_ended(self, request: ChatCompletionRequest, ids: list[int]) -> bool | None:
+        """vLLM's ``resolve_reasoning_ended``: None without a reasoning parser."""
+        if not request.include_reasoning:
+            return True
+        if self.settings.reasoning_parser is None:
+            return None
+        from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
+
+        return ThinkReasoningParser(self.tok).prompt_ended_reasoning(ids)
 
     def _reasoning_parser_kwargs(self, request: ChatCompletionRequest) -> dict[str, Any] | None:
         if self.settings.reasoning_parser is None:
@@ -477,6 +500,7 @@ def _generate_request(
     request: ChatCompletionRequest | CompletionRequest,
     *,
     reasoning_parser_kwargs: dict[str, Any] | None = None,
+    reasoning_ended: bool | None = None,
 ) -> dict[str, Any]:
     stream_options = None
     if request.stream and request.stream_options is not None:
@@ -492,7 +516,7 @@ def _generate_request(
         "content_parts": None,
         "sampling_params": sampling_params,
         "model": request.model,
-        "reasoning_ended": None,
+        "reasoning_ended": reasoning_ended,
         "reasoning_parser_kwargs": reasoning_parser_kwargs,
         "return_token_ids": None,
         "output_mode": "tokens",

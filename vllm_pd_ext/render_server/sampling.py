@@ -71,7 +71,15 @@ OUTPUT_KIND_DELTA = 1
 OUTPUT_KIND_FINAL_ONLY = 2
 
 
-def _bad(message: str, param: str | None = None) -> RenderError:
+def validation_error(message: str, param: str | None = None, value: Any = None) -> RenderError:
+    """vLLM's ``VLLMValidationError``: the message ends with ``(parameter=.., value=..)``."""
+    extras = []
+    if param is not None:
+        extras.append(f"parameter={param}")
+    if value is not None:
+        extras.append(f"value={value}")
+    if extras:
+        message = f"{message} ({', '.join(extras)})"
     return RenderError(message, param=param)
 
 
@@ -87,7 +95,7 @@ def get_max_tokens(
         limit = truncate_prompt_tokens
         input_length = min(input_length, max_model_len if limit == -1 else limit)
     if max_model_len < input_length:
-        raise _bad(
+        raise validation_error(
             f"Input length ({input_length}) exceeds model's maximum "
             f"context length ({max_model_len})."
         )
@@ -97,52 +105,81 @@ def get_max_tokens(
 
 def _verify(sp: dict[str, Any]) -> None:
     """``SamplingParams._verify_args`` (the checks a client can trip), same wording."""
+    n = sp["n"]
+    if n < 1:
+        raise validation_error(f"n must be at least 1, got {n}.")
+    if n > 16384:
+        raise validation_error(
+            f"n must be at most 16384, got {n}. To increase this limit, set the "
+            "VLLM_MAX_N_SEQUENCES environment variable."
+        )
     if not -2.0 <= sp["presence_penalty"] <= 2.0:
-        raise _bad(f"presence_penalty must be in [-2, 2], got {sp['presence_penalty']}.")
+        raise validation_error(
+            f"presence_penalty must be in [-2, 2], got {sp['presence_penalty']}."
+        )
     if not -2.0 <= sp["frequency_penalty"] <= 2.0:
-        raise _bad(f"frequency_penalty must be in [-2, 2], got {sp['frequency_penalty']}.")
+        raise validation_error(
+            f"frequency_penalty must be in [-2, 2], got {sp['frequency_penalty']}."
+        )
     rep = sp["repetition_penalty"]
-    if not math.isfinite(rep) or rep <= 0.0:
-        raise _bad(f"repetition_penalty must be a finite number greater than zero, got {rep}.")
+    if not math.isfinite(rep):
+        raise validation_error(f"repetition_penalty must be a finite number, got {rep}.")
+    if rep <= 0.0:
+        raise validation_error(f"repetition_penalty must be greater than zero, got {rep}.")
     temp = sp["temperature"]
     if not math.isfinite(temp):
-        raise _bad(f"temperature must be a finite number, got {temp}.", "temperature")
+        raise validation_error(
+            f"temperature must be a finite number, got {temp}.", "temperature", temp
+        )
     if temp < 0.0:
-        raise _bad(f"temperature must be non-negative, got {temp}.", "temperature")
+        raise validation_error(
+            f"temperature must be non-negative, got {temp}.", "temperature", temp
+        )
     if temp > 2.0:
-        raise _bad(f"temperature must be in [0, 2], got {temp}.", "temperature")
+        raise validation_error(f"temperature must be in [0, 2], got {temp}.", "temperature", temp)
     if not 0.0 < sp["top_p"] <= 1.0:
-        raise _bad(f"top_p must be in (0, 1], got {sp['top_p']}.", "top_p")
+        raise validation_error(f"top_p must be in (0, 1], got {sp['top_p']}.", "top_p", sp["top_p"])
     if sp["top_k"] < -1:
-        raise _bad(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.", "top_k")
+        raise validation_error(f"top_k must be 0 (disable), or at least 1, got {sp['top_k']}.")
     if not 0.0 <= sp["min_p"] <= 1.0:
-        raise _bad(f"min_p must be in [0, 1], got {sp['min_p']}.", "min_p")
+        raise validation_error(f"min_p must be in [0, 1], got {sp['min_p']}.")
     max_tokens = sp["max_tokens"]
     if max_tokens is not None and max_tokens < 1:
-        raise _bad(f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+        raise validation_error(
+            f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens", max_tokens
+        )
     if sp["min_tokens"] < 0:
-        raise _bad(
-            f"min_tokens must be greater than or equal to 0, got {sp['min_tokens']}.",
-            "min_tokens",
+        raise validation_error(
+            f"min_tokens must be greater than or equal to 0, got {sp['min_tokens']}."
         )
     if max_tokens is not None and sp["min_tokens"] > max_tokens:
-        raise _bad(
+        raise validation_error(
             f"min_tokens must be less than or equal to max_tokens={max_tokens}, "
-            f"got {sp['min_tokens']}.",
-            "min_tokens",
+            f"got {sp['min_tokens']}."
         )
-    if sp["stream_interval"] is not None and sp["stream_interval"] < 1:
-        raise _bad(f"stream_interval must be at least 1, got {sp['stream_interval']}.")
+    interval = sp["stream_interval"]
+    if interval is not None and interval < 1:
+        raise validation_error(
+            f"stream_interval must be at least 1, got {interval}.", "stream_interval", interval
+        )
     logprobs = sp["logprobs"]
     if logprobs is not None and logprobs != -1 and logprobs < 0:
-        raise _bad(f"logprobs must be non-negative or -1, got {logprobs}.", "logprobs")
+        raise validation_error(
+            f"logprobs must be non-negative or -1, got {logprobs}.", "logprobs", logprobs
+        )
     plp = sp["prompt_logprobs"]
     if plp is not None and plp != -1 and plp < 0:
-        raise _bad(f"prompt_logprobs must be non-negative or -1, got {plp}.", "prompt_logprobs")
-    if sp["n"] < 1:
-        raise _bad(f"n must be at least 1, got {sp['n']}.", "n")
-    if sp["temperature"] < _SAMPLING_EPS and sp["n"] > 1:
-        raise _bad(f"n must be 1 when using greedy sampling, got {sp['n']}.", "n")
+        raise validation_error(
+            f"prompt_logprobs must be non-negative or -1, got {plp}.", "prompt_logprobs", plp
+        )
+    if any(not s for s in sp["stop"]):
+        raise validation_error("stop cannot contain an empty string.")
+    if any(not w for w in sp["bad_words"]):
+        raise validation_error(
+            f"bad_words cannot contain an empty string. Got bad_words={sp['bad_words']}"
+        )
+    if sp["temperature"] < _SAMPLING_EPS and n > 1:
+        raise validation_error(f"n must be 1 when using greedy sampling, got {n}.")
 
 
 def to_sampling_params(
@@ -157,7 +194,7 @@ def to_sampling_params(
     Raises :class:`RenderError` with vLLM's wording for values vLLM rejects.
     """
     if request.response_format is not None or request.structured_outputs is not None:
-        raise _bad(
+        raise validation_error(
             "structured outputs (response_format / structured_outputs) are not supported by "
             "this render server yet",
             "response_format",
@@ -210,7 +247,7 @@ def to_sampling_params(
             except (TypeError, ValueError):
                 invalid.append(token)
         if invalid:
-            raise _bad(
+            raise validation_error(
                 "logit_bias contains key(s) that cannot be converted to integer token "
                 f"IDs: {invalid!r}",
                 "logit_bias",
@@ -268,18 +305,22 @@ def _check_logprobs(
     max_logprobs: int,
 ) -> None:
     if prompt_logprobs is not None and request.stream:
-        raise _bad("`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs")
+        raise validation_error(
+            "`prompt_logprobs` are not available when `stream=True`.", "prompt_logprobs"
+        )
     if isinstance(request, ChatCompletionRequest):
         top = request.top_logprobs
         if top is not None and top < 0 and top != -1:
-            raise _bad("`top_logprobs` must be a positive value or -1.", "top_logprobs")
+            raise validation_error("`top_logprobs` must be a positive value or -1.", "top_logprobs")
         if top and not request.logprobs:
-            raise _bad("when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs")
+            raise validation_error(
+                "when using `top_logprobs`, `logprobs` must be set to true.", "top_logprobs"
+            )
     elif logprobs is not None and logprobs < 0 and logprobs != -1:
-        raise _bad("`logprobs` must be a positive value or -1.", "logprobs")
+        raise validation_error("`logprobs` must be a positive value or -1.", "logprobs")
     for name, value in (("logprobs", logprobs), ("prompt_logprobs", prompt_logprobs)):
         if value is not None and max_logprobs >= 0 and value > max_logprobs:
-            raise _bad(
+            raise validation_error(
                 f"Requested {name.replace('_', ' ')} of {value}, which is greater than "
                 f"max allowed: {max_logprobs}",
                 name,

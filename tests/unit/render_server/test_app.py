@@ -316,7 +316,10 @@ def test_reasoning_and_tool_call_stream(parser_client, size):
         content.append(choice["delta"].get("content") or "")
         calls += choice["delta"].get("tool_calls") or []
         finish = choice["finish_reason"]
-    assert "".join(reasoning) == "Need the weather."
+    # vLLM's deepseek_r1 rule: a <think> sharing its chunk with other tokens stays in reasoning
+    end_id = _ids(parser_client, "</think>")[0]
+    keeps_marker = size > 1 and end_id not in ids[:size]
+    assert "".join(reasoning) == ("<think>" if keeps_marker else "") + "Need the weather."
     assert "".join(content) == "Let me check."
     assert [c["function"]["name"] for c in calls] == ["get_weather"]
     assert calls[0]["function"]["arguments"] == '{"city": "Zürich"}'

@@ -47,8 +47,11 @@ class ChatParser:
         reasoning = None
         content: str | None = text
         if self.reasoning is not None and not state.get("reasoning_ended", True):
-            reasoning, content, ended = self.reasoning.split_delta(text, token_ids)
+            reasoning, content, ended, seen = self.reasoning.split_delta(
+                text, token_ids, bool(state.get("seen_start"))
+            )
             state["reasoning_ended"] = ended
+            state["seen_start"] = seen
         delta: dict[str, Any] = {}
         if reasoning:
             delta["reasoning"] = reasoning

