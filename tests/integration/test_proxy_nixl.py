@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
 
+from tests.integration.proxy_process import running_proxy
 from vllm_pd_ext.tools.pd_demo import EXTERNAL, NIXL_CPU, PROMPT_TOKENS_BY_SOURCE, make_prompt_ids
 from vllm_pd_ext.tools.vllm_process import free_port
 
@@ -46,51 +45,18 @@ def fleet(vllm_servers, tiny_llama):
 @pytest.fixture(scope="module")
 def proxy_url(fleet, tmp_path_factory):
     prefill, decode = fleet
-    port = free_port()
     log = tmp_path_factory.mktemp("proxy") / "proxy.log"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vllm_pd_ext.cli",
-                "proxy",
-                "--port",
-                str(port),
-                "--prefill",
-                prefill.base_url,
-                "--decode",
-                decode.base_url,
-                "--min-split-prompt-tokens",
-                "64",
-                "--no-cost-model",
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    args = [
+        "--prefill",
+        prefill.base_url,
+        "--decode",
+        decode.base_url,
+        "--min-split-prompt-tokens",
+        "64",
+        "--no-cost-model",
+    ]
+    with running_proxy(args, log) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    # A clean shutdown on SIGTERM (uvicorn re-raises the signal once it has shut down).
-    assert proc.returncode in (0, -15), log.read_text()[-4000:]
-    assert "Application shutdown complete" in log.read_text()
 
 
 def completion(model: str, prompt, **extra) -> dict:

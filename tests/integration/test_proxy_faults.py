@@ -1,0 +1,138 @@
+"""The proxy when real engines die: a killed decode mid-stream, a killed prefill mid-request."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.integration.proxy_process import running_proxy
+from vllm_pd_ext.tools.pd_demo import NIXL_CPU, make_prompt_ids
+from vllm_pd_ext.tools.vllm_process import free_port
+
+pytestmark = pytest.mark.integration
+
+KV = {**NIXL_CPU, "kv_connector_extra_config": {"kv_lease_duration": 10}}
+
+
+def start(vllm_servers, model, role, core, port=None, wait=True):
+    return vllm_servers.start(
+        model,
+        name=f"faults-{role}-{int(time.time())}",
+        wait=wait,
+        cpu_core=core,
+        port=port,
+        kv_transfer_config=KV,
+        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        extra_args=["--no-enable-prefix-caching"],
+    )
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_servers, tiny_llama):
+    prefill = start(vllm_servers, tiny_llama, "prefill", 0, wait=False)
+    decode = start(vllm_servers, tiny_llama, "decode", 1, wait=False)
+    prefill.wait_healthy()
+    decode.wait_healthy()
+    return {"prefill": prefill, "decode": decode}
+
+
+@pytest.fixture(scope="module")
+def proxy_url(fleet, tmp_path_factory):
+    log = tmp_path_factory.mktemp("proxy-faults") / "proxy.log"
+    args = [
+        "--prefill",
+        fleet["prefill"].base_url,
+        "--decode",
+        fleet["decode"].base_url,
+        "--min-split-prompt-tokens",
+        "64",
+        "--no-cost-model",
+    ]
+    with running_proxy(args, log) as url:
+        yield url
+
+
+def body(model: str, prompt: list[int], **extra) -> dict:
+    return {
+        "model": model,
+        "prompt": prompt,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+        **extra,
+    }
+
+
+def wait_idle(server, timeout=60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        running = server.metric("vllm:num_requests_running")
+        usage = server.metric("vllm:kv_cache_usage_perc")
+        if running == 0 and usage == 0:
+            return
+        assert time.monotonic() < deadline, (server.base_url, running, usage)
+        time.sleep(0.5)
+
+
+def test_decode_killed_mid_stream_ends_with_error_event(fleet, proxy_url, tiny_llama, vllm_servers):
+    prefill, decode = fleet["prefill"], fleet["decode"]
+    payload = body(
+        decode.served_name, make_prompt_ids(tiny_llama, 150), max_tokens=400, stream=True
+    )
+    events: list[str] = []
+    with httpx.stream("POST", f"{proxy_url}/v1/completions", json=payload, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
+            if len(events) == 3:
+                os.killpg(decode.proc.pid, signal.SIGKILL)
+    assert len(events) < 400
+    last = json.loads(events[-1][6:])
+    assert last["error"]["code"] == 502, events[-3:]
+    assert "mid-stream" in last["error"]["message"]
+    wait_idle(prefill)  # the decode had pulled the KV before its first token
+    # Bring the decode instance back on the same port for the next test.
+    decode.stop()
+    fleet["decode"] = start(vllm_servers, tiny_llama, "decode", 1, port=decode.port)
+    deadline = time.monotonic() + 60
+    while httpx.get(f"{proxy_url}/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+
+
+def test_prefill_killed_mid_request_falls_back_to_colocated(fleet, proxy_url, tiny_llama):
+    prefill, decode = fleet["prefill"], fleet["decode"]
+    payload = body(decode.served_name, make_prompt_ids(tiny_llama, 200))
+    expected = httpx.post(f"{decode.base_url}/v1/completions", json=payload, timeout=120).json()[
+        "choices"
+    ][0]["token_ids"]
+    os.killpg(prefill.proc.pid, signal.SIGSTOP)  # the prefill leg will hang...
+    result: dict = {}
+
+    def send():
+        result["resp"] = httpx.post(f"{proxy_url}/v1/completions", json=payload, timeout=120)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    time.sleep(1.5)
+    os.killpg(prefill.proc.pid, signal.SIGKILL)  # ...until the prefill dies under it
+    sender.join(timeout=120)
+    resp = result["resp"]
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == expected
+    metrics = httpx.get(f"{proxy_url}/metrics").text
+    assert 'vllm_pd_fallbacks_total{reason="prefill_failed"} 1.0' in metrics
+    wait_idle(decode)
+    # The proxy took the dead prefill out of rotation: the next long prompt runs colocated.
+    resp = httpx.post(f"{proxy_url}/v1/completions", json=payload, timeout=120)
+    assert resp.status_code == 200
+    assert 'reason="no_prefill"' in httpx.get(f"{proxy_url}/metrics").text
