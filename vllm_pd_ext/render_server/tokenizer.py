@@ -41,8 +41,21 @@ class TokenizerInfo:
     def max_chars_per_token(self) -> int:
         return max(len(tok) for tok in self.hf.get_vocab())
 
+    @cached_property
+    def segment_cache(self) -> Any:
+        """The multi-turn :class:`SegmentCache`, or None when this tokenizer cannot use it."""
+        from vllm_pd_ext.render_server.segment_cache import SegmentCache, supports_segment_cache
+
+        if not supports_segment_cache(self.backend):
+            logger.info("segment cache off: tokenizer splits are not independent")
+            return None
+        return SegmentCache(self.backend)
+
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
-        """Token ids of ``text`` (no truncation)."""
+        """Token ids of ``text`` (no truncation); reuses cached segments when it can."""
+        cache = self.segment_cache
+        if cache is not None and (not add_special_tokens or self.backend.post_processor is None):
+            return cache.encode(text)
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: list[str], *, add_special_tokens: bool) -> list[list[int]]:

@@ -1,0 +1,102 @@
+"""Multi-turn tokenization cache: text between added tokens is tokenized once, then reused.
+
+The Rust tokenizer cuts added tokens (``<|im_start|>``, ``<|im_end|>``, ...) out of the text
+before normalizing and pre-tokenizing, so each stretch of text between two added tokens is
+tokenized on its own. A chat prompt is therefore the concatenation of those segments' ids, and a
+conversation's earlier turns are segments already seen. This cache keys ids by segment text
+(LRU, bounded by characters) and only tokenizes segments it has not seen: turn *k+1* costs the
+new messages, not the whole history, and the ids equal a full ``encode`` exactly.
+
+It is enabled only for tokenizers where that equivalence holds (added tokens without
+``lstrip``/``rstrip``/``single_word``, and either no normalizer or only added tokens matched on
+the raw text), see :func:`supports_segment_cache`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+from collections import OrderedDict
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: Segments shorter than this are tokenized directly (a dict entry costs more than they do).
+MIN_CACHED_CHARS = 64
+
+
+def supports_segment_cache(backend: Any) -> bool:
+    """Whether segment-wise encoding equals whole-text encoding for this Rust tokenizer."""
+    try:
+        config = json.loads(backend.to_str())
+    except Exception:
+        return False
+    has_normalizer = config.get("normalizer") is not None
+    for added in config.get("added_tokens", []):
+        if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
+            return False
+        if added.get("normalized") and has_normalizer:
+            # matched on normalized text, which can differ from the raw text we split
+            return False
+    # The normalizer (e.g. NFC) runs per stretch between raw added tokens anyway.
+    return bool(config.get("added_tokens"))
+
+
+class SegmentCache:
+    """Thread-safe LRU of segment text -> token ids, bounded by total characters."""
+
+    def __init__(self, backend: Any, max_chars: int = 64 * 1024 * 1024) -> None:
+        self.backend = backend
+        self.max_chars = max_chars
+        added = backend.get_added_tokens_decoder()
+        self.added_ids = {tok.content: tid for tid, tok in added.items()}
+        contents = sorted(self.added_ids, key=len, reverse=True)
+        self.splitter = re.compile("(" + "|".join(re.escape(c) for c in contents) + ")")
+        self._entries: OrderedDict[str, list[int]] = OrderedDict()
+        self._chars = 0
+        self._lock = threading.Lock()
+        self.hits = 0
+        self.misses = 0
+
+    def encode(self, text: str) -> list[int]:
+        """Ids of ``text`` without special-token post-processing (``add_special_tokens=False``)."""
+        pieces = self.splitter.split(text)
+        out: list[int] = []
+        misses: list[tuple[int, str]] = []
+        parts: list[list[int] | None] = []
+        with self._lock:
+            for i, piece in enumerate(pieces):
+                if not piece:
+                    parts.append([])
+                elif i % 2 == 1:  # odd pieces are the captured added tokens
+                    parts.append([self.added_ids[piece]])
+                elif len(piece) >= MIN_CACHED_CHARS and piece in self._entries:
+                    self._entries.move_to_end(piece)
+                    parts.append(self._entries[piece])
+                    self.hits += 1
+                else:
+                    parts.append(None)
+                    misses.append((i, piece))
+        if misses:
+            encoded = self.backend.encode_batch([p for _, p in misses], add_special_tokens=False)
+            with self._lock:
+                for (i, piece), enc in zip(misses, encoded, strict=True):
+                    ids = enc.ids
+                    parts[i] = ids
+                    if len(piece) >= MIN_CACHED_CHARS:
+                        self.misses += 1
+                        self._put(piece, ids)
+        for part in parts:
+            out.extend(part)  # type: ignore[arg-type]
+        return out
+
+    def _put(self, piece: str, ids: list[int]) -> None:
+        if piece in self._entries:
+            return
+        self._entries[piece] = ids
+        self._chars += len(piece)
+        while self._chars > self.max_chars and self._entries:
+            old, _ = self._entries.popitem(last=False)
+            self._chars -= len(old)
