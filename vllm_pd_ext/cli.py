@@ -1,7 +1,7 @@
 """The ``vllm-pd`` command: one subcommand per tool.
 
-Subcommands import their modules lazily so that ``vllm-pd --help`` and ``vllm-pd kv-size``
-stay fast and work without vLLM or torch installed.
+Subcommands import their heavy modules lazily so that ``vllm-pd --help`` and
+``vllm-pd kv-size`` stay fast and work without vLLM or torch installed.
 """
 
 from __future__ import annotations
@@ -137,8 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
 
     from vllm_pd_ext.proxy.cli import add_parser as add_proxy_parser
+    from vllm_pd_ext.render_server.cli import add_parser as add_render_parser
 
     add_proxy_parser(sub)
+    add_render_parser(sub)
     return parser
 
 
