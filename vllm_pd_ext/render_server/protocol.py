@@ -7,9 +7,12 @@ unchanged. Nothing here imports vLLM.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+#: A token id: non-negative and small enough for the Rust tokenizer (u32).
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
 
 class _Open(BaseModel):
@@ -135,7 +138,7 @@ class CompletionRequest(_SamplingFields):
 
 
 class GenerateLogProb(_Open):
-    token_id: int
+    token_id: TokenId
     logprob: float
     rank: int | None = None
 
@@ -158,7 +161,7 @@ class GenerateChoice(_Open):
     index: int = 0
     finish_reason: str | None = "stop"
     stop_reason: int | str | None = None
-    token_ids: list[NonNegativeInt] | None = None
+    token_ids: list[TokenId] | None = None
     logprobs: GenerateLogProbs | None = None
 
 
@@ -171,7 +174,7 @@ class GenerateResponse(_Open):
     output_mode: Literal["tokens"] = "tokens"
     choices: list[GenerateChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     prompt_logprobs: list[Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     metrics: dict[str, Any] | None = None
@@ -182,7 +185,7 @@ class GenerateStreamResponse(_Open):
     output_mode: Literal["tokens"] = "tokens"
     choices: list[GenerateStreamChoice]
     usage: UsageInfo | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     metrics: dict[str, Any] | None = None
 
 
@@ -212,7 +215,7 @@ class DerenderChatRequest(_Open):
     model: str | None = None
     generate_response: GenerateResponse
     prompt_tokens: int | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
@@ -222,7 +225,7 @@ class DerenderChatStreamRequest(_Open):
     generate_chunk: GenerateStreamResponse
     stream_state: DerenderStreamState | None = None
     prompt_tokens: int | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     chat_request: ChatCompletionRequest | None = None
 
 
@@ -231,7 +234,7 @@ class DerenderCompletionRequest(_Open):
     model: str | None = None
     generate_responses: list[GenerateResponse]
     prompt_tokens: list[int] | None = None
-    prompt_token_ids: list[list[NonNegativeInt] | None] | None = None
+    prompt_token_ids: list[list[TokenId] | None] | None = None
     completion_request: CompletionRequest | None = None
 
     @model_validator(mode="after")
@@ -256,5 +259,5 @@ class DerenderCompletionStreamRequest(_Open):
     generate_chunk: GenerateStreamResponse
     stream_state: DerenderStreamState | None = None
     prompt_tokens: int | None = None
-    prompt_token_ids: list[NonNegativeInt] | None = None
+    prompt_token_ids: list[TokenId] | None = None
     completion_request: CompletionRequest | None = None
