@@ -1,0 +1,520 @@
+"""KV-transfer bandwidth between two processes: our transport next to NIXL and the floors.
+
+Moves the KV blocks of a Qwen2.5-7B-shaped cache (28 layers, 4 KV heads, head dim 128, bf16,
+16-token blocks: one K or V block of one layer is 16 KiB, 56 KiB per token) for 1k, 8k and
+32k-token prompts from a "prefill" process into a "decode" process, the way a P/D connector
+does: one registered region per layer laid out ``[K|V][block][16 KiB]``, one span per K or V
+block, prefill blocks contiguous (a fresh engine) and decode blocks scattered (random free
+blocks) unless ``--layout contiguous``. Every configuration is timed ``--runs`` times (median
+reported) after one warm-up, and sampled blocks are compared byte for byte.
+
+Printed side by side, in one run, on this machine:
+
+* memcpy: ``numpy.copyto`` of a large buffer in one process (a floor: no copy is faster);
+* loopback TCP: one socket between the two processes, 4 MiB ``sendall``/``recv_into``;
+* ours: ``vllm_pd_ext.transport`` ``mooncake`` backend over TCP (28 batched writes, one per
+  layer, then ``wait_all``);
+* NIXL 1.5.1, UCX backend, one ``initialize_xfer`` + ``transfer`` of all spans: once with
+  UCX's default transports (shared memory / CMA between local processes: not a network
+  path) and once restricted to TCP (``UCX_TLS=tcp``), the like-for-like comparison.
+
+Writes ``benchmarks/results/transport_bandwidth.json``. Run:
+``.venv/bin/python benchmarks/transport_bandwidth.py`` (about 2-3 minutes on 2 cores).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+LAYERS, KV_HEADS, HEAD_DIM, DTYPE_BYTES, BLOCK_TOKENS = 28, 4, 128, 2, 16
+BLOCK_BYTES = BLOCK_TOKENS * KV_HEADS * HEAD_DIM * DTYPE_BYTES  # one K or V block of a layer
+TOKEN_BYTES = LAYERS * 2 * KV_HEADS * HEAD_DIM * DTYPE_BYTES
+RESULTS = Path(__file__).parent / "results" / "transport_bandwidth.json"
+REPLY_TIMEOUT_S = 300.0
+WAIT_S = 120.0
+TCP_CHUNK = 4 << 20
+#: NIXL variants: UCX_TLS for each (None = UCX default).
+NIXL_TLS: dict[str, str | None] = {"nixl": None, "nixl-tcp": "tcp"}
+
+
+def blocks_for(tokens: int) -> int:
+    return -(-tokens // BLOCK_TOKENS)
+
+
+def kv_cache(num_blocks: int, fill: int | None) -> np.ndarray:
+    """``[layer][K|V][block][bytes]``; filled with a per-layer pattern unless ``fill`` is None."""
+    cache = np.empty((LAYERS, 2, num_blocks, BLOCK_BYTES), dtype=np.uint8)
+    if fill is None:
+        cache.fill(0)
+    else:
+        row = np.random.default_rng(fill).integers(0, 256, BLOCK_BYTES * 4, dtype=np.uint8)
+        flat = cache.reshape(LAYERS, -1)
+        for layer in range(LAYERS):
+            reps = -(-flat.shape[1] // row.size)
+            flat[layer] = np.tile(np.roll(row, layer * 7 + 1), reps)[: flat.shape[1]]
+    return cache
+
+
+def layer_spans(src_ids: np.ndarray, dst_ids: np.ndarray, num_blocks: int) -> np.ndarray:
+    """Spans of one layer: K then V of every block, offsets within the layer's region."""
+    parts = []
+    for kv in (0, 1):
+        base = kv * num_blocks
+        parts.append(
+            np.stack(
+                [
+                    (base + src_ids) * BLOCK_BYTES,
+                    (base + dst_ids) * BLOCK_BYTES,
+                    np.full(len(src_ids), BLOCK_BYTES),
+                ],
+                axis=1,
+            )
+        )
+    return np.concatenate(parts).astype(np.int64)
+
+
+# ----------------------------------------------------------------- the decode side
+def _nixl_agent(name: str, ucx_tls: str | None) -> Any:
+    """A NIXL UCX agent; ``UCX_TLS`` is read when UCX starts, so set it around creation."""
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    saved = os.environ.get("UCX_TLS")
+    if ucx_tls:
+        os.environ["UCX_TLS"] = ucx_tls
+    else:
+        os.environ.pop("UCX_TLS", None)
+    try:
+        return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    finally:
+        if saved is None:
+            os.environ.pop("UCX_TLS", None)
+        else:
+            os.environ["UCX_TLS"] = saved
+
+
+def _decode_side(conn: Any, num_blocks: int, nixl_variants: list[str]) -> None:
+    cache = kv_cache(num_blocks, fill=None)
+    state: dict[str, Any] = {"variants": nixl_variants}
+    try:
+        while True:
+            cmd, args = conn.recv()
+            if cmd == "exit":
+                conn.send(("ok", None))
+                return
+            try:
+                conn.send(("ok", _decode_cmd(cmd, args, cache, state)))
+            except Exception as e:
+                conn.send(("err", f"{type(e).__name__}: {e}"))
+    finally:
+        if "t" in state:
+            state["t"].close()
+
+
+def _decode_cmd(cmd: str, args: tuple, cache: np.ndarray, state: dict[str, Any]) -> Any:
+    if cmd == "blocks":  # bytes of (layer, kv, block) triples, for verification
+        return b"".join(cache[layer, kv, block].tobytes() for layer, kv, block in args[0])
+    if cmd == "clear":
+        cache.fill(0)
+        return None
+    if cmd == "up":  # our transport and the NIXL agents, all over the same cache
+        from vllm_pd_ext.transport import get_backend
+
+        t = get_backend("mooncake", host="127.0.0.1", protocol="tcp")
+        for layer in range(LAYERS):
+            t.register_buffer(f"layer{layer}", cache[layer].ctypes.data, cache[layer].nbytes)
+        state["t"] = t
+        metas = {}
+        regs = [(cache[i].ctypes.data, cache[i].nbytes, 0, "") for i in range(LAYERS)]
+        for variant in state["variants"]:
+            agent = _nixl_agent(f"decode-{variant}-{os.getpid()}", NIXL_TLS[variant])
+            agent.register_memory(regs, "DRAM")
+            state[variant] = agent
+            metas[variant] = agent.get_agent_metadata()
+        bases = [cache[i].ctypes.data for i in range(LAYERS)]
+        return t.descriptor().to_bytes(), metas, bases
+    if cmd == "tcp_listen":
+        srv = socket.create_server(("127.0.0.1", 0))
+        state["srv"] = srv
+        return srv.getsockname()[1]
+    if cmd == "tcp_recv":  # receive args[0] bytes on the accepted socket, ack with one byte
+        nbytes = args[0]
+        if "sock" not in state:
+            state["sock"], _ = state["srv"].accept()
+        sock = state["sock"]
+        view = memoryview(cache.reshape(-1))
+        got = 0
+        while got < nbytes:
+            n = min(TCP_CHUNK, nbytes - got)
+            off = got % (len(view) - TCP_CHUNK)
+            k = sock.recv_into(view[off : off + n], n)
+            if k == 0:
+                raise ConnectionError("sender closed")
+            got += k
+        sock.sendall(b"\x06")
+        return got
+    raise ValueError(cmd)
+
+
+class DecodeProcess:
+    """The decode side: a spawned process owning the destination KV cache."""
+
+    def __init__(self, num_blocks: int, nixl_variants: list[str]) -> None:
+        ctx = mp.get_context("spawn")
+        self._conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_decode_side, args=(child, num_blocks, nixl_variants))
+        self.proc.start()
+        child.close()
+
+    def send(self, cmd: str, *args: Any) -> None:
+        self._conn.send((cmd, args))
+
+    def result(self, cmd: str) -> Any:
+        if not self._conn.poll(REPLY_TIMEOUT_S):
+            raise TimeoutError(f"decode side did not answer {cmd!r}")
+        status, value = self._conn.recv()
+        if status == "err":
+            raise RuntimeError(f"decode side failed {cmd!r}: {value}")
+        return value
+
+    def call(self, cmd: str, *args: Any) -> Any:
+        self.send(cmd, *args)
+        return self.result(cmd)
+
+    def stop(self) -> None:
+        try:
+            if self.proc.is_alive():
+                self.call("exit")
+        finally:
+            self.proc.join(10)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join(5)
+
+
+# ------------------------------------------------------------------------ floors
+def memcpy_seconds(src: np.ndarray, dst: np.ndarray) -> float:
+    t0 = time.perf_counter()
+    np.copyto(dst, src)
+    return time.perf_counter() - t0
+
+
+class TcpFloor:
+    """One loopback TCP connection to the decode process; ``once`` times ``nbytes`` through it."""
+
+    def __init__(self, decode: DecodeProcess, src: np.ndarray) -> None:
+        self.decode = decode
+        self.sock = socket.create_connection(("127.0.0.1", decode.call("tcp_listen")))
+        self.view = memoryview(src.reshape(-1))
+
+    def once(self, nbytes: int) -> float:
+        self.decode.send("tcp_recv", nbytes)
+        t0 = time.perf_counter()
+        sent = 0
+        while sent < nbytes:
+            n = min(TCP_CHUNK, nbytes - sent)
+            off = sent % (len(self.view) - TCP_CHUNK)
+            self.sock.sendall(self.view[off : off + n])
+            sent += n
+        if self.sock.recv(1) != b"\x06":
+            raise ConnectionError("no ack from the decode side")
+        dt = time.perf_counter() - t0
+        if self.decode.result("tcp_recv") != nbytes:
+            raise ConnectionError("decode side received the wrong byte count")
+        return dt
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+# -------------------------------------------------------------------- transfers
+class Ours:
+    """``vllm_pd_ext.transport`` mooncake backend: one batched write per layer, then wait_all."""
+
+    def __init__(self, src: np.ndarray, descriptor: bytes) -> None:
+        from vllm_pd_ext.transport import get_backend
+
+        self.t = get_backend("mooncake", host="127.0.0.1", protocol="tcp")
+        for layer in range(LAYERS):
+            self.t.register_buffer(f"layer{layer}", src[layer].ctypes.data, src[layer].nbytes)
+        self.peer = self.t.connect(descriptor)
+
+    def once(self, spans: np.ndarray) -> float:
+        t0 = time.perf_counter()
+        handles = [self.t.write(self.peer, f"layer{i}", f"layer{i}", spans) for i in range(LAYERS)]
+        self.t.wait_all(handles, WAIT_S)
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.t.close()
+
+
+class Nixl:
+    """NIXL UCX agent: one ``initialize_xfer`` + ``transfer`` of every span of every layer."""
+
+    def __init__(self, variant: str, src: np.ndarray, meta: bytes, bases: list[int]) -> None:
+        self.agent = _nixl_agent(f"prefill-{variant}-{os.getpid()}", NIXL_TLS[variant])
+        regs = [(src[i].ctypes.data, src[i].nbytes, 0, "") for i in range(LAYERS)]
+        self.agent.register_memory(regs, "DRAM")
+        self.peer = self.agent.add_remote_agent(meta)
+        self.local_bases = [src[i].ctypes.data for i in range(LAYERS)]
+        self.remote_bases = bases
+
+    @staticmethod
+    def _descs(spans: np.ndarray, bases: list[int], col: int) -> np.ndarray:
+        out = np.zeros((LAYERS * len(spans), 3), dtype=np.int64)
+        for i, base in enumerate(bases):
+            rows = out[i * len(spans) : (i + 1) * len(spans)]
+            rows[:, 0] = spans[:, col] + base
+            rows[:, 1] = spans[:, 2]
+        return out
+
+    def once(self, spans: np.ndarray) -> float:
+        a = self.agent
+        t0 = time.perf_counter()
+        local = a.get_xfer_descs(self._descs(spans, self.local_bases, 0), "DRAM")
+        remote = a.get_xfer_descs(self._descs(spans, self.remote_bases, 1), "DRAM")
+        handle = a.initialize_xfer("WRITE", local, remote, self.peer)
+        state = a.transfer(handle)
+        deadline = time.monotonic() + WAIT_S
+        while state not in ("DONE", "ERR") and time.monotonic() < deadline:
+            state = a.check_xfer_state(handle)
+        a.release_xfer_handle(handle)
+        if state != "DONE":
+            raise RuntimeError(f"NIXL transfer ended in state {state}")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.agent.remove_remote_agent(self.peer)
+
+
+def check_blocks(decode: DecodeProcess, src: np.ndarray, src_ids, dst_ids, seed: int) -> None:
+    """Compare 32 random (layer, K/V, block) blocks of the decode side with the source."""
+    rng = np.random.default_rng(seed)
+    picks = [
+        (int(rng.integers(LAYERS)), int(rng.integers(2)), int(rng.integers(len(src_ids))))
+        for _ in range(32)
+    ]
+    got = decode.call("blocks", [(layer, kv, int(dst_ids[i])) for layer, kv, i in picks])
+    want = b"".join(src[layer, kv, int(src_ids[i])].tobytes() for layer, kv, i in picks)
+    if got != want:
+        raise AssertionError("transferred KV blocks differ from the source")
+
+
+# ------------------------------------------------------------------------- main
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def make_plans(token_sizes: list[int], layouts: list[str], num_blocks: int) -> list[dict]:
+    """One plan per (layout, prompt length): which prefill blocks go to which decode blocks."""
+    plans = []
+    for layout in layouts:
+        rng = np.random.default_rng(0)
+        for tokens in token_sizes:
+            nb = blocks_for(tokens)
+            src_ids = np.arange(nb)
+            dst_ids = np.arange(nb) if layout == "contiguous" else rng.permutation(num_blocks)[:nb]
+            spans = layer_spans(src_ids, dst_ids, num_blocks)
+            plans.append(
+                {
+                    "layout": layout,
+                    "tokens": tokens,
+                    "src_ids": src_ids,
+                    "dst_ids": dst_ids,
+                    "spans": spans,
+                    "bytes": LAYERS * int(spans[:, 2].sum()),
+                }
+            )
+    return plans
+
+
+def measure(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], dict[str, str]]:
+    token_sizes = [int(x) for x in args.tokens.split(",")]
+    num_blocks = blocks_for(max(token_sizes))
+    plans = make_plans(token_sizes, args.layouts.split(","), num_blocks)
+    src = kv_cache(num_blocks, fill=1)
+    floor_bytes = args.floor_mb << 20
+    mc_src = np.ones(floor_bytes, dtype=np.uint8)
+    mc_dst = np.empty_like(mc_src)
+    errors: dict[str, str] = {}
+    movers: dict[str, Any] = {}
+    decode = DecodeProcess(num_blocks, peers)
+    tcp = None
+    try:
+        descriptor, metas, bases = decode.call("up")
+        movers["ours"] = Ours(src, descriptor)
+        for variant in peers:
+            try:
+                movers[variant] = Nixl(variant, src, metas[variant], bases)
+            except Exception as e:  # a peer failing must not hide our numbers
+                errors[variant] = f"{type(e).__name__}: {e}"
+        tcp = TcpFloor(decode, src)
+        tcp.once(floor_bytes)
+        memcpy_seconds(mc_src, mc_dst)
+        for m in movers.values():  # warm-up: connections, first-touch, registrations
+            m.once(plans[0]["spans"])
+        rows = []
+        for plan in plans:
+            row = {k: plan[k] for k in ("layout", "tokens", "bytes")}
+            row["spans"] = LAYERS * len(plan["spans"])
+            row["runs"] = {name: [] for name in [*movers, "tcp", "memcpy"]}
+            row["vs_tcp"] = {name: [] for name in movers}
+            spent = dict.fromkeys(movers, 0.0)
+            for rnd in range(args.runs):
+                tcp_gbps = floor_bytes / tcp.once(floor_bytes) / 1e9
+                row["runs"]["tcp"].append(tcp_gbps)
+                row["runs"]["memcpy"].append(floor_bytes / memcpy_seconds(mc_src, mc_dst) / 1e9)
+                for name, mover in list(movers.items()):
+                    if rnd and spent[name] > args.budget_s:
+                        continue  # slow: fewer runs, recorded in the JSON
+                    if rnd == 0:
+                        decode.call("clear")
+                    try:
+                        dt = mover.once(plan["spans"])
+                        if rnd == 0:
+                            check_blocks(decode, src, plan["src_ids"], plan["dst_ids"], rnd)
+                    except Exception as e:
+                        errors[name] = f"{type(e).__name__}: {e}"
+                        del movers[name]
+                        continue
+                    spent[name] += dt
+                    gbps = plan["bytes"] / dt / 1e9
+                    row["runs"][name].append(gbps)
+                    row["vs_tcp"][name].append(gbps / tcp_gbps)
+            rows.append(row)
+            print(
+                f"  {row['layout']:>10} {row['tokens']:>6} tokens: "
+                + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in row["runs"].items() if v),
+                flush=True,
+            )
+        return rows, errors
+    finally:
+        for m in movers.values():
+            m.close()
+        if tcp is not None:
+            tcp.close()
+        decode.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--tokens", default="1024,8192,32768", help="prompt lengths, comma-separated")
+    ap.add_argument("--layouts", default="contiguous,scattered", help="decode block layouts")
+    ap.add_argument("--runs", type=int, default=3, help="timed rounds per configuration")
+    ap.add_argument("--budget-s", type=float, default=10.0, help="stop re-running a slow one")
+    ap.add_argument("--floor-mb", type=int, default=256, help="MiB per floor measurement")
+    ap.add_argument("--peers", default="nixl,nixl-tcp", help="NIXL variants ('' = none)")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args(argv)
+    peers = [p for p in args.peers.split(",") if p]
+    unknown = set(peers) - set(NIXL_TLS)
+    if unknown:
+        ap.error(f"unknown peers: {sorted(unknown)}")
+
+    t_start = time.perf_counter()
+    print(f"machine: {os.cpu_count()} cores, {_cpu_model()}; load {os.getloadavg()[0]:.1f}")
+    rows, errors = measure(args, peers)
+    elapsed = time.perf_counter() - t_start
+    med = statistics.median
+
+    names = ["ours", *[p for p in peers if p not in errors]]
+    print(
+        f"\nGB/s, median of up to {args.runs} interleaved rounds; ours/tcp = median per-round ratio"
+    )
+    print("ours = vllm_pd_ext.transport 'mooncake' backend over TCP; floors: memcpy, TCP loopback")
+    head = f"{'layout':>10} {'tokens':>6} {'MB':>6} {'spans':>7} {'memcpy':>6} {'tcp':>5}"
+    print(head + "".join(f" {n:>8}" for n in names) + f" {'ours/tcp':>8}")
+    for r in rows:
+        runs = r["runs"]
+        line = (
+            f"{r['layout']:>10} {r['tokens']:>6} {r['bytes'] / 1e6:>6.0f} {r['spans']:>7} "
+            f"{med(runs['memcpy']):>6.2f} {med(runs['tcp']):>5.2f}"
+        )
+        line += "".join(f" {med(runs[n]):>8.2f}" if runs.get(n) else f" {'-':>8}" for n in names)
+        ratio = r["vs_tcp"].get("ours")
+        r["ours_vs_tcp"] = med(ratio) if ratio else None
+        r["median_gbps"] = {k: med(v) for k, v in runs.items() if v}
+        print(line + (f" {r['ours_vs_tcp']:>8.0%}" if ratio else f" {'-':>8}"))
+    for name, err in errors.items():
+        print(f"{name}: failed: {err}")
+    print(f"total {elapsed:.0f} s")
+
+    report = {
+        "benchmark": "transport_bandwidth",
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {
+            "cpus": os.cpu_count(),
+            "cpu_model": _cpu_model(),
+            "python": platform.python_version(),
+            "load_average_at_end": os.getloadavg(),
+            "note": "shared machine: other jobs ran during the measurement",
+        },
+        "versions": {
+            "mooncake": _version("mooncake-transfer-engine-non-cuda")
+            or _version("mooncake-transfer-engine"),
+            "nixl": _version("nixl"),
+            "numpy": np.__version__,
+        },
+        "model_shape": {
+            "layers": LAYERS,
+            "kv_heads": KV_HEADS,
+            "head_dim": HEAD_DIM,
+            "dtype": "bfloat16",
+            "block_tokens": BLOCK_TOKENS,
+            "block_bytes": BLOCK_BYTES,
+            "bytes_per_token": TOKEN_BYTES,
+        },
+        "settings": {
+            "runs": args.runs,
+            "budget_s": args.budget_s,
+            "floor_mb": args.floor_mb,
+            "layouts": {
+                "contiguous": "decode blocks 0..n-1 (fresh engine): spans coalesce per K/V run",
+                "scattered": "decode blocks a random permutation: one 16 KiB span per block",
+            },
+        },
+        "transports": {
+            "ours": "vllm_pd_ext.transport mooncake backend, protocol tcp, 127.0.0.1",
+            "nixl": "NIXL UCX backend, UCX default transports (shm/CMA between local processes)",
+            "nixl-tcp": "NIXL UCX backend with UCX_TLS=tcp",
+            "tcp": "one Python socket, 4 MiB sendall/recv_into (floor)",
+            "memcpy": "numpy.copyto in one process (floor)",
+        },
+        "errors": errors,
+        "results": rows,
+        "goal": "ours >= 50% of the TCP loopback floor",
+        "elapsed_s": elapsed,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
