@@ -12,7 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 Role = Literal["prefill", "decode", "both"]
 
 #: P/D protocols (how the two legs are sequenced and what kv_transfer_params carry).
-PROTOCOLS = ("nixl-pull",)
+Protocol = Literal["nixl-pull", "nixl-push", "mooncake"]
 
 
 class _Strict(BaseModel):
@@ -25,6 +25,10 @@ class InstanceConfig(_Strict):
     url: str
     role: Role = "both"
     name: str | None = None
+    engine_id: str | None = Field(None, description="the engine's kv engine_id (mooncake)")
+    bootstrap_addr: str | None = Field(
+        None, description="host:port of the engine's KV bootstrap server (mooncake)"
+    )
 
     @field_validator("url")
     @classmethod
@@ -73,7 +77,7 @@ class ProxyConfig(_Strict):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    protocol: Literal["nixl-pull"] = "nixl-pull"
+    protocol: Protocol = "nixl-pull"
     instances: tuple[InstanceConfig, ...] = ()
     instances_file: Path | None = Field(
         None, description="JSON/YAML file with an `instances` list, re-read when it changes"
@@ -105,6 +109,17 @@ class ProxyConfig(_Strict):
             raise ValueError("no instances: give `instances` or `instances_file`")
         from vllm_pd_ext.proxy.policies import POLICIES
 
+        if self.protocol == "mooncake":
+            missing = [
+                i.label
+                for i in self.instances
+                if i.role != "decode" and not (i.engine_id and i.bootstrap_addr)
+            ]
+            if missing:
+                raise ValueError(
+                    "protocol mooncake: prefill instances need engine_id and bootstrap_addr: "
+                    + ", ".join(missing)
+                )
         for field in ("prefill_policy", "decode_policy"):
             if getattr(self, field) not in POLICIES:
                 raise ValueError(

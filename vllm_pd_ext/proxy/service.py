@@ -36,21 +36,12 @@ from vllm_pd_ext.proxy.errors import ProxyError, sse_error
 from vllm_pd_ext.proxy.fleet import Fleet, Instance
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.policies import make_policy
+from vllm_pd_ext.proxy.protocols import make_protocol
 from vllm_pd_ext.proxy.request import RequestContext, Route, parse_request, read_body
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
-
-#: The prefill leg's marker, as vLLM's NIXL connector expects it (pull mode).
-NIXL_PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 #: Fields the prefill leg drops or overrides; the decode leg sends the client's originals.
 PREFILL_DROPPED = ("stream_options", "min_tokens")
@@ -68,6 +59,10 @@ class LegFailed(Exception):
     """Every instance tried for one leg failed with a server-side error."""
 
 
+class _LegError(Exception):
+    """One attempt at a leg failed in a way another instance may not."""
+
+
 class _Slot:
     """One admission slot, released exactly once by whoever ends the request."""
 
@@ -81,20 +76,22 @@ class _Slot:
             self._admission.release()
 
 
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg: one token, not streamed, KV kept for a remote decode."""
+def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg: one token, not streamed, carrying the protocol's ``params``."""
     out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
         out["max_completion_tokens"] = 1
     out["stream"] = False
-    out["kv_transfer_params"] = dict(NIXL_PREFILL_PARAMS)
+    out["kv_transfer_params"] = dict(params)
     return out
 
 
-def prefill_cached_tokens(params: dict[str, Any], usage: dict[str, Any] | None) -> int | None:
+def prefill_cached_tokens(
+    params: dict[str, Any] | None, usage: dict[str, Any] | None
+) -> int | None:
     """Prompt tokens the prefill instance found in its own prefix cache, when it says."""
-    cached = params.get("remote_prefill_cached_tokens")
+    cached = (params or {}).get("remote_prefill_cached_tokens")
     if isinstance(cached, int):
         return cached
     details = (usage or {}).get("prompt_tokens_details") or {}
@@ -128,6 +125,7 @@ class ProxyService:
         self.decider = Decider(config.decision)
         self.prefill_policy = make_policy(config.prefill_policy)
         self.decode_policy = make_policy(config.decode_policy)
+        self.protocol = make_protocol(config.protocol)
         self._tasks: set[asyncio.Task] = set()
 
     async def start(self) -> None:
@@ -195,9 +193,17 @@ class ProxyService:
         params: dict[str, Any] | None = None
         cached: int | None = None
         prefill_done: float | None = None
+        pending: asyncio.Task | None = None
         if decision.split:
             try:
-                params, usage = await watch.race(self._prefill(ctx, prefill_pool), "prefill")
+                if self.protocol.concurrent:
+                    params, pending, usage = await self._split_concurrent(
+                        watch, ctx, prefill_pool, decode
+                    )
+                else:
+                    params, usage = await watch.race(
+                        self._prefill_serial(ctx, prefill_pool), "prefill"
+                    )
             except LegFailed as exc:
                 if self.config.on_prefill_failure == "retry-then-fail":
                     self.metrics.requests.labels(ctx.route, "split", "prefill_failed").inc()
@@ -212,57 +218,139 @@ class ProxyService:
                 self.metrics.prefill_leg.observe(prefill_done - start)
                 cached = prefill_cached_tokens(params, usage)
                 if watch.gone.is_set():
-                    self._spawn(self._drain(ctx, params, decode), f"drain-{ctx.request_id}")
+                    if pending is not None:  # the decode leg is in flight: it frees P's KV
+                        await _discard(pending)
+                    else:
+                        self._spawn(self._drain(ctx, params, decode), f"drain-{ctx.request_id}")
                     raise ClientGone("between_legs")
         return await self._decode(
-            watch, ctx, decode, decode_pool, decision, params, cached, start, prefill_done, slot
+            watch,
+            ctx,
+            decode,
+            decode_pool,
+            decision,
+            params,
+            cached,
+            start,
+            prefill_done,
+            slot,
+            pending,
         )
 
     # -- legs ----------------------------------------------------------------------------
 
-    async def _prefill(
-        self, ctx: RequestContext, pool: list[Instance]
-    ) -> tuple[dict[str, Any], dict | None]:
-        """Run the prefill leg; return the engine's kv_transfer_params and usage."""
-        body = prefill_body(ctx.body)
+    async def _prefill_once(
+        self, ctx: RequestContext, inst: Instance, params: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, dict | None]:
+        """One prefill attempt on ``inst``; its answer's kv_transfer_params and usage.
+
+        Raises ``_LegError`` when another instance may do better, ``ProxyError`` for a 4xx.
+        """
+        inst.in_flight += 1
+        try:
+            resp = await inst.client.post(
+                ctx.path,
+                json=prefill_body(ctx.body, params),
+                headers={"X-Request-Id": ctx.request_id},
+                timeout=httpx.Timeout(
+                    self.config.timeouts.prefill_s, connect=self.config.timeouts.connect_s
+                ),
+            )
+        except httpx.HTTPError as exc:
+            self._upstream_failed(inst, exc)
+            raise _LegError(f"{inst.label}: {type(exc).__name__}") from None
+        finally:
+            inst.in_flight -= 1
+        if 400 <= resp.status_code < 500:
+            raise _passthrough(resp)
+        if resp.status_code != 200:
+            raise _LegError(f"{inst.label}: HTTP {resp.status_code}")
+        data = _json_or_none(resp) or {}
+        answer = data.get("kv_transfer_params")
+        return (answer if isinstance(answer, dict) else None), data.get("usage")
+
+    def _prefill_candidates(self, ctx: RequestContext, pool: list[Instance]):
+        """Yield up to 1 + prefill_retries distinct healthy prefill instances."""
         tried: list[Instance] = []
-        errors: list[str] = []
         for attempt in range(1 + self.config.prefill_retries):
             candidates = [p for p in pool if p not in tried and p.healthy]
             if not candidates:
-                break
+                return
             inst = self.prefill_policy.select(ctx.affinity_key, candidates)
             tried.append(inst)
             if attempt:
                 self.metrics.retries.labels("prefill").inc()
-            inst.in_flight += 1
+            yield inst
+
+    async def _prefill_serial(
+        self, ctx: RequestContext, pool: list[Instance]
+    ) -> tuple[dict[str, Any], dict | None]:
+        """Serial protocols: the prefill leg; its kv_transfer_params feed the decode leg."""
+        errors: list[str] = []
+        for inst in self._prefill_candidates(ctx, pool):
+            plan = self.protocol.plan(ctx.request_id, inst.config)
             try:
-                resp = await inst.client.post(
-                    ctx.path,
-                    json=body,
-                    headers={"X-Request-Id": ctx.request_id},
-                    timeout=httpx.Timeout(
-                        self.config.timeouts.prefill_s, connect=self.config.timeouts.connect_s
-                    ),
-                )
-            except httpx.HTTPError as exc:
-                self._upstream_failed(inst, exc)
-                errors.append(f"{inst.label}: {type(exc).__name__}")
+                answer, usage = await self._prefill_once(ctx, inst, plan.prefill_params)
+            except _LegError as exc:
+                errors.append(str(exc))
                 continue
-            finally:
-                inst.in_flight -= 1
-            if 400 <= resp.status_code < 500:
-                raise _passthrough(resp)
-            if resp.status_code != 200:
-                errors.append(f"{inst.label}: HTTP {resp.status_code}")
-                continue
-            data = _json_or_none(resp)
-            params = (data or {}).get("kv_transfer_params")
-            if not isinstance(params, dict):
+            if answer is None:
                 errors.append(f"{inst.label}: no kv_transfer_params (is a KV connector set?)")
                 continue
-            return params, (data or {}).get("usage")
+            return answer, usage
         raise LegFailed("; ".join(errors) or "no healthy prefill instance")
+
+    async def _split_concurrent(
+        self, watch: DisconnectWatch, ctx: RequestContext, pool: list[Instance], decode: Instance
+    ) -> tuple[dict[str, Any], asyncio.Task, dict | None]:
+        """Concurrent protocols: send the decode leg, then run the prefill leg beside it.
+
+        Returns the decode leg's params, its pending response and the prefill's usage. If the
+        prefill fails, the pending decode request is cancelled (the engine frees what it
+        allocated) before the next prefill instance is tried.
+        """
+        errors: list[str] = []
+        for inst in self._prefill_candidates(ctx, pool):
+            plan = self.protocol.plan(ctx.request_id, inst.config)
+            assert plan.decode_params is not None
+            pending = asyncio.ensure_future(self._open_decode(decode, ctx, plan.decode_params))
+            try:
+                _, usage = await watch.race(
+                    self._prefill_once(ctx, inst, plan.prefill_params), "prefill"
+                )
+            except _LegError as exc:
+                await _discard(pending)
+                errors.append(str(exc))
+                continue
+            except BaseException:
+                await _discard(pending)
+                raise
+            return plan.decode_params, pending, usage
+        raise LegFailed("; ".join(errors) or "no healthy prefill instance")
+
+    def _decode_timeout(self) -> httpx.Timeout:
+        t = self.config.timeouts
+        return httpx.Timeout(
+            t.decode_first_byte_s,
+            connect=t.connect_s,
+            read=max(t.decode_first_byte_s, t.decode_idle_s),
+        )
+
+    async def _open_decode(
+        self, inst: Instance, ctx: RequestContext, params: dict[str, Any] | None
+    ) -> httpx.Response:
+        """Send the decode leg to ``inst``; return the response with its body unread."""
+        body = dict(ctx.body)
+        if params is not None:
+            body["kv_transfer_params"] = params
+        req = inst.client.build_request(
+            "POST",
+            ctx.path,
+            json=body,
+            headers={"X-Request-Id": ctx.request_id},
+            timeout=self._decode_timeout(),
+        )
+        return await inst.client.send(req, stream=True)
 
     async def _decode(
         self,
@@ -276,16 +364,12 @@ class ProxyService:
         start: float,
         prefill_done: float | None,
         slot: _Slot,
+        pending: asyncio.Task | None = None,
     ) -> Response:
-        body = dict(ctx.body)
-        if params is not None:
-            body["kv_transfer_params"] = params
-        t = self.config.timeouts
-        timeout = httpx.Timeout(
-            t.decode_first_byte_s,
-            connect=t.connect_s,
-            read=max(t.decode_first_byte_s, t.decode_idle_s),
-        )
+        """The decode leg, retried on other decode instances until its first byte.
+
+        ``pending`` is a decode request already sent to ``first`` (concurrent protocols).
+        """
         tried: list[Instance] = []
         inst: Instance | None = first
         errors: list[str] = []
@@ -301,15 +385,13 @@ class ProxyService:
             inst.in_flight += 1
             keep = False
             try:
-                req = inst.client.build_request(
-                    "POST",
-                    ctx.path,
-                    json=body,
-                    headers={"X-Request-Id": ctx.request_id},
-                    timeout=timeout,
-                )
                 try:
-                    resp = await watch.race(inst.client.send(req, stream=True), "decode_wait")
+                    opening = (
+                        pending
+                        if attempt == 0 and pending is not None
+                        else (self._open_decode(inst, ctx, params))
+                    )
+                    resp = await watch.race(opening, "decode_wait")
                 except httpx.HTTPError as exc:
                     self._upstream_failed(inst, exc)
                     errors.append(f"{inst.label}: {type(exc).__name__}")
@@ -489,6 +571,14 @@ class DisconnectWatch:
 
     def stop(self) -> None:
         self._task.cancel()
+
+
+async def _discard(task: asyncio.Task) -> None:
+    """Cancel a pending upstream request, closing its response if it already arrived."""
+    task.cancel()
+    with contextlib.suppress(BaseException):
+        resp = await task
+        await resp.aclose()
 
 
 def _json_or_none(resp: httpx.Response) -> dict | None:

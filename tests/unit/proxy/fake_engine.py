@@ -74,7 +74,7 @@ class FakeEngine:
         async def pull(request: Request) -> JSONResponse:
             body = await request.json()
             released = self.held_blocks.pop(body["remote_request_id"], None)
-            self.pulls += 1
+            self.pulls += released is not None
             return JSONResponse({"released": released is not None})
 
         async def complete(request: Request, chat: bool) -> Response:
@@ -119,12 +119,34 @@ class FakeEngine:
                         f"http://{params['remote_host']}:{params['remote_port']}/_fake/pull",
                         json={"remote_request_id": params["remote_request_id"]},
                     )
+            elif params.get("do_remote_prefill") and params.get("remote_bootstrap_addr"):
+                # Mooncake style: pull by transfer_id once the prefill has computed it.
+                self.running += 1
+                try:
+                    outcome = await _pull_when_ready(
+                        params["remote_bootstrap_addr"], params["transfer_id"], request
+                    )
+                finally:
+                    self.running -= 1
+                if outcome != "ok":
+                    self.disconnects += outcome == "gone"
+                    return JSONResponse(
+                        {
+                            "error": {
+                                "message": "KV never arrived",
+                                "type": "X",
+                                "param": None,
+                                "code": 500,
+                            }
+                        },
+                        status_code=500,
+                    )
             prompt = _prompt_text(body, chat)
             n_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 8
             tokens = [f"t{(len(prompt) + i) % 97}" for i in range(n_tokens)]
             out_params = None
             if params.get("do_remote_decode"):
-                self.held_blocks[rid] = 4
+                self.held_blocks[params.get("transfer_id") or rid] = 4
                 out_params = (
                     None
                     if b.omit_kv_params
@@ -207,6 +229,32 @@ class FakeEngine:
 
 class _Disconnected(Exception):
     pass
+
+
+async def _pull_when_ready(
+    addr: str, transfer_id: str, request: Request, timeout: float = 5.0
+) -> str:
+    """Poll the prefill's pull endpoint until it releases ``transfer_id``: "ok", or "gone" if
+    the client went away (watched on the ASGI channel), or "timeout"."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    deadline = time.monotonic() + timeout
+    try:
+        async with httpx.AsyncClient() as client:
+            while time.monotonic() < deadline and not gone.done():
+                resp = await client.post(
+                    f"http://{addr}/_fake/pull", json={"remote_request_id": transfer_id}
+                )
+                if resp.json()["released"]:
+                    return "ok"
+                await asyncio.sleep(0.02)
+        return "gone" if gone.done() else "timeout"
+    finally:
+        gone.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _sleep_unless_disconnected(request: Request, seconds: float) -> None:

@@ -1,0 +1,55 @@
+"""Helpers shared by the proxy tests: a proxy on loopback over the fake engines."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import httpx
+import pytest
+
+from tests.unit.proxy.fake_engine import FakeEngine, ServerThread
+from vllm_pd_ext.proxy.app import create_app
+from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.tools.prom import parse_metrics
+
+LONG = "word " * 400  # ~500 estimated tokens: above the default split threshold
+SHORT = "hi there"
+
+
+def fleet(engines, prefill=("p1", "p2"), decode=("d1", "d2")) -> list[dict]:
+    return [{"url": engines[n].url, "role": "prefill"} for n in prefill] + [
+        {"url": engines[n].url, "role": "decode"} for n in decode
+    ]
+
+
+@contextmanager
+def proxy(engines, **overrides) -> Iterator[tuple[str, object]]:
+    data = {
+        "instances": fleet(engines),
+        "health_interval_s": 0.2,
+        "decision": {"cost_model": False},
+        "prefill_policy": "round-robin",
+        "decode_policy": "round-robin",
+        **overrides,
+    }
+    app = create_app(ProxyConfig.model_validate(data))
+    with ServerThread(app) as server:
+        yield f"http://127.0.0.1:{server.port}", app.state.service
+
+
+def wait_until(predicate, timeout=10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            pytest.fail("condition not reached in time")
+        time.sleep(0.02)
+
+
+def metric(base: str, name: str, **labels) -> float:
+    return parse_metrics(httpx.get(f"{base}/metrics").text).total(name, **labels)
+
+
+def sent(engine: FakeEngine) -> list[dict]:
+    return [r["body"] for r in engine.requests]
