@@ -43,6 +43,28 @@ class InstanceConfig(_Strict):
         return self.name or self.url
 
 
+class KubernetesConfig(_Strict):
+    """Discover instances as the Ready pods matching a label selector.
+
+    A pod's role comes from its ``role_label`` (prefill, decode or both; absent = both), its
+    port from ``port_annotation`` or ``port``. The API server defaults to the in-cluster one,
+    with the pod's service-account token and CA.
+    """
+
+    api_server: str | None = Field(
+        None, description="default: https://$KUBERNETES_SERVICE_HOST:$KUBERNETES_SERVICE_PORT"
+    )
+    namespace: str = "default"
+    label_selector: str
+    role_label: str = "vllm-pd.io/role"
+    port: int = Field(8000, ge=1, le=65535)
+    port_annotation: str = "vllm-pd.io/port"
+    scheme: Literal["http", "https"] = "http"
+    token_file: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
+    ca_file: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")
+    poll_interval_s: float = Field(5.0, gt=0)
+
+
 class DecisionConfig(_Strict):
     """When to split a request across prefill and decode, and when to serve it colocated."""
 
@@ -82,6 +104,7 @@ class ProxyConfig(_Strict):
     instances_file: Path | None = Field(
         None, description="JSON/YAML file with an `instances` list, re-read when it changes"
     )
+    kubernetes: KubernetesConfig | None = None
     prefill_policy: str = "least-loaded"
     decode_policy: str = "least-loaded"
     client_kv_transfer_params: Literal["drop", "reject"] = "drop"
@@ -105,8 +128,8 @@ class ProxyConfig(_Strict):
 
     @model_validator(mode="after")
     def _fleet(self) -> ProxyConfig:
-        if not self.instances and self.instances_file is None:
-            raise ValueError("no instances: give `instances` or `instances_file`")
+        if not self.instances and self.instances_file is None and self.kubernetes is None:
+            raise ValueError("no instances: give `instances`, `instances_file` or `kubernetes`")
         from vllm_pd_ext.proxy.policies import POLICIES
 
         if self.protocol == "mooncake":

@@ -14,11 +14,11 @@ import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
-from vllm_pd_ext.proxy.config import InstanceConfig, ProxyConfig, read_instances
+from vllm_pd_ext.proxy.config import InstanceConfig, ProxyConfig
+from vllm_pd_ext.proxy.sources import FileSource, FleetSource, KubernetesSource
 from vllm_pd_ext.tools.prom import parse_metrics
 
 logger = logging.getLogger(__name__)
@@ -79,7 +79,13 @@ class Fleet:
         self.config = config
         self._instances: dict[str, Instance] = {}
         self._task: asyncio.Task | None = None
-        self._file_mtime: float | None = None
+        self._sources: list[FleetSource] = []
+        if config.instances_file is not None:
+            self._sources.append(FileSource(config.instances_file))
+        if config.kubernetes is not None:
+            self._sources.append(KubernetesSource(config.kubernetes))
+        self._seen: dict[str, list[InstanceConfig]] = {}
+        self._retired: list[Instance] = []
         self._limits = httpx.Limits(
             max_connections=config.max_in_flight * 2, max_keepalive_connections=64
         )
@@ -101,8 +107,10 @@ class Fleet:
         for url in list(self._instances):
             if url not in wanted:
                 old = self._instances.pop(url)
+                old.healthy = False
                 logger.info("fleet: removed %s", old.label)
-                await old.client.aclose()
+                self._retired.append(old)  # closed once its in-flight requests finish
+        await self._close_retired()
         for url, cfg in wanted.items():
             current = self._instances.get(url)
             if current is None:
@@ -122,7 +130,7 @@ class Fleet:
     async def start(self) -> None:
         """Load the initial members, check them all once, then keep checking in background."""
         await self.set_instances(self.config.instances)
-        await self._reload_file()
+        await self._refresh_sources()
         await self.check_all()
         self._task = asyncio.create_task(self._loop(), name="fleet-health")
 
@@ -131,39 +139,40 @@ class Fleet:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-        for inst in self._instances.values():
+        for inst in [*self._instances.values(), *self._retired]:
             await inst.client.aclose()
+        for source in self._sources:
+            await source.close()
         self._instances.clear()
+        self._retired.clear()
 
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.health_interval_s)
             try:
-                await self._reload_file()
+                await self._refresh_sources()
                 await self.check_all()
             except Exception:  # the loop must survive anything one round throws
                 logger.exception("fleet: health round failed")
 
-    async def _reload_file(self) -> None:
-        path: Path | None = self.config.instances_file
-        if path is None:
-            return
-        try:
-            mtime = path.stat().st_mtime
-        except OSError as exc:
-            logger.warning("fleet: cannot read %s: %s", path, exc)
-            return
-        if mtime == self._file_mtime:
-            return
-        try:
-            configs = read_instances(path)
-        except Exception as exc:  # keep the old fleet on a bad edit
-            logger.warning("fleet: ignoring invalid %s: %s", path, exc)
-            return
-        self._file_mtime = mtime
-        await self.set_instances((*self.config.instances, *configs))
+    async def _refresh_sources(self) -> None:
+        changed = False
+        for source in self._sources:
+            configs = await source.fetch()
+            if configs is not None and configs != self._seen.get(source.name):
+                self._seen[source.name] = configs
+                changed = True
+        if changed:
+            dynamic = [c for configs in self._seen.values() for c in configs]
+            await self.set_instances([*self.config.instances, *dynamic])
+
+    async def _close_retired(self) -> None:
+        for inst in [i for i in self._retired if i.in_flight == 0]:
+            self._retired.remove(inst)
+            await inst.client.aclose()
 
     async def check_all(self) -> None:
+        await self._close_retired()
         now = time.monotonic()
         due = [i for i in self._instances.values() if i.next_check <= now]
         await asyncio.gather(*(self._check(i) for i in due))

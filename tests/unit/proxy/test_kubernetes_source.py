@@ -1,0 +1,109 @@
+"""The Kubernetes fleet source against a fake API server on loopback."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from tests.unit.proxy.fake_engine import ServerThread
+from tests.unit.proxy.helpers import SHORT, proxy, wait_until
+
+
+def pod(name, port, role=None, ready=True, phase="Running", deleting=False, labels=None):
+    labels = {"app": "vllm", **(labels or {})}
+    if role:
+        labels["vllm-pd.io/role"] = role
+    meta = {"name": name, "labels": labels, "annotations": {"vllm-pd.io/port": str(port)}}
+    if deleting:
+        meta["deletionTimestamp"] = "2026-11-30T00:00:00Z"
+    return {
+        "metadata": meta,
+        "status": {
+            "phase": phase,
+            "podIP": "127.0.0.1",
+            "conditions": [{"type": "Ready", "status": "True" if ready else "False"}],
+        },
+    }
+
+
+class FakeApiServer:
+    def __init__(self, token: str):
+        self.token = token
+        self.pods: list[dict] = []
+        self.selectors: list[str] = []
+        self.fail = False
+        self.calls = 0
+
+    def app(self) -> FastAPI:
+        app = FastAPI()
+
+        @app.get("/api/v1/namespaces/{ns}/pods")
+        async def pods(ns: str, request: Request) -> JSONResponse:
+            self.calls += 1
+            if request.headers.get("authorization") != f"Bearer {self.token}":
+                return JSONResponse({"kind": "Status", "code": 401}, status_code=401)
+            if self.fail:
+                return JSONResponse({"kind": "Status", "code": 500}, status_code=500)
+            selector = request.query_params.get("labelSelector", "")
+            self.selectors.append(f"{ns}:{selector}")
+            key, _, value = selector.partition("=")
+            items = [p for p in self.pods if p["metadata"]["labels"].get(key) == value]
+            return JSONResponse({"kind": "PodList", "items": items})
+
+        return app
+
+
+@pytest.fixture
+def api(tmp_path):
+    fake = FakeApiServer(token="sa-token")
+    (tmp_path / "token").write_text("sa-token\n")
+    with ServerThread(fake.app()) as server:
+        fake.url = f"http://127.0.0.1:{server.port}"
+        fake.token_file = str(tmp_path / "token")
+        yield fake
+
+
+def k8s_config(api) -> dict:
+    return {
+        "api_server": api.url,
+        "namespace": "serving",
+        "label_selector": "app=vllm",
+        "token_file": api.token_file,
+        "ca_file": None,
+        "poll_interval_s": 0.1,
+    }
+
+
+def test_ready_pods_become_instances_with_roles(engines, api):
+    api.pods = [
+        pod("p-0", engines["p1"].port, role="prefill"),
+        pod("d-0", engines["d1"].port, role="decode"),
+        pod("d-1", engines["d2"].port, role="decode", ready=False),
+        pod("d-2", engines["d2"].port, role="decode", deleting=True),
+        pod("x-0", engines["p2"].port, role="router"),  # unknown role: skipped
+        pod("other", engines["p2"].port, labels={"app": "other"}),
+    ]
+    with proxy(engines, instances=[], kubernetes=k8s_config(api)) as (base, svc):
+        got = {(i.config.name, i.role, i.url) for i in svc.fleet.instances()}
+        assert got == {
+            ("serving/p-0", "prefill", engines["p1"].url),
+            ("serving/d-0", "decode", engines["d1"].url),
+        }
+        assert api.selectors[0] == "serving:app=vllm"
+        resp = httpx.post(
+            f"{base}/v1/completions", json={"model": "m", "prompt": SHORT}, timeout=10
+        )
+        assert resp.status_code == 200 and len(engines["d1"].requests) == 1
+
+        # Scale: d-1 turns Ready, d-0 goes away.
+        api.pods[2] = pod("d-1", engines["d2"].port, role="decode")
+        del api.pods[1]
+        wait_until(lambda: {i.url for i in svc.fleet.healthy("decode")} == {engines["d2"].url})
+
+        # An API outage keeps the last fleet.
+        api.fail = True
+        calls = api.calls
+        wait_until(lambda: api.calls >= calls + 3)
+        assert {i.url for i in svc.fleet.instances()} == {engines["p1"].url, engines["d2"].url}
