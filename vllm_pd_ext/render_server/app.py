@@ -73,6 +73,7 @@ class _Metrics:
 class _State:
     def __init__(self, settings: RenderSettings) -> None:
         tok = load_tokenizer(settings.model, settings.resolved_chat_template())
+        tok.warm_up()
         self.settings = settings
         self.renderer = Renderer(settings, tok)
         self.derenderer = Derenderer(settings, tok, self.renderer.max_model_len)

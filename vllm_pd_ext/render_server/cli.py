@@ -99,6 +99,8 @@ def main(args: argparse.Namespace) -> int:
         workers=settings.workers,
         log_level=settings.log_level,
         access_log=False,
+        # a busy shared host can delay a worker's health answer past uvicorn's 5 s default
+        timeout_worker_healthcheck=60,
     )
     return 0
 

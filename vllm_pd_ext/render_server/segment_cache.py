@@ -14,7 +14,6 @@ the raw text), see :func:`supports_segment_cache`.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import threading
@@ -29,19 +28,18 @@ MIN_CACHED_CHARS = 64
 
 def supports_segment_cache(backend: Any) -> bool:
     """Whether segment-wise encoding equals whole-text encoding for this Rust tokenizer."""
-    try:
-        config = json.loads(backend.to_str())
-    except Exception:
+    added = backend.get_added_tokens_decoder()
+    if not added:
         return False
-    has_normalizer = config.get("normalizer") is not None
-    for added in config.get("added_tokens", []):
-        if added.get("lstrip") or added.get("rstrip") or added.get("single_word"):
+    has_normalizer = backend.normalizer is not None
+    for tok in added.values():
+        if tok.lstrip or tok.rstrip or tok.single_word:
             return False
-        if added.get("normalized") and has_normalizer:
+        if tok.normalized and has_normalizer:
             # matched on normalized text, which can differ from the raw text we split
             return False
     # The normalizer (e.g. NFC) runs per stretch between raw added tokens anyway.
-    return bool(config.get("added_tokens"))
+    return True
 
 
 class SegmentCache:

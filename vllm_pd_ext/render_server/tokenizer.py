@@ -51,6 +51,12 @@ class TokenizerInfo:
             return None
         return SegmentCache(self.backend)
 
+    def warm_up(self) -> None:
+        """Compute every derived value now (startup), so no request pays for it."""
+        _ = (self.backend, self.vocab_size, self.special_ids, self.max_chars_per_token)
+        _ = self.segment_cache
+        self.encode("warm up <|im_start|> ü", add_special_tokens=False)
+
     def encode(self, text: str, *, add_special_tokens: bool) -> list[int]:
         """Token ids of ``text`` (no truncation); reuses cached segments when it can."""
         cache = self.segment_cache
