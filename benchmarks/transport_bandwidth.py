@@ -3,17 +3,26 @@
 Moves the KV blocks of a Qwen2.5-7B-shaped cache (28 layers, 4 KV heads, head dim 128, bf16,
 16-token blocks: one K or V block of one layer is 16 KiB, 56 KiB per token) for 1k, 8k and
 32k-token prompts from a "prefill" process into a "decode" process, the way a P/D connector
-does: one registered region per layer laid out ``[K|V][block][16 KiB]``, one span per K or V
-block, prefill blocks contiguous (a fresh engine) and decode blocks scattered (random free
-blocks) unless ``--layout contiguous``. Every configuration is timed ``--runs`` times (median
-reported) after one warm-up, and sampled blocks are compared byte for byte.
+does. Prefill blocks are 0..n-1 (a fresh engine); three cache layouts:
+
+* ``per-layer-contiguous``: vLLM's usual ``[layer][K|V][block]`` caches, decode blocks 0..n-1:
+  spans coalesce into one K and one V run per layer (the best case);
+* ``per-layer-scattered``: same caches, random decode blocks: one 16 KiB span per K or V block
+  per layer (the worst case: 114,688 spans for 32k tokens);
+* ``cross-layer-scattered``: a ``[block][layer][K|V]`` cache (vLLM's cross-layer layout),
+  random decode blocks: one 896 KiB span per block.
+
+Each side registers its whole cache as one region. Every configuration runs ``--runs``
+interleaved rounds (floors, ours, peers; the median is reported; a transport slower than
+``--budget-s`` per configuration runs fewer rounds), and the first round of each is checked
+byte for byte on 32 random spans.
 
 Printed side by side, in one run, on this machine:
 
 * memcpy: ``numpy.copyto`` of a large buffer in one process (a floor: no copy is faster);
 * loopback TCP: one socket between the two processes, 4 MiB ``sendall``/``recv_into``;
-* ours: ``vllm_pd_ext.transport`` ``mooncake`` backend over TCP (28 batched writes, one per
-  layer, then ``wait_all``);
+* ours: ``vllm_pd_ext.transport`` ``mooncake`` backend over TCP (one batched write per layer,
+  or one for the cross-layer cache, then ``wait_all``);
 * NIXL 1.5.1, UCX backend, one ``initialize_xfer`` + ``transfer`` of all spans: once with
   UCX's default transports (shared memory / CMA between local processes: not a network
   path) and once restricted to TCP (``UCX_TLS=tcp``), the like-for-like comparison.
@@ -54,35 +63,45 @@ def blocks_for(tokens: int) -> int:
 
 
 def kv_cache(num_blocks: int, fill: int | None) -> np.ndarray:
-    """``[layer][K|V][block][bytes]``; filled with a per-layer pattern unless ``fill`` is None."""
-    cache = np.empty((LAYERS, 2, num_blocks, BLOCK_BYTES), dtype=np.uint8)
+    """The whole KV cache as one flat byte buffer (one registered region per side).
+
+    Filled with a pseudo-random pattern unless ``fill`` is None (zeros).
+    """
+    nbytes = LAYERS * 2 * num_blocks * BLOCK_BYTES
     if fill is None:
-        cache.fill(0)
-    else:
-        row = np.random.default_rng(fill).integers(0, 256, BLOCK_BYTES * 4, dtype=np.uint8)
-        flat = cache.reshape(LAYERS, -1)
-        for layer in range(LAYERS):
-            reps = -(-flat.shape[1] // row.size)
-            flat[layer] = np.tile(np.roll(row, layer * 7 + 1), reps)[: flat.shape[1]]
-    return cache
+        return np.zeros(nbytes, dtype=np.uint8)
+    row = np.random.default_rng(fill).integers(0, 256, (1 << 20) + 13, dtype=np.uint8)
+    return np.resize(row, nbytes)
 
 
-def layer_spans(src_ids: np.ndarray, dst_ids: np.ndarray, num_blocks: int) -> np.ndarray:
-    """Spans of one layer: K then V of every block, offsets within the layer's region."""
-    parts = []
-    for kv in (0, 1):
-        base = kv * num_blocks
-        parts.append(
-            np.stack(
-                [
-                    (base + src_ids) * BLOCK_BYTES,
-                    (base + dst_ids) * BLOCK_BYTES,
-                    np.full(len(src_ids), BLOCK_BYTES),
-                ],
-                axis=1,
+def layout_spans(layout: str, src_ids, dst_ids, num_blocks: int) -> list[np.ndarray]:
+    """Spans (offsets in the flat caches) in the groups a connector would submit them.
+
+    ``per-layer``: vLLM's usual ``[layer][K|V][block]`` layout; one group (one write) per layer,
+    one 16 KiB span per K or V block. ``cross-layer``: a ``[block][layer][K|V]`` layout (vLLM's
+    cross-layer KV cache); one group, one span of a whole block (all layers, 896 KiB).
+    """
+    src_ids, dst_ids = np.asarray(src_ids, np.int64), np.asarray(dst_ids, np.int64)
+    if layout.startswith("cross-layer"):
+        block = LAYERS * 2 * BLOCK_BYTES
+        return [np.stack([src_ids * block, dst_ids * block, np.full(len(src_ids), block)], axis=1)]
+    groups = []
+    for layer in range(LAYERS):
+        parts = []
+        for kv in (0, 1):
+            base = (layer * 2 + kv) * num_blocks
+            parts.append(
+                np.stack(
+                    [
+                        (base + src_ids) * BLOCK_BYTES,
+                        (base + dst_ids) * BLOCK_BYTES,
+                        np.full(len(src_ids), BLOCK_BYTES),
+                    ],
+                    axis=1,
+                )
             )
-        )
-    return np.concatenate(parts).astype(np.int64)
+        groups.append(np.concatenate(parts))
+    return groups
 
 
 # ----------------------------------------------------------------- the decode side
@@ -123,8 +142,8 @@ def _decode_side(conn: Any, num_blocks: int, nixl_variants: list[str]) -> None:
 
 
 def _decode_cmd(cmd: str, args: tuple, cache: np.ndarray, state: dict[str, Any]) -> Any:
-    if cmd == "blocks":  # bytes of (layer, kv, block) triples, for verification
-        return b"".join(cache[layer, kv, block].tobytes() for layer, kv, block in args[0])
+    if cmd == "ranges":  # bytes of (offset, length) ranges, for verification
+        return b"".join(cache[off : off + n].tobytes() for off, n in args[0])
     if cmd == "clear":
         cache.fill(0)
         return None
@@ -132,18 +151,16 @@ def _decode_cmd(cmd: str, args: tuple, cache: np.ndarray, state: dict[str, Any])
         from vllm_pd_ext.transport import get_backend
 
         t = get_backend("mooncake", host="127.0.0.1", protocol="tcp")
-        for layer in range(LAYERS):
-            t.register_buffer(f"layer{layer}", cache[layer].ctypes.data, cache[layer].nbytes)
+        t.register_buffer("kv", cache.ctypes.data, cache.nbytes)
         state["t"] = t
         metas = {}
-        regs = [(cache[i].ctypes.data, cache[i].nbytes, 0, "") for i in range(LAYERS)]
+        regs = [(cache.ctypes.data, cache.nbytes, 0, "")]
         for variant in state["variants"]:
             agent = _nixl_agent(f"decode-{variant}-{os.getpid()}", NIXL_TLS[variant])
             agent.register_memory(regs, "DRAM")
             state[variant] = agent
             metas[variant] = agent.get_agent_metadata()
-        bases = [cache[i].ctypes.data for i in range(LAYERS)]
-        return t.descriptor().to_bytes(), metas, bases
+        return t.descriptor().to_bytes(), metas, cache.ctypes.data
     if cmd == "tcp_listen":
         srv = socket.create_server(("127.0.0.1", 0))
         state["srv"] = srv
@@ -240,19 +257,18 @@ class TcpFloor:
 
 # -------------------------------------------------------------------- transfers
 class Ours:
-    """``vllm_pd_ext.transport`` mooncake backend: one batched write per layer, then wait_all."""
+    """``vllm_pd_ext.transport`` mooncake backend: one batched write per group, then wait_all."""
 
     def __init__(self, src: np.ndarray, descriptor: bytes) -> None:
         from vllm_pd_ext.transport import get_backend
 
         self.t = get_backend("mooncake", host="127.0.0.1", protocol="tcp")
-        for layer in range(LAYERS):
-            self.t.register_buffer(f"layer{layer}", src[layer].ctypes.data, src[layer].nbytes)
+        self.t.register_buffer("kv", src.ctypes.data, src.nbytes)
         self.peer = self.t.connect(descriptor)
 
-    def once(self, spans: np.ndarray) -> float:
+    def once(self, groups: list[np.ndarray]) -> float:
         t0 = time.perf_counter()
-        handles = [self.t.write(self.peer, f"layer{i}", f"layer{i}", spans) for i in range(LAYERS)]
+        handles = [self.t.write(self.peer, "kv", "kv", spans) for spans in groups]
         self.t.wait_all(handles, WAIT_S)
         return time.perf_counter() - t0
 
@@ -261,31 +277,27 @@ class Ours:
 
 
 class Nixl:
-    """NIXL UCX agent: one ``initialize_xfer`` + ``transfer`` of every span of every layer."""
+    """NIXL UCX agent: one ``initialize_xfer`` + ``transfer`` of every span."""
 
-    def __init__(self, variant: str, src: np.ndarray, meta: bytes, bases: list[int]) -> None:
+    def __init__(self, variant: str, src: np.ndarray, meta: bytes, remote_base: int) -> None:
         self.agent = _nixl_agent(f"prefill-{variant}-{os.getpid()}", NIXL_TLS[variant])
-        regs = [(src[i].ctypes.data, src[i].nbytes, 0, "") for i in range(LAYERS)]
-        self.agent.register_memory(regs, "DRAM")
+        self.agent.register_memory([(src.ctypes.data, src.nbytes, 0, "")], "DRAM")
         self.peer = self.agent.add_remote_agent(meta)
-        self.local_bases = [src[i].ctypes.data for i in range(LAYERS)]
-        self.remote_bases = bases
+        self.local_base = src.ctypes.data
+        self.remote_base = remote_base
 
-    @staticmethod
-    def _descs(spans: np.ndarray, bases: list[int], col: int) -> np.ndarray:
-        out = np.zeros((LAYERS * len(spans), 3), dtype=np.int64)
-        for i, base in enumerate(bases):
-            rows = out[i * len(spans) : (i + 1) * len(spans)]
-            rows[:, 0] = spans[:, col] + base
-            rows[:, 1] = spans[:, 2]
-        return out
-
-    def once(self, spans: np.ndarray) -> float:
+    def once(self, groups: list[np.ndarray]) -> float:
         a = self.agent
         t0 = time.perf_counter()
-        local = a.get_xfer_descs(self._descs(spans, self.local_bases, 0), "DRAM")
-        remote = a.get_xfer_descs(self._descs(spans, self.remote_bases, 1), "DRAM")
-        handle = a.initialize_xfer("WRITE", local, remote, self.peer)
+        spans = np.concatenate(groups)
+        local = np.stack([spans[:, 0] + self.local_base, spans[:, 2], 0 * spans[:, 2]], axis=1)
+        remote = np.stack([spans[:, 1] + self.remote_base, spans[:, 2], 0 * spans[:, 2]], axis=1)
+        handle = a.initialize_xfer(
+            "WRITE",
+            a.get_xfer_descs(local, "DRAM"),
+            a.get_xfer_descs(remote, "DRAM"),
+            self.peer,
+        )
         state = a.transfer(handle)
         deadline = time.monotonic() + WAIT_S
         while state not in ("DONE", "ERR") and time.monotonic() < deadline:
@@ -299,15 +311,12 @@ class Nixl:
         self.agent.remove_remote_agent(self.peer)
 
 
-def check_blocks(decode: DecodeProcess, src: np.ndarray, src_ids, dst_ids, seed: int) -> None:
-    """Compare 32 random (layer, K/V, block) blocks of the decode side with the source."""
-    rng = np.random.default_rng(seed)
-    picks = [
-        (int(rng.integers(LAYERS)), int(rng.integers(2)), int(rng.integers(len(src_ids))))
-        for _ in range(32)
-    ]
-    got = decode.call("blocks", [(layer, kv, int(dst_ids[i])) for layer, kv, i in picks])
-    want = b"".join(src[layer, kv, int(src_ids[i])].tobytes() for layer, kv, i in picks)
+def check_spans(decode: DecodeProcess, src: np.ndarray, groups: list[np.ndarray]) -> None:
+    """Compare the bytes of 32 random spans on the decode side with their source."""
+    spans = np.concatenate(groups)
+    picks = spans[np.random.default_rng(len(spans)).integers(0, len(spans), 32)]
+    got = decode.call("ranges", [(int(r), int(n)) for _, r, n in picks])
+    want = b"".join(src[int(lo) : int(lo) + int(n)].tobytes() for lo, _, n in picks)
     if got != want:
         raise AssertionError("transferred KV blocks differ from the source")
 
@@ -331,23 +340,23 @@ def _cpu_model() -> str:
 
 
 def make_plans(token_sizes: list[int], layouts: list[str], num_blocks: int) -> list[dict]:
-    """One plan per (layout, prompt length): which prefill blocks go to which decode blocks."""
+    """One plan per (layout, prompt length): prefill blocks 0..n-1 to decode blocks."""
     plans = []
     for layout in layouts:
         rng = np.random.default_rng(0)
         for tokens in token_sizes:
             nb = blocks_for(tokens)
             src_ids = np.arange(nb)
-            dst_ids = np.arange(nb) if layout == "contiguous" else rng.permutation(num_blocks)[:nb]
-            spans = layer_spans(src_ids, dst_ids, num_blocks)
+            scattered = layout.endswith("scattered")
+            dst_ids = rng.permutation(num_blocks)[:nb] if scattered else np.arange(nb)
+            groups = layout_spans(layout, src_ids, dst_ids, num_blocks)
             plans.append(
                 {
                     "layout": layout,
                     "tokens": tokens,
-                    "src_ids": src_ids,
-                    "dst_ids": dst_ids,
-                    "spans": spans,
-                    "bytes": LAYERS * int(spans[:, 2].sum()),
+                    "groups": groups,
+                    "bytes": sum(int(g[:, 2].sum()) for g in groups),
+                    "spans": sum(len(g) for g in groups),
                 }
             )
     return plans
@@ -366,22 +375,21 @@ def measure(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], dic
     decode = DecodeProcess(num_blocks, peers)
     tcp = None
     try:
-        descriptor, metas, bases = decode.call("up")
+        descriptor, metas, remote_base = decode.call("up")
         movers["ours"] = Ours(src, descriptor)
         for variant in peers:
             try:
-                movers[variant] = Nixl(variant, src, metas[variant], bases)
+                movers[variant] = Nixl(variant, src, metas[variant], remote_base)
             except Exception as e:  # a peer failing must not hide our numbers
                 errors[variant] = f"{type(e).__name__}: {e}"
         tcp = TcpFloor(decode, src)
         tcp.once(floor_bytes)
         memcpy_seconds(mc_src, mc_dst)
         for m in movers.values():  # warm-up: connections, first-touch, registrations
-            m.once(plans[0]["spans"])
+            m.once(plans[0]["groups"])
         rows = []
         for plan in plans:
-            row = {k: plan[k] for k in ("layout", "tokens", "bytes")}
-            row["spans"] = LAYERS * len(plan["spans"])
+            row = {k: plan[k] for k in ("layout", "tokens", "bytes", "spans")}
             row["runs"] = {name: [] for name in [*movers, "tcp", "memcpy"]}
             row["vs_tcp"] = {name: [] for name in movers}
             spent = dict.fromkeys(movers, 0.0)
@@ -395,9 +403,9 @@ def measure(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], dic
                     if rnd == 0:
                         decode.call("clear")
                     try:
-                        dt = mover.once(plan["spans"])
+                        dt = mover.once(plan["groups"])
                         if rnd == 0:
-                            check_blocks(decode, src, plan["src_ids"], plan["dst_ids"], rnd)
+                            check_spans(decode, src, plan["groups"])
                     except Exception as e:
                         errors[name] = f"{type(e).__name__}: {e}"
                         del movers[name]
@@ -408,7 +416,7 @@ def measure(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], dic
                     row["vs_tcp"][name].append(gbps / tcp_gbps)
             rows.append(row)
             print(
-                f"  {row['layout']:>10} {row['tokens']:>6} tokens: "
+                f"  {row['layout']:>21} {row['tokens']:>6} tokens: "
                 + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in row["runs"].items() if v),
                 flush=True,
             )
@@ -424,7 +432,11 @@ def measure(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], dic
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     ap.add_argument("--tokens", default="1024,8192,32768", help="prompt lengths, comma-separated")
-    ap.add_argument("--layouts", default="contiguous,scattered", help="decode block layouts")
+    ap.add_argument(
+        "--layouts",
+        default="per-layer-contiguous,per-layer-scattered,cross-layer-scattered",
+        help="cache layouts and decode block placement",
+    )
     ap.add_argument("--runs", type=int, default=3, help="timed rounds per configuration")
     ap.add_argument("--budget-s", type=float, default=10.0, help="stop re-running a slow one")
     ap.add_argument("--floor-mb", type=int, default=256, help="MiB per floor measurement")
@@ -447,12 +459,12 @@ def main(argv: list[str] | None = None) -> int:
         f"\nGB/s, median of up to {args.runs} interleaved rounds; ours/tcp = median per-round ratio"
     )
     print("ours = vllm_pd_ext.transport 'mooncake' backend over TCP; floors: memcpy, TCP loopback")
-    head = f"{'layout':>10} {'tokens':>6} {'MB':>6} {'spans':>7} {'memcpy':>6} {'tcp':>5}"
+    head = f"{'layout':>21} {'tokens':>6} {'MB':>6} {'spans':>7} {'memcpy':>6} {'tcp':>5}"
     print(head + "".join(f" {n:>8}" for n in names) + f" {'ours/tcp':>8}")
     for r in rows:
         runs = r["runs"]
         line = (
-            f"{r['layout']:>10} {r['tokens']:>6} {r['bytes'] / 1e6:>6.0f} {r['spans']:>7} "
+            f"{r['layout']:>21} {r['tokens']:>6} {r['bytes'] / 1e6:>6.0f} {r['spans']:>7} "
             f"{med(runs['memcpy']):>6.2f} {med(runs['tcp']):>5.2f}"
         )
         line += "".join(f" {med(runs[n]):>8.2f}" if runs.get(n) else f" {'-':>8}" for n in names)
@@ -494,8 +506,12 @@ def main(argv: list[str] | None = None) -> int:
             "budget_s": args.budget_s,
             "floor_mb": args.floor_mb,
             "layouts": {
-                "contiguous": "decode blocks 0..n-1 (fresh engine): spans coalesce per K/V run",
-                "scattered": "decode blocks a random permutation: one 16 KiB span per block",
+                "per-layer-contiguous": "[layer][K|V][block] caches, decode blocks 0..n-1 "
+                "(fresh engine): spans coalesce into one K and one V run per layer",
+                "per-layer-scattered": "[layer][K|V][block] caches, random decode blocks: "
+                "one 16 KiB span per K or V block per layer",
+                "cross-layer-scattered": "[block][layer][K|V] cache (vLLM cross-layer "
+                "layout), random decode blocks: one 896 KiB span per block",
             },
         },
         "transports": {
