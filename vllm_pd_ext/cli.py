@@ -66,6 +66,39 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     )
 
 
+def _cmd_up(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from vllm_pd_ext.proxy.config import read_mapping
+    from vllm_pd_ext.tools.launcher import UpConfig, run_up
+
+    data = read_mapping(args.config) if args.config else {}
+    flags = {
+        "model": args.model,
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "connector": args.connector,
+        "device": args.device,
+        "proxy_port": args.port,
+        "max_model_len": args.max_model_len,
+        "min_split_prompt_tokens": args.min_split_prompt_tokens,
+        "log_dir": args.log_dir,
+    }
+    data.update({k: v for k, v in flags.items() if v is not None})
+    if args.gpus:
+        data["gpus"] = args.gpus.split(";")
+    if args.vllm_arg:
+        data["vllm_args"] = args.vllm_arg
+    if args.no_cost_model:
+        data["cost_model"] = False
+    try:
+        config = UpConfig.model_validate(data)
+    except ValidationError as exc:
+        print(f"vllm-pd up: invalid configuration:\n{exc}", file=sys.stderr)
+        return 2
+    return run_up(config)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllm_pd_ext import __version__
 
@@ -135,6 +168,45 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--log-dir", type=Path, default=Path("logs/demo"))
     demo.add_argument("--json", action="store_true", help="print the result as JSON")
     demo.set_defaults(func=_cmd_demo)
+
+    up = sub.add_parser(
+        "up",
+        help="start, supervise and stop a local P/D stack (engines + proxy) with one command",
+        description="Start N prefill and M decode `vllm serve` instances with the connector's "
+        "--kv-transfer-config and the proxy in front of them; wait until healthy; print the "
+        "endpoint; restart parts that die; Ctrl-C stops everything it started.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    up.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML/JSON file with UpConfig fields (flags override it)",
+    )
+    up.add_argument(
+        "--model",
+        default=None,
+        help="tiny-llama, tiny-qwen, or a model dir/name (default tiny-llama)",
+    )
+    up.add_argument("--prefill", type=int, default=None, help="prefill instances (default 1)")
+    up.add_argument("--decode", type=int, default=None, help="decode instances (default 1)")
+    up.add_argument("--connector", default=None, help="KV connector (default nixl)")
+    up.add_argument("--device", choices=["cpu", "cuda"], default=None, help="(default cpu)")
+    up.add_argument(
+        "--gpus", default=None, help="CUDA_VISIBLE_DEVICES per instance, ';'-separated (e.g. '0;1')"
+    )
+    up.add_argument("--port", type=int, default=None, help="proxy port (default 8000)")
+    up.add_argument("--max-model-len", type=int, default=None)
+    up.add_argument("--min-split-prompt-tokens", type=int, default=None)
+    up.add_argument("--no-cost-model", action="store_true")
+    up.add_argument(
+        "--vllm-arg",
+        action="append",
+        default=[],
+        help="extra argument for every vllm serve (repeatable)",
+    )
+    up.add_argument("--log-dir", type=Path, default=None)
+    up.set_defaults(func=_cmd_up)
 
     from vllm_pd_ext.proxy.cli import add_parser as add_proxy_parser
     from vllm_pd_ext.render_server.cli import add_parser as add_render_parser

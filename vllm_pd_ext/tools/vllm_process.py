@@ -154,11 +154,13 @@ def start_vllm_serve(
     env: Mapping[str, str] | None = None,
     served_name: str | None = None,
     base_args: Iterable[str] = DEFAULT_ARGS,
+    device: str = "cpu",
 ) -> VllmServer:
     """Start ``vllm serve MODEL`` on 127.0.0.1 in a new process group; do not wait for it.
 
-    ``env`` is layered over the current environment and :func:`cpu_env`. The caller owns the
-    returned server and must call :meth:`VllmServer.stop`.
+    ``env`` is layered over the current environment and, for ``device="cpu"``, over
+    :func:`cpu_env`. The caller owns the returned server and must call
+    :meth:`VllmServer.stop`.
     """
     port = port or free_port()
     served_name = served_name or Path(model).name
@@ -177,7 +179,8 @@ def start_vllm_serve(
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(dict(kv_transfer_config))]
     argv += list(extra_args)
-    full_env = {**os.environ, **cpu_env(cpu_core), **(env or {})}
+    device_env = cpu_env(cpu_core) if device == "cpu" else {}
+    full_env = {**os.environ, **device_env, **(env or {})}
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(

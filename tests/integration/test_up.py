@@ -1,0 +1,81 @@
+"""`vllm-pd up`: one command brings up engines and proxy; Ctrl-C leaves no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import requires_vllm
+from vllm_pd_ext.tools.pd_demo import make_prompt_ids
+from vllm_pd_ext.tools.vllm_process import free_port
+
+pytestmark = [pytest.mark.integration, requires_vllm]
+
+
+def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_llama, tmp_path):
+    port = free_port()
+    out_path = tmp_path / "up.out"
+    env = {**os.environ, "VLLM_PD_EXT_CACHE": str(model_cache)}
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "vllm_pd_ext.cli",
+                "up",
+                "--port",
+                str(port),
+                "--log-dir",
+                str(tmp_path / "logs"),
+                "--min-split-prompt-tokens",
+                "32",
+                "--no-cost-model",
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+    try:
+        deadline = time.monotonic() + 420
+        while "ready:" not in out_path.read_text():
+            assert proc.poll() is None, out_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text()
+            time.sleep(1)
+        banner = out_path.read_text()
+        decode_url = re.search(r"decode-0: (http://\S+)", banner).group(1)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 3  # two engines (with their EngineCore/workers) and the proxy
+
+        model = re.search(r"\(model '([^']+)'\)", banner).group(1)
+        body = {
+            "model": model,
+            "prompt": make_prompt_ids(tiny_llama, 120),
+            "max_tokens": 10,
+            "temperature": 0,
+            "ignore_eos": True,
+            "return_token_ids": True,
+        }
+        expected = httpx.post(f"{decode_url}/v1/completions", json=body, timeout=120).json()
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        assert 'vllm_pd_decisions_total{decision="split",reason="split"} 1.0' in metrics
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]
+        assert "stopped everything it started" in out_path.read_text()
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -1,0 +1,326 @@
+"""``vllm-pd up``: start, supervise and stop a local P/D stack with one command.
+
+Starts N prefill and M decode ``vllm serve`` instances with the chosen connector's
+``--kv-transfer-config``, then the proxy in front of them; shows progress until every part is
+healthy; prints the endpoint; restarts a part that dies (a bounded number of times); and on
+Ctrl-C (SIGINT) or SIGTERM stops everything it started, proxy first.
+
+Text mode only for now (the proxy forwards OpenAI requests); token mode with a render tier
+arrives with the proxy's token pipeline.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllm_pd_ext.tools.tiny_model import MODELS, ensure_model
+from vllm_pd_ext.tools.vllm_process import VllmServer, free_port, start_vllm_serve
+
+logger = logging.getLogger(__name__)
+
+#: kv-transfer-config per connector name, before the role is filled in.
+CONNECTORS: dict[str, dict] = {
+    "nixl": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
+}
+
+
+class UpConfig(BaseModel):
+    """What ``vllm-pd up`` brings up. Unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str = Field("tiny-llama", description="tiny-llama, tiny-qwen, or a model dir/name")
+    prefill: int = Field(1, ge=0, le=64)
+    decode: int = Field(1, ge=1, le=64)
+    connector: Literal["nixl"] = "nixl"
+    mode: Literal["text"] = "text"
+    device: Literal["cpu", "cuda"] = "cpu"
+    gpus: tuple[str, ...] = Field(
+        (), description="CUDA_VISIBLE_DEVICES per instance, prefill first then decode"
+    )
+    host: str = "127.0.0.1"
+    proxy_port: int = Field(8000, ge=1, le=65535)
+    max_model_len: int | None = 512
+    vllm_args: tuple[str, ...] = ()
+    min_split_prompt_tokens: int = Field(256, ge=0)
+    cost_model: bool = True
+    log_dir: Path = Path("logs/up")
+    ready_timeout_s: float = Field(600, gt=0)
+    max_restarts: int = Field(3, ge=0)
+
+    @model_validator(mode="after")
+    def _gpus(self) -> UpConfig:
+        if self.device == "cuda" and self.gpus and len(self.gpus) != self.prefill + self.decode:
+            raise ValueError(
+                f"gpus lists {len(self.gpus)} entries for {self.prefill + self.decode} instances"
+            )
+        return self
+
+
+@dataclass
+class Part:
+    """One supervised process: an engine or the proxy."""
+
+    name: str
+    url: str
+    start: Callable[[], Any]  # -> a handle with .proc and .stop()
+    handle: Any = None
+    restarts: int = 0
+    healthy: bool = False
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def proc(self) -> subprocess.Popen:
+        return self.handle.proc
+
+
+class ProxyProcess:
+    """The proxy as a child process with the same stop() contract as VllmServer."""
+
+    def __init__(self, args: list[str], log_path: Path):
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "vllm_pd_ext.cli", "proxy", *args],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def stop(self, grace: float = 10.0) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=5)
+
+
+class Stack:
+    """The parts of one stack, started in order and stopped in reverse."""
+
+    def __init__(self, config: UpConfig, out=sys.stderr):
+        self.config = config
+        self.out = out
+        self.parts: list[Part] = []
+        self._stop = threading.Event()
+        self.model_dir: str = ""
+        self.served_name: str = ""
+
+    # -- building ----------------------------------------------------------------------
+
+    def _engine_part(self, role: str, index: int, port: int, slot: int) -> Part:
+        cfg = self.config
+        kv = {**CONNECTORS[cfg.connector]}
+        if cfg.device == "cpu":
+            kv["kv_buffer_device"] = "cpu"
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        }
+        cpu_core = None
+        if cfg.device == "cuda":
+            if cfg.gpus:
+                env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[slot]
+        else:
+            cpu_core = slot % max(1, os.cpu_count() or 1)
+        extra = list(cfg.vllm_args)
+        base = ["--enforce-eager"] if cfg.device == "cpu" else []
+        if cfg.max_model_len:
+            base += ["--max-model-len", str(cfg.max_model_len)]
+        name = f"{role}-{index}"
+
+        def start() -> VllmServer:
+            return start_vllm_serve(
+                self.model_dir,
+                log_path=cfg.log_dir / f"{name}.log",
+                port=port,
+                cpu_core=cpu_core,
+                kv_transfer_config=kv,
+                env=env,
+                extra_args=extra,
+                base_args=base,
+                served_name=self.served_name,
+                device=cfg.device,
+            )
+
+        return Part(name=name, url=f"http://127.0.0.1:{port}", start=start)
+
+    def build(self) -> None:
+        cfg = self.config
+        self.model_dir = str(ensure_model(cfg.model)) if cfg.model in MODELS else cfg.model
+        local = Path(self.model_dir)
+        self.served_name = local.name if local.is_dir() else self.model_dir
+        slot = 0
+        engines: list[Part] = []
+        for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            for i in range(count):
+                engines.append(self._engine_part(role, i, free_port(), slot))
+                slot += 1
+        proxy_args = [
+            "--host",
+            cfg.host,
+            "--port",
+            str(cfg.proxy_port),
+            "--min-split-prompt-tokens",
+            str(cfg.min_split_prompt_tokens),
+        ]
+        if not cfg.cost_model:
+            proxy_args.append("--no-cost-model")
+        for part in engines:
+            flag = "--prefill" if part.name.startswith("prefill") else "--decode"
+            proxy_args += [flag, part.url]
+        proxy = Part(
+            name="proxy",
+            url=f"http://127.0.0.1:{cfg.proxy_port}",
+            start=lambda: ProxyProcess(proxy_args, cfg.log_dir / "proxy.log"),
+        )
+        self.parts = [*engines, proxy]
+
+    # -- running -----------------------------------------------------------------------
+
+    def _say(self, message: str) -> None:
+        print(f"[vllm-pd up] {message}", file=self.out, flush=True)
+
+    def start_engines(self) -> None:
+        for part in self.parts[:-1]:
+            part.handle = part.start()
+            part.started_at = time.monotonic()
+        self._say(f"starting {len(self.parts) - 1} engine(s); logs in {self.config.log_dir}")
+
+    def start_proxy(self) -> None:
+        proxy = self.parts[-1]
+        proxy.handle = proxy.start()
+        proxy.started_at = time.monotonic()
+
+    def _check(self, part: Part) -> bool:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            resp = httpx.get(f"{part.url}/health", timeout=2.0)
+            if part.name != "proxy":
+                return resp.status_code == 200
+            # The proxy is ready once it sees every engine healthy.
+            body = resp.json()
+            return (
+                resp.status_code == 200
+                and body.get("healthy_prefill") == self.config.prefill
+                and body.get("healthy_decode") == self.config.decode
+            )
+        return False
+
+    def wait_ready(self, parts: list[Part]) -> bool:
+        """Poll until ``parts`` are healthy; False if one died, time ran out or we were
+        stopped. Progress is printed when something changes, and every 15 s."""
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        last, last_at = "", 0.0
+        while not self._stop.is_set():
+            for part in parts:
+                if part.proc.poll() is not None:
+                    self._say(
+                        f"{part.name} exited with {part.proc.returncode} while starting; "
+                        f"see {self.config.log_dir / (part.name + '.log')}"
+                    )
+                    return False
+                if not part.healthy:
+                    part.healthy = self._check(part)
+            ready = [p.name for p in parts if p.healthy]
+            status = f"{len(ready)}/{len(parts)} healthy" + (
+                f" ({', '.join(ready)})" if ready else ""
+            )
+            now = time.monotonic()
+            if status != last or now - last_at >= 15:
+                self._say(f"waiting: {status}, {now - parts[0].started_at:.0f}s")
+                last, last_at = status, now
+            if len(ready) == len(parts):
+                return True
+            if now > deadline:
+                self._say("timed out waiting for the stack to become healthy")
+                return False
+            self._stop.wait(1.0)
+        return False
+
+    def supervise(self) -> int:
+        """Restart parts that exit, until stopped. Returns the exit status."""
+        while not self._stop.wait(1.0):
+            for part in self.parts:
+                if part.handle is None or part.proc.poll() is None:
+                    continue
+                if part.restarts >= self.config.max_restarts:
+                    self._say(
+                        f"{part.name} exited with {part.proc.returncode} and has used "
+                        f"its {self.config.max_restarts} restarts; stopping the stack"
+                    )
+                    return 1
+                part.restarts += 1
+                self._say(
+                    f"{part.name} exited with {part.proc.returncode}; restarting "
+                    f"({part.restarts}/{self.config.max_restarts})"
+                )
+                part.handle.stop()
+                part.handle = part.start()
+                part.started_at = time.monotonic()
+        return 0
+
+    def stop_all(self) -> None:
+        self._stop.set()
+        for part in reversed(self.parts):  # proxy first
+            if part.handle is not None:
+                with contextlib.suppress(Exception):
+                    part.handle.stop()
+        self._say("stopped everything it started")
+
+    def request_stop(self, *_args) -> None:
+        self._stop.set()
+
+    def endpoint_banner(self) -> str:
+        url = f"http://{self.config.host}:{self.config.proxy_port}/v1"
+        model = self.served_name
+        sample = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
+        engines = "\n".join(f"  {p.name}: {p.url}" for p in self.parts[:-1])
+        return (
+            f"ready: OpenAI-compatible endpoint {url} (model {model!r})\n{engines}\n"
+            f"  try: curl -s {url}/completions -H 'Content-Type: application/json' "
+            f"-d '{sample}'\n"
+            f"  prompts under {self.config.min_split_prompt_tokens} tokens are served "
+            f"colocated on a decode instance; Ctrl-C stops the stack"
+        )
+
+
+def run_up(config: UpConfig) -> int:
+    """The ``vllm-pd up`` command: returns the exit status."""
+    stack = Stack(config)
+    stack.build()
+    previous = {
+        sig: signal.signal(sig, stack.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)
+    }
+    try:
+        stack.start_engines()
+        ready = stack.wait_ready(stack.parts[:-1])
+        if ready:
+            stack.start_proxy()
+            ready = stack.wait_ready(stack.parts[-1:])
+        if not ready:
+            return 0 if stack._stop.is_set() else 1
+        print(stack.endpoint_banner(), flush=True)
+        return stack.supervise()
+    finally:
+        stack.stop_all()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
