@@ -273,8 +273,8 @@ def main() -> int:
         rounds: list[dict[str, Any]] = []
         for r in range(args.rounds):
             rnd: dict[str, Any] = {}
-            uniq = unique_bodies(chunks, args.requests, r * 1000, 30000)
-            conv = conversation_bodies(chunks, args.convs, 10, 3000)
+            uniq = unique_bodies(chunks, args.requests, r * 1000, 36000)
+            conv = conversation_bodies(chunks, args.convs, 10, 3600)
             order = list(servers) if r % 2 == 0 else list(reversed(servers))
             for name in order:
                 s = servers[name]
@@ -298,7 +298,7 @@ def main() -> int:
             print(f"round {r}: " + json.dumps(rnd))
         # streaming derender cost per chunk
         with httpx.Client() as client:
-            body = {"prompt": " ".join(chunks[:60]), "add_special_tokens": False}
+            body = {"prompt": " ".join(chunks[:14]), "add_special_tokens": False}
             out_ids = _post(client, servers["vllm"].url + "/v1/completions/render", body)[0][
                 "token_ids"
             ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_pd_ext.render_server.parsers.buffered import BufferedToolParser
 from vllm_pd_ext.render_server.parsers.hermes import HermesToolParser
 from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 
@@ -12,7 +13,9 @@ class ChatParser:
     """Reasoning parser and tool parser (either may be absent), batch and streaming."""
 
     def __init__(
-        self, reasoning: ThinkReasoningParser | None, tools: HermesToolParser | None
+        self,
+        reasoning: ThinkReasoningParser | None,
+        tools: HermesToolParser | BufferedToolParser | None,
     ) -> None:
         self.reasoning = reasoning
         self.tools = tools

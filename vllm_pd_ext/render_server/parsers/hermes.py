@@ -77,6 +77,13 @@ class HermesToolParser:
                 if pos < 0:
                     break
                 call = _call(buf[:pos])
+                if call is None and not called:
+                    # not a call after all: batch parsing returns such text as content
+                    content_parts.append(START + buf[: pos + len(END)])
+                    buf = buf[pos + len(END) :]
+                    text = buf
+                    in_call = False
+                    continue
                 if call is not None:
                     calls.append(
                         {
