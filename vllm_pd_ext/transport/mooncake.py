@@ -138,8 +138,9 @@ class MooncakeTransport(Transport):
         return self._engine_id
 
     def _connect(self, desc: TransportDescriptor) -> None:
-        if self.config.probe_on_connect:
-            rc = self._engine.send_probe(desc.address)
+        probe = getattr(self._engine, "send_probe", None)  # absent in older wheels
+        if self.config.probe_on_connect and probe is not None:
+            rc = probe(desc.address)
             if rc != 0:
                 raise PeerUnreachable(f"Mooncake peer {desc.address} did not answer (rc={rc})")
 

@@ -132,7 +132,11 @@ class MoriTransport(Transport):
         self._mori = module
         self._key = cfg.engine_key or f"pdext-{uuid.uuid4().hex[:12]}"
         self._engine = module.IOEngine(self._key, module.IOEngineConfig(cfg.host, cfg.port))
-        self._engine.create_backend(*self._backend_args(cfg))
+        try:
+            backend_args = self._backend_args(cfg)
+        except AttributeError as e:
+            raise TransportError(f"this MoRI-IO build has no {cfg.backend} backend: {e}") from e
+        self._engine.create_backend(*backend_args)
         self._mem: dict[str, Any] = {}  # region name -> local MemoryDesc
         self._remote_mem: dict[tuple[str, str], Any] = {}  # (peer, region) -> MemoryDesc
         self._remote_engines: dict[str, Any] = {}  # peer -> EngineDesc

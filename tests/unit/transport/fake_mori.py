@@ -18,7 +18,8 @@ processes. What it enforces, as the real engine does or documents:
 * deregistered memory kills its sessions (``ERR_BAD_STATE``).
 
 Knobs for tests: ``engine.sq_full_budget`` (the next N posts fail with "SQ full"),
-``engine.posts`` (the entry counts of every post).
+``engine.posts`` (the entry counts of every post), ``engine.gate`` (clear it to hold every
+accepted transfer ``IN_PROGRESS`` until it is set again).
 """
 
 from __future__ import annotations
@@ -233,6 +234,8 @@ class IOEngine:
         self._lock = threading.Lock()
         self.sq_full_budget = 0
         self.posts: list[int] = []
+        self.gate = threading.Event()
+        self.gate.set()
         self._server = socket.create_server((config.host, config.port))
         self._host = config.host
         self._port = self._server.getsockname()[1]
@@ -352,6 +355,12 @@ class IOEngine:
             if job is None:
                 return
             op, sess, lo, ro, sizes, uid, status = job
+            while not self.gate.wait(0.05):
+                if self._closed:
+                    status._set(StatusCode.ERR_BAD_STATE, "engine closed")
+                    break
+            if self._closed:
+                continue
             try:
                 self._run(op, sess, lo, ro, sizes, uid, status)
             except Exception as e:  # any failure must end the status, never leave it pending

@@ -12,6 +12,8 @@ from tests.unit.transport import fake_mori
 from vllm_pd_ext.transport import (
     PeerMismatch,
     TransferError,
+    TransferTimeout,
+    TransportClosed,
     TransportDescriptor,
     TransportError,
     get_backend,
@@ -113,3 +115,39 @@ def test_rdma_backend_config_reaches_the_engine() -> None:
 def test_missing_mori_module_is_a_clear_error() -> None:
     with pytest.raises(TransportError, match="amd-mori"):
         get_backend("mori")
+
+
+def test_held_transfers_time_out_and_block_notify(pair) -> None:
+    a, b, src, dst = pair
+    a._engine.gate.clear()  # the engine accepts transfers but does not run them
+    try:
+        h1 = a.write(b.engine_id, "kv", "kv", [(0, 0, 64)])
+        h2 = a.write(b.engine_id, "kv", "kv", [(64, 64, 64)])
+        with pytest.raises(TransferTimeout):
+            a.wait_all([h1, h2], 0.2)
+        with pytest.raises(TransferTimeout):
+            a.notify(b.engine_id, b"done", timeout=0.2)  # would overtake the pending writes
+        assert b.drain_notifications() == []
+        assert a.stats.totals().timeouts == 2 and a.stats.totals().notifications_sent == 0
+    finally:
+        a._engine.gate.set()
+    a.wait_all([h1, h2], 30)
+    a.notify(b.engine_id, b"done", timeout=30)
+    assert np.array_equal(dst[:128], src[:128])
+    notes = []
+    for _ in range(100):  # bounded: the ack came back, so it is queued already
+        notes = b.drain_notifications()
+        if notes:
+            break
+    assert [(n.sender, n.payload) for n in notes] == [(a.engine_id, b"done")]
+
+
+def test_pending_handles_are_abandoned_on_close(pair) -> None:
+    a, b, _, _ = pair
+    a._engine.gate.clear()
+    h = a.write(b.engine_id, "kv", "kv", [(0, 0, 64)])
+    a.close()
+    with pytest.raises(TransportClosed):
+        h.poll()
+    with pytest.raises(TransportClosed):
+        h.wait(1)
