@@ -99,6 +99,14 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return run_up(config)
 
 
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from vllm_pd_ext.tools.doctor import doctor_main
+
+    return doctor_main(
+        args.prefill, args.decode, args.prompts, args.prompt_tokens, args.link_gbps, args.json
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllm_pd_ext import __version__
 
@@ -207,6 +215,29 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--log-dir", type=Path, default=None)
     up.set_defaults(func=_cmd_up)
+
+    doc = sub.add_parser(
+        "doctor",
+        help="measure a running P/D pair and say what makes KV transfer slow",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    doc.add_argument("--prefill", required=True, metavar="URL", help="a prefill instance")
+    doc.add_argument("--decode", required=True, metavar="URL", help="a decode instance")
+    doc.add_argument("--prompts", type=_positive_int, default=3, help="measured prompts")
+    doc.add_argument(
+        "--prompt-tokens",
+        type=_positive_int,
+        default=None,
+        help="prompt length (default: the model's context minus 16, at most 4096)",
+    )
+    doc.add_argument(
+        "--link-gbps",
+        type=_positive_float,
+        default=None,
+        help="the link speed the transfer should reach, for comparison",
+    )
+    doc.add_argument("--json", action="store_true")
+    doc.set_defaults(func=_cmd_doctor)
 
     from vllm_pd_ext.proxy.cli import add_parser as add_proxy_parser
     from vllm_pd_ext.render_server.cli import add_parser as add_render_parser

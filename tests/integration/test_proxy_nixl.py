@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 
 import httpx
@@ -219,3 +221,39 @@ def test_disconnect_mid_stream_leaves_both_engines_idle(fleet, proxy_url, tiny_l
     lines = [m for m in metrics.splitlines() if "abort" in m or "in_flight" in m]
     assert 'vllm_pd_aborts_total{phase="decode_stream"} 1.0' in metrics, lines
     assert "vllm_pd_in_flight 0.0" in metrics, lines
+
+
+def test_doctor_reports_real_transfer_numbers(fleet):
+    prefill, decode = fleet
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_pd_ext.cli",
+            "doctor",
+            "--prefill",
+            prefill.base_url,
+            "--decode",
+            decode.base_url,
+            "--prompts",
+            "2",
+            "--prompt-tokens",
+            "300",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    # tiny-llama: 2 layers x 2 KV heads x 64 dim x K,V x 2 bytes
+    assert report["kv_bytes_per_token"] == 2 * 2 * 64 * 2 * 2
+    assert len(report["rounds"]) == 2
+    for r in report["rounds"]:
+        assert r["prompt_tokens"] == 300 and r["external_tokens"] >= 299
+        assert r["prefill_leg_ms"] > 0 and r["decode_first_token_ms"] > 0
+        if r["connector_bytes"] is not None:  # NIXL exports its transfer histograms
+            assert r["connector_bytes"] >= 299 * report["kv_bytes_per_token"]
+    assert any("colocated" in a for a in report["advice"])
+    assert not any("NOT loaded" in a for a in report["advice"])
