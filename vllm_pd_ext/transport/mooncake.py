@@ -10,6 +10,10 @@ design around:
   refusal poisons that peer connection for good. So a transfer is posted in chunks of at most
   ``max_batch_entries`` entries, one chunk at a time per peer, from one worker thread per
   peer (adjacent spans are coalesced first, which usually makes chunks rare);
+* after coalescing, spans longer than ``max_entry_bytes`` (1 MiB) are cut into 1 MiB entries:
+  on an idle 2-core host 1 MiB entries move as fast as one huge entry (2.35 vs 2.2-2.4 GB/s),
+  and on a busy one they were faster in every interleaved A/B round we ran (the engine spreads
+  entries over its TCP lanes; one huge entry goes through one);
 * ``transfer_check_status`` looks at the first entry of a batch only, so completion is taken
   from the synchronous batch calls, run on that worker thread; ``wait`` uses the future;
 * writes and reads outside the peer's registered memory are refused by the peer (we refuse
@@ -47,7 +51,7 @@ from vllm_pd_ext.transport.errors import (
     TransferTimeout,
     TransportError,
 )
-from vllm_pd_ext.transport.spans import LENGTH, LOCAL, REMOTE
+from vllm_pd_ext.transport.spans import LENGTH, LOCAL, REMOTE, split_long
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +68,9 @@ class MooncakeConfig(BaseModel):
         1024, ge=1, le=2048, description="Entries per engine call (the TCP peer queue is ~2048)."
     )
     coalesce: bool = Field(True, description="Merge spans adjacent on both sides.")
+    max_entry_bytes: int | None = Field(
+        1 << 20, ge=4096, description="Cut longer (coalesced) spans into entries of this size."
+    )
     probe_on_connect: bool = Field(True, description="send_probe the peer in connect().")
 
 
@@ -167,6 +174,8 @@ class MooncakeTransport(Transport):
         remote: Region,
         spans: np.ndarray,
     ) -> _FutureJob:
+        if self.config.max_entry_bytes:
+            spans = split_long(spans, self.config.max_entry_bytes)
         local_addrs = (spans[:, LOCAL] + local.addr).tolist()
         remote_addrs = (spans[:, REMOTE] + remote.addr).tolist()
         lengths = spans[:, LENGTH].tolist()

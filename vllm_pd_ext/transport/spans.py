@@ -100,3 +100,25 @@ def coalesce(spans: np.ndarray) -> np.ndarray:
 def total_bytes(spans: np.ndarray) -> int:
     """Sum of span lengths."""
     return int(spans[:, LENGTH].sum()) if len(spans) else 0
+
+
+def split_long(spans: np.ndarray, max_length: int) -> np.ndarray:
+    """Cut spans longer than ``max_length`` into consecutive pieces of at most that length.
+
+    Some engines move many medium entries in parallel but one huge entry serially; this lets
+    a backend choose its entry size after coalescing. Order and bytes are unchanged.
+    """
+    if max_length <= 0:
+        raise ValueError("max_length must be positive")
+    lengths = spans[:, LENGTH]
+    pieces = -(-lengths // max_length)
+    if len(spans) == 0 or int(pieces.max()) == 1:
+        return spans.copy()
+    row = np.repeat(np.arange(len(spans)), pieces)
+    first = np.concatenate(([0], np.cumsum(pieces)[:-1]))
+    k = np.arange(len(row)) - np.repeat(first, pieces)  # piece index within its span
+    out = np.empty((len(row), 3), dtype=np.int64)
+    out[:, LOCAL] = spans[row, LOCAL] + k * max_length
+    out[:, REMOTE] = spans[row, REMOTE] + k * max_length
+    out[:, LENGTH] = np.minimum(max_length, lengths[row] - k * max_length)
+    return out

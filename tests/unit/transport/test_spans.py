@@ -16,7 +16,14 @@ from vllm_pd_ext.transport import (
     register_backend,
 )
 from vllm_pd_ext.transport.base import Region, decode_payload, encode_payload
-from vllm_pd_ext.transport.spans import LOCAL, REMOTE, as_span_array, check_bounds, coalesce
+from vllm_pd_ext.transport.spans import (
+    LOCAL,
+    REMOTE,
+    as_span_array,
+    check_bounds,
+    coalesce,
+    split_long,
+)
 from vllm_pd_ext.transport.stats import MAX_KEPT_DURATIONS, TransferStats
 
 
@@ -59,6 +66,25 @@ def test_coalesce_merges_only_runs_adjacent_on_both_sides() -> None:
     spans = np.stack([starts, starts + 7, lens], axis=1)
     merged = coalesce(spans)
     assert merged.tolist() == [[0, 7, int(lens.sum())]]
+
+
+def test_split_long_cuts_only_long_spans_and_keeps_bytes() -> None:
+    spans = as_span_array([(0, 100, 10), (10, 0, 25), (50, 50, 8)])
+    out = split_long(spans, 8)
+    assert out.tolist() == [
+        [0, 100, 8],
+        [8, 108, 2],
+        [10, 0, 8],
+        [18, 8, 8],
+        [26, 16, 8],
+        [34, 24, 1],
+        [50, 50, 8],
+    ]
+    assert coalesce(out).tolist() == spans.tolist()
+    assert split_long(spans, 100).tolist() == spans.tolist()
+    assert split_long(as_span_array([]), 8).shape == (0, 3)
+    with pytest.raises(ValueError):
+        split_long(spans, 0)
 
 
 def test_descriptor_bytes_round_trip_and_errors() -> None:
