@@ -76,7 +76,9 @@ class _State:
         tok.warm_up()
         self.settings = settings
         self.renderer = Renderer(settings, tok)
-        self.derenderer = Derenderer(settings, tok, self.renderer.max_model_len)
+        self.derenderer = Derenderer(
+            settings, tok, self.renderer.max_model_len, self.renderer.chat_template_kwargs
+        )
         self.metrics = _Metrics()
         self.created = int(time.time())
 

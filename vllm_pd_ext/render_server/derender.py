@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 from vllm_pd_ext.render_server.detokenizer import (
@@ -63,7 +64,14 @@ def _decode_params(
 class Derenderer:
     """Derender logic for one tokenizer and one settings object (pure CPU, no I/O)."""
 
-    def __init__(self, settings: RenderSettings, tok: TokenizerInfo, max_model_len: int) -> None:
+    def __init__(
+        self,
+        settings: RenderSettings,
+        tok: TokenizerInfo,
+        max_model_len: int,
+        template_kwargs: Callable[[ChatCompletionRequest], dict[str, Any]] | None = None,
+    ) -> None:
+        self.template_kwargs = template_kwargs
         self.settings = settings
         self.tok = tok
         self.max_model_len = max_model_len
@@ -112,6 +120,7 @@ class Derenderer:
             tools=self.settings.tool_call_parser,
             request=chat_request,
             enable_auto_tools=self.settings.enable_auto_tool_choice,
+            template_kwargs=self.template_kwargs(chat_request) if self.template_kwargs else None,
         )
 
     def _logprobs(

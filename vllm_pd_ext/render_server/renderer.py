@@ -338,8 +338,11 @@ class Renderer:
             return True
         if self.settings.reasoning_parser is None:
             return None
+        from vllm_pd_ext.render_server.parsers import reasoning_active
         from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 
+        if not reasoning_active(self.settings.reasoning_parser, self.chat_template_kwargs(request)):
+            return True  # vLLM's identity parser: reasoning never open
         return ThinkReasoningParser(self.tok).prompt_ended_reasoning(ids)
 
     def _reasoning_parser_kwargs(self, request: ChatCompletionRequest) -> dict[str, Any] | None:

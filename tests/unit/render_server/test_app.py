@@ -332,3 +332,26 @@ def test_parser_server_requires_chat_request(parser_client):
         json={"generate_response": {"choices": [{"token_ids": [1, 2]}]}},
     )
     assert resp.status_code == 400 and "chat_request" in resp.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_deepseek_v3_reasoning_follows_thinking_kwarg(tiny_qwen_think, thinking):
+    settings = RenderSettings(model=str(tiny_qwen_think), reasoning_parser="deepseek_v3")
+    with TestClient(create_app(settings)) as c:
+        ids = _ids(c, "<think>hmm</think>Answer.")
+        chat_request = {
+            "messages": [{"role": "user", "content": "q"}],
+            "chat_template_kwargs": {"thinking": thinking},
+        }
+        rendered = c.post("/v1/chat/completions/render", json=chat_request).json()
+        assert rendered["reasoning_ended"] is (not thinking)
+        body = {
+            "generate_response": {"choices": [{"token_ids": ids}]},
+            "chat_request": chat_request,
+            "prompt_token_ids": rendered["token_ids"],
+        }
+        msg = c.post("/v1/chat/completions/derender", json=body).json()["choices"][0]["message"]
+    if thinking:
+        assert (msg["reasoning"], msg["content"]) == ("hmm", "Answer.")
+    else:
+        assert (msg["reasoning"], msg["content"]) == (None, "<think>hmm</think>Answer.")

@@ -15,7 +15,16 @@ from vllm_pd_ext.render_server.parsers.buffered import DeepSeekV3ToolParser, Lla
 from vllm_pd_ext.render_server.parsers.hermes import HermesToolParser
 from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 
-__all__ = ["TOOL_PARSERS", "ChatParser", "make_parser"]
+__all__ = ["TOOL_PARSERS", "ChatParser", "make_parser", "reasoning_active"]
+
+
+def reasoning_active(reasoning: str, template_kwargs: dict[str, Any]) -> bool:
+    """Whether ``<think>`` parsing applies: always for deepseek_r1 / qwen3; for deepseek_v3
+    (DeepSeek-V3.x hybrid thinking) only when the template was asked to think."""
+    if reasoning == "deepseek_v3":
+        return bool(template_kwargs.get("thinking")) or bool(template_kwargs.get("enable_thinking"))
+    return reasoning in ("deepseek_r1", "qwen3")
+
 
 #: Built-in tool-call parsers by vLLM's names.
 TOOL_PARSERS: dict[str, Any] = {
@@ -32,9 +41,16 @@ def make_parser(
     tools: str | None,
     request: Any,
     enable_auto_tools: bool,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> ChatParser:
-    """The combined parser for the server's ``--reasoning-parser`` / ``--tool-call-parser``."""
-    reasoning_parser = ThinkReasoningParser(tok) if reasoning in ("deepseek_r1", "qwen3") else None
+    """The combined parser for the server's ``--reasoning-parser`` / ``--tool-call-parser``.
+
+    ``template_kwargs`` are the chat template kwargs the prompt was rendered with; the
+    ``deepseek_v3`` reasoning parser reads ``thinking`` / ``enable_thinking`` from them.
+    """
+    reasoning_parser = None
+    if reasoning is not None and reasoning_active(reasoning, template_kwargs or {}):
+        reasoning_parser = ThinkReasoningParser(tok)
     tool_parser = None
     tool_choice = getattr(request, "tool_choice", None)
     if (
