@@ -388,17 +388,23 @@ def measure(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], dic
         for m in movers.values():  # warm-up: connections, first-touch, registrations
             m.once(plans[0]["groups"])
         rows = []
+        last_gbps: dict[tuple[str, str], float] = {}  # (layout, mover) -> at the last size
         for plan in plans:
             row = {k: plan[k] for k in ("layout", "tokens", "bytes", "spans")}
             row["runs"] = {name: [] for name in [*movers, "tcp", "memcpy"]}
             row["vs_tcp"] = {name: [] for name in movers}
+            row["skipped"] = {}
             spent = dict.fromkeys(movers, 0.0)
+            for name in movers:  # a mover too slow at the last size would blow the budget here
+                gbps = last_gbps.get((plan["layout"], name))
+                if gbps and plan["bytes"] / (gbps * 1e9) > 2 * args.budget_s:
+                    row["skipped"][name] = f"predicted {plan['bytes'] / (gbps * 1e9):.0f} s a run"
             for rnd in range(args.runs):
                 tcp_gbps = floor_bytes / tcp.once(floor_bytes) / 1e9
                 row["runs"]["tcp"].append(tcp_gbps)
                 row["runs"]["memcpy"].append(floor_bytes / memcpy_seconds(mc_src, mc_dst) / 1e9)
                 for name, mover in list(movers.items()):
-                    if rnd and spent[name] > args.budget_s:
+                    if name in row["skipped"] or (rnd and spent[name] > args.budget_s):
                         continue  # slow: fewer runs, recorded in the JSON
                     if rnd == 0:
                         decode.call("clear")
@@ -414,6 +420,9 @@ def measure(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], dic
                     gbps = plan["bytes"] / dt / 1e9
                     row["runs"][name].append(gbps)
                     row["vs_tcp"][name].append(gbps / tcp_gbps)
+            for name in movers:
+                if row["runs"][name]:
+                    last_gbps[(plan["layout"], name)] = statistics.median(row["runs"][name])
             rows.append(row)
             print(
                 f"  {row['layout']:>21} {row['tokens']:>6} tokens: "
@@ -449,7 +458,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"unknown peers: {sorted(unknown)}")
 
     t_start = time.perf_counter()
-    print(f"machine: {os.cpu_count()} cores, {_cpu_model()}; load {os.getloadavg()[0]:.1f}")
+    load_start = os.getloadavg()
+    print(f"machine: {os.cpu_count()} cores, {_cpu_model()}; load {load_start[0]:.1f}")
     rows, errors = measure(args, peers)
     elapsed = time.perf_counter() - t_start
     med = statistics.median
@@ -483,6 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "cpu_model": _cpu_model(),
             "python": platform.python_version(),
+            "load_average_at_start": load_start,
             "load_average_at_end": os.getloadavg(),
             "note": "shared machine: other jobs ran during the measurement",
         },

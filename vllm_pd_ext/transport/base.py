@@ -212,6 +212,7 @@ class TransferHandle:
         spans: int,
         posted_spans: int,
         job: BackendJob | None,
+        submitted_at: float,
     ) -> None:
         self.id = handle_id
         self.op = op
@@ -219,7 +220,7 @@ class TransferHandle:
         self.nbytes = nbytes
         self.spans = spans
         self.posted_spans = posted_spans
-        self.submitted_at = time.perf_counter()
+        self.submitted_at = submitted_at
         self.seconds: float | None = None
         self.error: str | None = None
         self._transport = transport
@@ -409,6 +410,7 @@ class Transport(abc.ABC):
         check_bounds(arr, local.size, remote.size, target=target)
         posted = coalesce(arr) if self._coalesce else arr
         nbytes = int(arr[:, 2].sum()) if len(arr) else 0
+        submitted_at = time.perf_counter()  # before the engine can finish it
         job = self._submit(op, desc, local, remote, posted) if len(arr) else None
         handle = TransferHandle(
             transport=self,
@@ -419,6 +421,7 @@ class Transport(abc.ABC):
             spans=len(arr),
             posted_spans=len(posted),
             job=job,
+            submitted_at=submitted_at,
         )
         if job is not None:
             with self._lock:

@@ -6,14 +6,18 @@ regions are addressed by their virtual addresses, which the descriptor carries.
 What we learned from the engine (``mooncake-transfer-engine-non-cuda`` 0.3.13, TCP) and
 design around:
 
-* batched calls with more entries than the peer's TCP queue (about 2048) are refused, and the
-  refusal poisons that peer connection for good. So a transfer is posted in chunks of at most
-  ``max_batch_entries`` entries, one chunk at a time per peer, from one worker thread per
-  peer (adjacent spans are coalesced first, which usually makes chunks rare);
+* batched calls with more entries than the peer's TCP queue (about 2048; two 1024-entry
+  batches in flight at once too) are refused, and the refusal poisons that peer connection
+  for good. So a transfer is posted in chunks of at most ``max_batch_entries`` entries, one
+  chunk at a time per peer, from one worker thread per peer (adjacent spans are coalesced
+  first, which usually makes chunks rare);
 * after coalescing, spans longer than ``max_entry_bytes`` (1 MiB) are cut into 1 MiB entries:
-  on an idle 2-core host 1 MiB entries move as fast as one huge entry (2.35 vs 2.2-2.4 GB/s),
-  and on a busy one they were faster in every interleaved A/B round we ran (the engine spreads
-  entries over its TCP lanes; one huge entry goes through one);
+  on an idle 2-core host 1 MiB entries moved as fast as one huge entry (2.35 vs 2.2-2.4 GB/s);
+  on a busy one, coalesced 7 MiB runs moved 1.3-1.8x faster cut into 1 MiB entries in 3 of 3
+  interleaved A/B runs;
+* small entries are expensive over TCP: 16 KiB entries ran at about a tenth of the rate of
+  1 MiB ones here. Layouts with larger contiguous pieces (vLLM's cross-layer KV cache: one
+  896 KiB span per Qwen2.5-7B block) avoid that; RDMA does not have this cost;
 * ``transfer_check_status`` looks at the first entry of a batch only, so completion is taken
   from the synchronous batch calls, run on that worker thread; ``wait`` uses the future;
 * writes and reads outside the peer's registered memory are refused by the peer (we refuse
