@@ -78,7 +78,9 @@ class SegmentCache:
                     parts.append(None)
                     misses.append((i, piece))
         if misses:
-            encoded = self.backend.encode_batch([p for _, p in misses], add_special_tokens=False)
+            encoded = self.backend.encode_batch_fast(
+                [p for _, p in misses], add_special_tokens=False
+            )
             with self._lock:
                 for (i, piece), enc in zip(misses, encoded, strict=True):
                     ids = enc.ids
