@@ -107,6 +107,74 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     )
 
 
+def _parse_slo(text: str) -> tuple[float, float]:
+    slo = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        slo[key.strip()] = float(value)
+    if set(slo) != {"ttft", "itl"}:
+        raise ValueError("--slo needs ttft=MS,itl=MS")
+    return slo["ttft"], slo["itl"]
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from vllm_pd_ext.tools.bench import Workload, bench_main
+
+    try:
+        rates = tuple(float(r) for r in args.rates.split(","))
+        slo_ttft, slo_itl = _parse_slo(args.slo)
+    except ValueError as exc:
+        print(f"vllm-pd bench: {exc}", file=sys.stderr)
+        return 2
+    workload = Workload(
+        rates=rates,
+        requests_per_rate=args.requests,
+        long_fraction=args.long_fraction,
+        long_tokens=args.long_tokens,
+        short_tokens=args.short_tokens,
+        output_tokens=args.output_tokens,
+    )
+
+    def run(colocated: str, pd: str, note: str = "") -> int:
+        return bench_main(
+            colocated, pd, args.model, workload, slo_ttft, slo_itl, args.json, args.png, note
+        )
+
+    if not args.up:
+        if not (args.colocated and args.pd):
+            print("vllm-pd bench: give --colocated and --pd, or --up", file=sys.stderr)
+            return 2
+        return run(args.colocated, args.pd)
+    from vllm_pd_ext.tools.launcher import Stack, UpConfig
+    from vllm_pd_ext.tools.vllm_process import free_port
+
+    stack = Stack(
+        UpConfig(
+            proxy_port=free_port(),
+            min_split_prompt_tokens=0,
+            cost_model=False,
+            log_dir=Path("logs/bench"),
+        )
+    )
+    stack.build()
+    try:
+        stack.start_engines()
+        if not stack.wait_ready(stack.parts[:-1]):
+            return 1
+        stack.start_proxy()
+        if not stack.wait_ready(stack.parts[-1:]):
+            return 1
+        decode = next(p.url for p in stack.parts if p.name.startswith("decode"))
+        note = (
+            "note: colocated = the stack's decode instance alone; P/D = the proxy over "
+            "both. On a CPU host both share the same cores, so this shows the tool works, "
+            "not the GPU effect of splitting."
+        )
+        return run(decode, stack.parts[-1].url, note)
+    finally:
+        stack.stop_all()
+
+
 def build_parser() -> argparse.ArgumentParser:
     from vllm_pd_ext import __version__
 
@@ -238,6 +306,30 @@ def build_parser() -> argparse.ArgumentParser:
     )
     doc.add_argument("--json", action="store_true")
     doc.set_defaults(func=_cmd_doctor)
+
+    bench = sub.add_parser(
+        "bench",
+        help="goodput A/B: the same workload against colocated and P/D serving",
+        description="Poisson arrivals at several rates, long and short streaming prompts, "
+        "against a colocated endpoint and a P/D endpoint; TTFT/ITL percentiles, goodput "
+        "under the SLO, a table, JSON and a PNG. Give both endpoints, or --up to bring up a "
+        "local 1P1D stack (colocated = its decode instance, P/D = its proxy).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    bench.add_argument("--colocated", metavar="URL", help="colocated endpoint")
+    bench.add_argument("--pd", metavar="URL", help="P/D endpoint (a vllm-pd proxy)")
+    bench.add_argument("--up", action="store_true", help="bring up a local stack to measure")
+    bench.add_argument("--model", default=None, help="served model name (default: ask /v1/models)")
+    bench.add_argument("--rates", default="1,2,4", help="request rates, req/s")
+    bench.add_argument("--requests", type=_positive_int, default=20, help="requests per rate")
+    bench.add_argument("--long-fraction", type=float, default=0.3)
+    bench.add_argument("--long-tokens", type=_positive_int, default=400)
+    bench.add_argument("--short-tokens", type=_positive_int, default=32)
+    bench.add_argument("--output-tokens", type=_positive_int, default=32)
+    bench.add_argument("--slo", default="ttft=1000,itl=100", help="SLOs in ms")
+    bench.add_argument("--json", type=Path, default=Path("bench-results/bench.json"))
+    bench.add_argument("--png", type=Path, default=Path("bench-results/bench.png"))
+    bench.set_defaults(func=_cmd_bench)
 
     from vllm_pd_ext.proxy.cli import add_parser as add_proxy_parser
     from vllm_pd_ext.render_server.cli import add_parser as add_render_parser

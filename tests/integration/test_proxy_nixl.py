@@ -257,3 +257,52 @@ def test_doctor_reports_real_transfer_numbers(fleet):
             assert r["connector_bytes"] >= 299 * report["kv_bytes_per_token"]
     assert any("colocated" in a for a in report["advice"])
     assert not any("NOT loaded" in a for a in report["advice"])
+
+
+def test_bench_compares_colocated_and_pd(fleet, proxy_url, tmp_path):
+    _, decode = fleet
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_pd_ext.cli",
+            "bench",
+            "--colocated",
+            decode.base_url,
+            "--pd",
+            proxy_url,
+            "--rates",
+            "2,4",
+            "--requests",
+            "6",
+            "--long-tokens",
+            "200",
+            "--short-tokens",
+            "20",
+            "--output-tokens",
+            "8",
+            "--slo",
+            "ttft=5000,itl=1000",
+            "--json",
+            str(out_json),
+            "--png",
+            str(out_png),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "goodput" in proc.stdout and "P/D" in proc.stdout
+    data = json.loads(out_json.read_text())
+    rows = {(r["deployment"], r["rate"]): r for r in data["results"]}
+    assert set(rows) == {("colocated", 2.0), ("colocated", 4.0), ("P/D", 2.0), ("P/D", 4.0)}
+    for r in rows.values():
+        assert r["completed"] == 6 and r["failed"] == 0
+        assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
+        assert r["itl_ms"]["p99"] > 0
+        assert r["slo_attained"] <= 6
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    metrics = httpx.get(f"{proxy_url}/metrics").text
+    assert 'decision="split"' in metrics

@@ -1,0 +1,50 @@
+"""The goodput benchmark's arithmetic, workload and outputs, without engines."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_pd_ext.tools.bench import RateResult, Workload, build_requests, format_table, percentiles
+from vllm_pd_ext.tools.bench import plot as plot_results
+
+
+def test_percentiles_pick_ranked_values():
+    p = percentiles([0.004, 0.001, 0.002, 0.003, 0.100])
+    assert p == pytest.approx({"p50": 3.0, "p90": 100.0, "p99": 100.0, "mean": 22.0})
+    assert percentiles([]) == {"p50": 0.0, "p90": 0.0, "p99": 0.0, "mean": 0.0}
+
+
+def test_workload_is_seeded_poisson_with_a_long_short_mix():
+    w = Workload(requests_per_rate=400, long_fraction=0.25, long_tokens=50, short_tokens=5)
+    a, b = build_requests(w, 4.0), build_requests(w, 4.0)
+    assert a == b  # reproducible
+    arrivals = [t for t, _ in a]
+    assert arrivals == sorted(arrivals)
+    mean_gap = arrivals[-1] / len(arrivals)
+    assert 0.2 < mean_gap < 0.3  # ~1/rate
+    longs = sum(len(p) == 50 for _, p in a)
+    assert 70 < longs < 130  # ~25% of 400
+    assert build_requests(w, 8.0) != a
+
+
+def test_table_and_plot(tmp_path):
+    rows = [
+        RateResult(
+            d,
+            r,
+            10.0,
+            9,
+            1,
+            {"p50": 10, "p90": 20, "p99": 30, "mean": 12},
+            {"p50": 1, "p90": 2, "p99": 3, "mean": 1.5},
+            7,
+            0.7,
+        )
+        for d in ("colocated", "P/D")
+        for r in (1.0, 2.0)
+    ]
+    table = format_table(rows, 500, 50)
+    assert "TTFT <= 500 ms" in table and table.count("P/D") == 2 and "7/10" in table
+    png = tmp_path / "out.png"
+    plot_results(rows, png, "t")
+    assert png.read_bytes()[:4] == b"\x89PNG"
