@@ -12,10 +12,13 @@ does. Prefill blocks are 0..n-1 (a fresh engine); three cache layouts:
 * ``cross-layer-scattered``: a ``[block][layer][K|V]`` cache (vLLM's cross-layer layout),
   random decode blocks: one 896 KiB span per block.
 
-Each side registers its whole cache as one region. Every configuration runs ``--runs``
-interleaved rounds (floors, ours, peers; the median is reported; a transport slower than
-``--budget-s`` per configuration runs fewer rounds), and the first round of each is checked
-byte for byte on 32 random spans.
+Each side registers its whole cache as one region. Two phases, each with its own decode
+process: our transport, then the NIXL variants (so that no engine's threads compete with
+another's on the two cores). In a phase every configuration runs ``--runs`` interleaved
+rounds of the floors and the transports; medians are reported, ``ours/tcp`` is the median of
+per-round ratios; a transport slower than ``--budget-s`` runs fewer rounds or skips a size it
+would need over twice that for. The first round of each is checked byte for byte on 32
+random spans.
 
 Printed side by side, in one run, on this machine:
 
@@ -147,12 +150,15 @@ def _decode_cmd(cmd: str, args: tuple, cache: np.ndarray, state: dict[str, Any])
     if cmd == "clear":
         cache.fill(0)
         return None
-    if cmd == "up":  # our transport and the NIXL agents, all over the same cache
-        from vllm_pd_ext.transport import get_backend
+    if cmd == "up":  # our transport (args[0]) or the NIXL agents, over the same cache
+        descriptor = None
+        if args[0]:
+            from vllm_pd_ext.transport import get_backend
 
-        t = get_backend("mooncake", host="127.0.0.1", protocol="tcp")
-        t.register_buffer("kv", cache.ctypes.data, cache.nbytes)
-        state["t"] = t
+            t = get_backend("mooncake", host="127.0.0.1", protocol="tcp")
+            t.register_buffer("kv", cache.ctypes.data, cache.nbytes)
+            state["t"] = t
+            descriptor = t.descriptor().to_bytes()
         metas = {}
         regs = [(cache.ctypes.data, cache.nbytes, 0, "")]
         for variant in state["variants"]:
@@ -160,7 +166,7 @@ def _decode_cmd(cmd: str, args: tuple, cache: np.ndarray, state: dict[str, Any])
             agent.register_memory(regs, "DRAM")
             state[variant] = agent
             metas[variant] = agent.get_agent_metadata()
-        return t.descriptor().to_bytes(), metas, cache.ctypes.data
+        return descriptor, metas, cache.ctypes.data
     if cmd == "tcp_listen":
         srv = socket.create_server(("127.0.0.1", 0))
         state["srv"] = srv
@@ -362,7 +368,15 @@ def make_plans(token_sizes: list[int], layouts: list[str], num_blocks: int) -> l
     return plans
 
 
-def measure(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], dict[str, str]]:
+def measure(
+    args: argparse.Namespace, peers: list[str], *, ours: bool
+) -> tuple[list[dict], dict[str, str]]:
+    """One phase: our transport alone, or the NIXL peers alone, next to the floors.
+
+    Phases keep the engines apart (NIXL's UCX progress threads must not share the two cores
+    with our engine's threads while we are measured, nor the reverse); within a phase the
+    floors and each transport run in interleaved rounds.
+    """
     token_sizes = [int(x) for x in args.tokens.split(",")]
     num_blocks = blocks_for(max(token_sizes))
     plans = make_plans(token_sizes, args.layouts.split(","), num_blocks)
@@ -375,8 +389,9 @@ def measure(args: argparse.Namespace, peers: list[str]) -> tuple[list[dict], dic
     decode = DecodeProcess(num_blocks, peers)
     tcp = None
     try:
-        descriptor, metas, remote_base = decode.call("up")
-        movers["ours"] = Ours(src, descriptor)
+        descriptor, metas, remote_base = decode.call("up", ours)
+        if ours:
+            movers["ours"] = Ours(src, descriptor)
         for variant in peers:
             try:
                 movers[variant] = Nixl(variant, src, metas[variant], remote_base)
@@ -460,7 +475,15 @@ def main(argv: list[str] | None = None) -> int:
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, {_cpu_model()}; load {load_start[0]:.1f}")
-    rows, errors = measure(args, peers)
+    rows, errors = measure(args, [], ours=True)
+    if peers:
+        peer_rows, peer_errors = measure(args, peers, ours=False)
+        errors.update(peer_errors)
+        for row, extra in zip(rows, peer_rows, strict=True):
+            for name, runs in extra["runs"].items():
+                row["runs"].setdefault(name, []).extend(runs)
+            row["vs_tcp"].update(extra["vs_tcp"])
+            row["skipped"].update(extra["skipped"])
     elapsed = time.perf_counter() - t_start
     med = statistics.median
 
