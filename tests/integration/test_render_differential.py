@@ -278,9 +278,20 @@ def test_chat_derender_batch_identical(servers, which):
             ]
 
 
-def _stream(server: VllmServer, ids: list[int], sizes, extra: dict, path: str) -> dict:
+def _logprobs(ids: list[int]) -> dict:
+    return {
+        "content": [
+            {"token_id": t, "logprob": -0.25, "top_logprobs": [{"token_id": t, "logprob": -0.25}]}
+            for t in ids
+        ]
+    }
+
+
+def _stream(
+    server: VllmServer, ids: list[int], sizes, extra: dict, path: str, logprobs: bool = False
+) -> dict:
     state, pos, i = None, 0, 0
-    acc = {"content": "", "reasoning": "", "calls": {}, "finish": None, "text": ""}
+    acc = {"content": "", "reasoning": "", "calls": {}, "finish": None, "text": "", "lp": []}
     for _ in range(len(ids) + 1):  # bounded: at most one chunk per token
         if pos >= len(ids):
             break
@@ -293,7 +304,12 @@ def _stream(server: VllmServer, ids: list[int], sizes, extra: dict, path: str) -
             "generate_chunk": {
                 "request_id": "g",
                 "choices": [
-                    {"index": 0, "token_ids": part, "finish_reason": "stop" if last else None}
+                    {
+                        "index": 0,
+                        "token_ids": part,
+                        "finish_reason": "stop" if last else None,
+                        "logprobs": _logprobs(part) if logprobs else None,
+                    }
                 ],
             },
             "stream_state": state,
@@ -304,6 +320,7 @@ def _stream(server: VllmServer, ids: list[int], sizes, extra: dict, path: str) -
         state = out["stream_state"]
         choice = out["chunk"]["choices"][0]
         acc["finish"] = choice["finish_reason"]
+        acc["lp"].append(choice.get("logprobs"))
         if "text" in choice:
             acc["text"] += choice["text"]
             continue
@@ -334,8 +351,9 @@ def test_chat_derender_stream_identical(servers, which, pattern):
         }
     for text in OUTPUTS:
         ids = [*_ids(ref, text), 151645]
-        a = _stream(ours, ids, itertools.cycle(pattern), extra, "/v1/chat/completions/derender")
-        b = _stream(ref, ids, itertools.cycle(pattern), extra, "/v1/chat/completions/derender")
+        path = "/v1/chat/completions/derender"
+        a = _stream(ours, ids, itertools.cycle(pattern), extra, path, logprobs=True)
+        b = _stream(ref, ids, itertools.cycle(pattern), extra, path, logprobs=True)
         assert a == b, text
 
 
@@ -358,7 +376,8 @@ def test_completion_derender_identical(servers, pattern):
         assert a["choices"][0]["text"] == b["choices"][0]["text"] == text
         assert a["choices"][0]["finish_reason"] == b["choices"][0]["finish_reason"]
         extra = {"prompt_token_ids": [1, 2, 3]}
-        sa_ = _stream(ours, ids, itertools.cycle(pattern), extra, "/v1/completions/derender")
-        sb_ = _stream(ref, ids, itertools.cycle(pattern), extra, "/v1/completions/derender")
+        path = "/v1/completions/derender"
+        sa_ = _stream(ours, ids, itertools.cycle(pattern), extra, path, logprobs=True)
+        sb_ = _stream(ref, ids, itertools.cycle(pattern), extra, path, logprobs=True)
         assert sa_ == sb_
         assert sa_["text"] == text
