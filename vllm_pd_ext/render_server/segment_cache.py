@@ -78,9 +78,8 @@ class SegmentCache:
                     parts.append(None)
                     misses.append((i, piece))
         if misses:
-            encoded = self.backend.encode_batch_fast(
-                [p for _, p in misses], add_special_tokens=False
-            )
+            batch_encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+            encoded = batch_encode([p for _, p in misses], add_special_tokens=False)
             with self._lock:
                 for (i, piece), enc in zip(misses, encoded, strict=True):
                     ids = enc.ids

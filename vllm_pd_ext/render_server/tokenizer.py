@@ -62,12 +62,12 @@ class TokenizerInfo:
         cache = self.segment_cache
         if cache is not None and (not add_special_tokens or self.backend.post_processor is None):
             return cache.encode(text)
-        return self.backend.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
+        return self.encode_batch([text], add_special_tokens=add_special_tokens)[0]
 
     def encode_batch(self, texts: list[str], *, add_special_tokens: bool) -> list[list[int]]:
-        """Ids of each text; ``encode_batch_fast`` skips the offsets we never use (~30% less)."""
-        batch = self.backend.encode_batch_fast(texts, add_special_tokens=add_special_tokens)
-        return [e.ids for e in batch]
+        """Ids of each text; ``encode_batch_fast`` skips the offsets we never use (~20% less)."""
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
