@@ -488,23 +488,30 @@ def main(argv: list[str] | None = None) -> int:
     med = statistics.median
 
     names = ["ours", *[p for p in peers if p not in errors]]
-    print(
-        f"\nGB/s, median of up to {args.runs} interleaved rounds; ours/tcp = median per-round ratio"
-    )
+    print(f"\nGB/s, median of up to {args.runs} rounds; x/tcp: median ratio to the TCP floor")
+    print("measured in the same round (phases ran at different machine loads: compare ratios)")
     print("ours = vllm_pd_ext.transport 'mooncake' backend over TCP; floors: memcpy, TCP loopback")
     head = f"{'layout':>21} {'tokens':>6} {'MB':>6} {'spans':>7} {'memcpy':>6} {'tcp':>5}"
-    print(head + "".join(f" {n:>8}" for n in names) + f" {'ours/tcp':>8}")
+    head += "".join(f" {n:>8}" for n in names) + "".join(f" {n + '/tcp':>12}" for n in names)
+    print(head)
     for r in rows:
         runs = r["runs"]
+        r["median_gbps"] = {k: med(v) for k, v in runs.items() if v}
+        r["median_vs_tcp"] = {k: med(v) for k, v in r["vs_tcp"].items() if v}
+        r["ours_vs_tcp"] = r["median_vs_tcp"].get("ours")
         line = (
             f"{r['layout']:>21} {r['tokens']:>6} {r['bytes'] / 1e6:>6.0f} {r['spans']:>7} "
             f"{med(runs['memcpy']):>6.2f} {med(runs['tcp']):>5.2f}"
         )
-        line += "".join(f" {med(runs[n]):>8.2f}" if runs.get(n) else f" {'-':>8}" for n in names)
-        ratio = r["vs_tcp"].get("ours")
-        r["ours_vs_tcp"] = med(ratio) if ratio else None
-        r["median_gbps"] = {k: med(v) for k, v in runs.items() if v}
-        print(line + (f" {r['ours_vs_tcp']:>8.0%}" if ratio else f" {'-':>8}"))
+        line += "".join(
+            f" {r['median_gbps'][n]:>8.2f}" if n in r["median_gbps"] else f" {'-':>8}"
+            for n in names
+        )
+        line += "".join(
+            f" {r['median_vs_tcp'][n]:>12.0%}" if n in r["median_vs_tcp"] else f" {'-':>12}"
+            for n in names
+        )
+        print(line)
     for name, err in errors.items():
         print(f"{name}: failed: {err}")
     print(f"total {elapsed:.0f} s")
