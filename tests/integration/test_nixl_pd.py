@@ -5,35 +5,20 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from tests.integration.fleet_helpers import nixl_pair
 from vllm_pd_ext.tools.pd_demo import (
     EXTERNAL,
-    NIXL_CPU,
     PREFILL_PARAMS,
     PROMPT_TOKENS_BY_SOURCE,
     run_pd_round_trip,
 )
-from vllm_pd_ext.tools.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture(scope="module")
 def pair(vllm_servers, tiny_qwen):
-    servers = [
-        vllm_servers.start(
-            tiny_qwen,
-            name=role,
-            wait=False,
-            cpu_core=core,
-            kv_transfer_config=NIXL_CPU,
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-            extra_args=["--no-enable-prefix-caching"],
-        )
-        for role, core in (("prefill", 0), ("decode", 1))
-    ]
-    for server in servers:
-        server.wait_healthy()
-    return servers
+    return nixl_pair(vllm_servers, tiny_qwen, "nixl")
 
 
 @pytest.mark.parametrize("prompt_tokens", [97, 256, 300])

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.proxy_process import running_proxy
+from tests.integration.fleet_helpers import running_proxy, wait_idle
 from vllm_pd_ext.tools.pd_demo import NIXL_CPU, make_prompt_ids
 from vllm_pd_ext.tools.vllm_process import free_port
 
@@ -68,17 +68,6 @@ def body(model: str, prompt: list[int], **extra) -> dict:
         "return_token_ids": True,
         **extra,
     }
-
-
-def wait_idle(server, timeout=60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        running = server.metric("vllm:num_requests_running")
-        usage = server.metric("vllm:kv_cache_usage_perc")
-        if running == 0 and usage == 0:
-            return
-        assert time.monotonic() < deadline, (server.base_url, running, usage)
-        time.sleep(0.5)
 
 
 def test_decode_killed_mid_stream_ends_with_error_event(fleet, proxy_url, tiny_llama, vllm_servers):

@@ -6,14 +6,12 @@ import asyncio
 import json
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
-from tests.integration.proxy_process import running_proxy
-from vllm_pd_ext.tools.pd_demo import EXTERNAL, NIXL_CPU, PROMPT_TOKENS_BY_SOURCE, make_prompt_ids
-from vllm_pd_ext.tools.vllm_process import free_port
+from tests.integration.fleet_helpers import nixl_pair, running_proxy, wait_idle
+from vllm_pd_ext.tools.pd_demo import EXTERNAL, PROMPT_TOKENS_BY_SOURCE, make_prompt_ids
 
 pytestmark = pytest.mark.integration
 
@@ -26,22 +24,7 @@ CHAT_TEXT = (
 
 @pytest.fixture(scope="module")
 def fleet(vllm_servers, tiny_llama):
-    kv = {**NIXL_CPU, "kv_connector_extra_config": {"kv_lease_duration": 10}}
-    servers = [
-        vllm_servers.start(
-            tiny_llama,
-            name=f"proxy-{role}",
-            wait=False,
-            cpu_core=core,
-            kv_transfer_config=kv,
-            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
-            extra_args=["--no-enable-prefix-caching"],
-        )
-        for role, core in (("prefill", 0), ("decode", 1))
-    ]
-    for server in servers:
-        server.wait_healthy()
-    return servers
+    return nixl_pair(vllm_servers, tiny_llama, "proxy", {"kv_lease_duration": 10})
 
 
 @pytest.fixture(scope="module")
@@ -183,17 +166,6 @@ def test_client_kv_transfer_params_cannot_redirect(fleet, proxy_url, tiny_llama)
     resp = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     assert len(resp.json()["choices"][0]["token_ids"]) == 12
-
-
-def wait_idle(server, timeout=60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        running = server.metric("vllm:num_requests_running")
-        usage = server.metric("vllm:kv_cache_usage_perc")
-        if running == 0 and usage == 0:
-            return
-        assert time.monotonic() < deadline, (server.base_url, running, usage)
-        time.sleep(0.5)
 
 
 def test_disconnect_mid_stream_leaves_both_engines_idle(fleet, proxy_url, tiny_llama):

@@ -22,7 +22,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, TypeVar
 
 import httpx
@@ -269,17 +269,29 @@ class ProxyService:
         answer = data.get("kv_transfer_params")
         return (answer if isinstance(answer, dict) else None), data.get("usage")
 
-    def _prefill_candidates(self, ctx: RequestContext, pool: list[Instance]):
-        """Yield up to 1 + prefill_retries distinct healthy prefill instances."""
+    def _candidates(
+        self,
+        ctx: RequestContext,
+        pool: list[Instance],
+        leg: str,
+        first: Instance | None = None,
+    ) -> Iterator[Instance]:
+        """Up to 1 + the leg's retries distinct healthy instances, ``first`` first; every
+        instance after the first counts as a retry."""
+        policy = self.prefill_policy if leg == "prefill" else self.decode_policy
+        retries = self.config.prefill_retries if leg == "prefill" else self.config.decode_retries
         tried: list[Instance] = []
-        for attempt in range(1 + self.config.prefill_retries):
-            candidates = [p for p in pool if p not in tried and p.healthy]
-            if not candidates:
-                return
-            inst = self.prefill_policy.select(ctx.affinity_key, candidates)
+        for attempt in range(1 + retries):
+            if attempt == 0 and first is not None:
+                inst = first
+            else:
+                candidates = [p for p in pool if p not in tried and p.healthy]
+                if not candidates:
+                    return
+                inst = policy.select(ctx.affinity_key, candidates)
+                if attempt:
+                    self.metrics.retries.labels(leg).inc()
             tried.append(inst)
-            if attempt:
-                self.metrics.retries.labels("prefill").inc()
             yield inst
 
     async def _prefill_serial(
@@ -287,7 +299,7 @@ class ProxyService:
     ) -> tuple[dict[str, Any], dict | None]:
         """Serial protocols: the prefill leg; its kv_transfer_params feed the decode leg."""
         errors: list[str] = []
-        for inst in self._prefill_candidates(ctx, pool):
+        for inst in self._candidates(ctx, pool, "prefill"):
             plan = self.protocol.plan(ctx.request_id, inst.config)
             try:
                 answer, usage = await self._prefill_once(ctx, inst, plan.prefill_params)
@@ -310,7 +322,7 @@ class ProxyService:
         allocated) before the next prefill instance is tried.
         """
         errors: list[str] = []
-        for inst in self._prefill_candidates(ctx, pool):
+        for inst in self._candidates(ctx, pool, "prefill"):
             plan = self.protocol.plan(ctx.request_id, inst.config)
             assert plan.decode_params is not None
             pending = asyncio.ensure_future(self._open_decode(decode, ctx, plan.decode_params))
@@ -370,18 +382,8 @@ class ProxyService:
 
         ``pending`` is a decode request already sent to ``first`` (concurrent protocols).
         """
-        tried: list[Instance] = []
-        inst: Instance | None = first
         errors: list[str] = []
-        for attempt in range(1 + self.config.decode_retries):
-            if inst is None:
-                candidates = [d for d in pool if d not in tried and d.healthy]
-                if not candidates:
-                    break
-                inst = self.decode_policy.select(ctx.affinity_key, candidates)
-            tried.append(inst)
-            if attempt:
-                self.metrics.retries.labels("decode").inc()
+        for attempt, inst in enumerate(self._candidates(ctx, pool, "decode", first)):
             inst.in_flight += 1
             keep = False
             try:
@@ -395,12 +397,10 @@ class ProxyService:
                 except httpx.HTTPError as exc:
                     self._upstream_failed(inst, exc)
                     errors.append(f"{inst.label}: {type(exc).__name__}")
-                    inst = None
                     continue
                 if resp.status_code >= 500:
                     await resp.aclose()
                     errors.append(f"{inst.label}: HTTP {resp.status_code}")
-                    inst = None
                     continue
                 if resp.status_code != 200:
                     await resp.aread()
@@ -431,8 +431,7 @@ class ProxyService:
                 return JSONResponse(data, headers={"X-Request-Id": ctx.request_id})
             finally:
                 if not keep:
-                    inst_done = tried[-1]
-                    inst_done.in_flight -= 1
+                    inst.in_flight -= 1
         self.metrics.requests.labels(ctx.route, decision.label, "decode_failed").inc()
         raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
 

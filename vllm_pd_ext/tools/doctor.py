@@ -20,17 +20,9 @@ from pathlib import Path
 
 import httpx
 
+from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
 from vllm_pd_ext.tools.kv_size import ConfigError, compute_kv_size, human_bytes, load_config
 from vllm_pd_ext.tools.prom import parse_metrics
-
-PREFILL_MARKER = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 XFER_TIME = "vllm:nixl_xfer_time_seconds"
 XFER_BYTES = "vllm:nixl_bytes_transferred"
@@ -133,7 +125,7 @@ def measure_round(
     before = _metrics(client, decode)
     start = time.perf_counter()
     resp = client.post(
-        f"{prefill}/v1/completions", json={**body, "kv_transfer_params": PREFILL_MARKER}
+        f"{prefill}/v1/completions", json={**body, "kv_transfer_params": NIXL_PREFILL_PARAMS}
     )
     prefill_s = time.perf_counter() - start
     resp.raise_for_status()

@@ -19,20 +19,12 @@ from pathlib import Path
 
 import httpx
 
+from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS as PREFILL_PARAMS
 from vllm_pd_ext.tools.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.tools.vllm_process import VllmServer, free_port, start_vllm_serve
 
 NIXL_CPU = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
-#: The prefill leg's request marker, as vLLM's NIXL connector expects it.
-PREFILL_PARAMS = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 WARMUP_ROUNDS = 3
 MEASURED_ROUNDS = 5

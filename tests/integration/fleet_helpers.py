@@ -1,0 +1,90 @@
+"""Integration helpers: a NIXL P/D pair of real `vllm serve`, a `vllm-pd proxy` subprocess,
+and waiting for engines to return to idle."""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+from vllm_pd_ext.tools.pd_demo import NIXL_CPU
+from vllm_pd_ext.tools.vllm_process import VllmServer, free_port
+
+
+def nixl_pair(
+    vllm_servers, model: Path, prefix: str, extra_config: dict | None = None
+) -> tuple[VllmServer, VllmServer]:
+    """A healthy prefill (core 0) and decode (core 1) with NixlConnector on CPU, prefix
+    caching off so every split shows up as an external KV load."""
+    kv = {**NIXL_CPU}
+    if extra_config:
+        kv["kv_connector_extra_config"] = extra_config
+    servers = [
+        vllm_servers.start(
+            model,
+            name=f"{prefix}-{role}",
+            wait=False,
+            cpu_core=core,
+            kv_transfer_config=kv,
+            env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+            extra_args=["--no-enable-prefix-caching"],
+        )
+        for role, core in (("prefill", 0), ("decode", 1))
+    ]
+    for server in servers:
+        server.wait_healthy()
+    return servers[0], servers[1]
+
+
+def wait_idle(server: VllmServer, timeout: float = 60.0) -> None:
+    """Wait until the engine runs no request and holds no KV blocks."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = server.metric("vllm:num_requests_running")
+        usage = server.metric("vllm:kv_cache_usage_perc")
+        if running == 0 and usage == 0:
+            return
+        assert time.monotonic() < deadline, (server.base_url, running, usage)
+        time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def running_proxy(args: list[str], log: Path, ready_timeout: float = 60) -> Iterator[str]:
+    """Start the proxy with ``args``, wait for ``/health`` 200, yield its URL, stop it.
+
+    On exit asserts the proxy shut down cleanly on SIGTERM.
+    """
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "vllm_pd_ext.cli", "proxy", "--port", str(port), *args],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + ready_timeout
+        while True:
+            assert proc.poll() is None, log.read_text()
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=5)
+    # uvicorn re-raises SIGTERM once it has shut down cleanly.
+    assert proc.returncode in (0, -15), log.read_text()[-4000:]
+    assert "Application shutdown complete" in log.read_text()
