@@ -19,14 +19,15 @@ from vllm_pd_ext.proxy.service import ProxyService
 logger = logging.getLogger(__name__)
 
 
-def _token_ok(request: Request, secret: str) -> bool:
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
+def _bearer_ok(scope, secret: str) -> bool:
+    header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+    scheme, _, token = header.decode("latin-1").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), secret.encode())
 
 
-def create_app(config: ProxyConfig) -> FastAPI:
-    """Build the app; the fleet starts and stops with the app's lifespan."""
+def create_app(config: ProxyConfig) -> AuthMiddleware:
+    """Build the ASGI app (FastAPI behind the auth layer); the fleet starts and stops with the
+    app's lifespan. ``.state.service`` is the ProxyService."""
     service = ProxyService(config)
 
     @asynccontextmanager
@@ -48,24 +49,6 @@ def create_app(config: ProxyConfig) -> FastAPI:
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unexpected error serving %s", request.url.path)
         return JSONResponse(error_body(500, "internal proxy error"), status_code=500)
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        path = request.url.path
-        if (
-            path.startswith("/v1/")
-            and config.api_key is not None
-            and not _token_ok(request, config.api_key.get_secret_value())
-        ):
-            return error_response(
-                ProxyError(401, "invalid or missing API key", code="invalid_api_key")
-            )
-        if path.startswith("/admin/"):
-            if config.admin_token is None:
-                return error_response(ProxyError(404, "admin endpoints are disabled"))
-            if not _token_ok(request, config.admin_token.get_secret_value()):
-                return error_response(ProxyError(401, "invalid or missing admin token"))
-        return await call_next(request)
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
@@ -127,4 +110,35 @@ def create_app(config: ProxyConfig) -> FastAPI:
             ]
         )
 
-    return app
+    return AuthMiddleware(app, config)
+
+
+class AuthMiddleware:
+    """API key on ``/v1/*``, admin token on ``/admin/*``, as plain ASGI.
+
+    Starlette's ``@app.middleware("http")`` wraps every request in a task group and memory
+    stream; measured, that was ~17% of the proxy's CPU per request.
+    """
+
+    def __init__(self, app: FastAPI, config: ProxyConfig):
+        self.app = app
+        self.state = app.state
+        self.api_key = config.api_key.get_secret_value() if config.api_key else None
+        self.admin_token = config.admin_token.get_secret_value() if config.admin_token else None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            path: str = scope["path"]
+            error: ProxyError | None = None
+            if path.startswith("/v1/") and self.api_key is not None:
+                if not _bearer_ok(scope, self.api_key):
+                    error = ProxyError(401, "invalid or missing API key", code="invalid_api_key")
+            elif path.startswith("/admin/"):
+                if self.admin_token is None:
+                    error = ProxyError(404, "admin endpoints are disabled")
+                elif not _bearer_ok(scope, self.admin_token):
+                    error = ProxyError(401, "invalid or missing admin token")
+            if error is not None:
+                await error_response(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)

@@ -23,6 +23,13 @@ from vllm_pd_ext.tools.prom import parse_metrics
 
 logger = logging.getLogger(__name__)
 
+#: The engine gauges the fleet reads for load, as line prefixes of the Prometheus text.
+LOAD_METRICS = (
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+)
+
 
 @dataclass(eq=False)
 class Instance:
@@ -202,8 +209,13 @@ class Fleet:
 
     @staticmethod
     def _read_load(inst: Instance, text: str) -> None:
+        # vLLM's /metrics is ~50 KB; parsing all of it costs ~30 ms of event-loop time per
+        # scrape, which every in-flight request would wait for. Keep the three gauges' lines.
+        wanted = "\n".join(line for line in text.splitlines() if line.startswith(LOAD_METRICS))
+        if not wanted:  # not a vLLM scrape: keep the last values
+            return
         try:
-            m = parse_metrics(text)
+            m = parse_metrics(wanted)
         except Exception:  # a scrape we cannot parse leaves the last values
             return
         inst.running = m.total("vllm:num_requests_running")

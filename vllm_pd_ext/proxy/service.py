@@ -451,6 +451,7 @@ class ProxyService:
         buffer = b""
         first: float | None = None
         last = 0.0
+        itl = self.metrics.itl.labels(decision.label)
         try:
             async for chunk in resp.aiter_raw():
                 now = time.perf_counter()
@@ -463,7 +464,7 @@ class ProxyService:
                         first = now
                         self._observe_first(ctx, decision, start, prefill_done, now)
                     elif first is not None:
-                        self.metrics.itl.labels(decision.label).observe(now - last)
+                        itl.observe(now - last)
                     last = now
                     yield event + b"\n\n"
             if buffer.strip():

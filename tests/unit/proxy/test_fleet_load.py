@@ -1,0 +1,30 @@
+"""Reading an engine's load from its /metrics text."""
+
+from __future__ import annotations
+
+from vllm_pd_ext.proxy.config import InstanceConfig
+from vllm_pd_ext.proxy.fleet import Fleet, Instance
+
+METRICS = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="m"} 2.0
+# TYPE vllm:num_requests_waiting_by_reason gauge
+vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 7.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25
+# TYPE vllm:e2e_request_latency_seconds histogram
+vllm:e2e_request_latency_seconds_bucket{engine="0",le="0.3"} 1.0
+vllm:e2e_request_latency_seconds_count{engine="0"} 1.0
+"""
+
+
+def test_load_comes_from_the_three_gauges_only():
+    inst = Instance(InstanceConfig(url="http://e:1"), client=None)
+    Fleet._read_load(inst, METRICS)
+    assert (inst.running, inst.waiting, inst.kv_usage) == (3.0, 2.0, 0.25)
+    assert inst.load() == 3.0 + 2 * 2.0
+    Fleet._read_load(inst, "garbage {{{")  # a bad scrape keeps the last values
+    assert inst.running == 3.0
