@@ -7,8 +7,9 @@ check only what the proxy itself relies on, so a malformed body never becomes a 
 from __future__ import annotations
 
 import json
+import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from fastapi import Request
@@ -29,6 +30,7 @@ class RequestContext:
     est_prompt_tokens: int
     affinity_key: str
     splittable: bool
+    received: float = field(default_factory=time.perf_counter)
 
     @property
     def path(self) -> str:

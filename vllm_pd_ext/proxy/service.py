@@ -167,8 +167,7 @@ class ProxyService:
             return response
         except ClientGone as gone:
             self.metrics.aborts.labels(gone.phase).inc()
-            self.metrics.requests.labels(route, "-", "client_gone").inc()
-            logger.info("request %s: client disconnected during %s", ctx.request_id, gone.phase)
+            self._finished(ctx, "-", f"client_gone_{gone.phase}", "client_gone")
             return Response(status_code=499)
         finally:
             watch.stop()
@@ -206,7 +205,7 @@ class ProxyService:
                     )
             except LegFailed as exc:
                 if self.config.on_prefill_failure == "retry-then-fail":
-                    self.metrics.requests.labels(ctx.route, "split", "prefill_failed").inc()
+                    self._finished(ctx, "split", "prefill_failed")
                     raise ProxyError(502, f"prefill failed: {exc}", code="prefill_failed") from None
                 self.metrics.fallbacks.labels("prefill_failed").inc()
                 logger.warning(
@@ -405,7 +404,9 @@ class ProxyService:
                 if resp.status_code != 200:
                     await resp.aread()
                     await resp.aclose()
-                    self.metrics.requests.labels(ctx.route, decision.label, "client_error").inc()
+                    self._finished(
+                        ctx, decision.label, f"client_error_{resp.status_code}", "client_error"
+                    )
                     raise _passthrough(resp)
                 if ctx.stream:
                     keep = True
@@ -427,12 +428,12 @@ class ProxyService:
                 data = json.loads(raw)
                 if isinstance(data, dict):
                     patch_payload(data, cached)
-                self.metrics.requests.labels(ctx.route, decision.label, "ok").inc()
+                self._finished(ctx, decision.label, f"ok via {inst.label}", "ok")
                 return JSONResponse(data, headers={"X-Request-Id": ctx.request_id})
             finally:
                 if not keep:
                     inst.in_flight -= 1
-        self.metrics.requests.labels(ctx.route, decision.label, "decode_failed").inc()
+        self._finished(ctx, decision.label, "decode_failed")
         raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
 
     async def _relay(
@@ -487,7 +488,22 @@ class ProxyService:
             inst.in_flight -= 1
             slot.release()
             self.metrics.in_flight.dec()
-            self.metrics.requests.labels(ctx.route, decision.label, outcome).inc()
+            self._finished(ctx, decision.label, f"{outcome} via {inst.label}", outcome)
+
+    def _finished(
+        self, ctx: RequestContext, decision: str, detail: str, outcome: str | None = None
+    ) -> None:
+        """Count the request's outcome and write its one INFO line."""
+        outcome = outcome or detail
+        self.metrics.requests.labels(ctx.route, decision, outcome).inc()
+        logger.info(
+            "request %s %s %s: %s (%.0f ms)",
+            ctx.request_id,
+            ctx.route,
+            decision,
+            detail,
+            (time.perf_counter() - ctx.received) * 1e3,
+        )
 
     def _observe_first(
         self,

@@ -39,7 +39,7 @@ def proxy(engines, **overrides) -> Iterator[tuple[str, object]]:
         yield f"http://127.0.0.1:{server.port}", app.state.service
 
 
-def wait_until(predicate, timeout=10.0) -> None:
+def wait_until(predicate, timeout=30.0) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
         if time.monotonic() > deadline:
@@ -48,7 +48,7 @@ def wait_until(predicate, timeout=10.0) -> None:
 
 
 def metric(base: str, name: str, **labels) -> float:
-    return parse_metrics(httpx.get(f"{base}/metrics").text).total(name, **labels)
+    return parse_metrics(httpx.get(f"{base}/metrics", timeout=60).text).total(name, **labels)
 
 
 def sent(engine: FakeEngine) -> list[dict]:

@@ -93,7 +93,7 @@ def test_ready_pods_become_instances_with_roles(engines, api):
         }
         assert api.selectors[0] == "serving:app=vllm"
         resp = httpx.post(
-            f"{base}/v1/completions", json={"model": "m", "prompt": SHORT}, timeout=10
+            f"{base}/v1/completions", json={"model": "m", "prompt": SHORT}, timeout=60
         )
         assert resp.status_code == 200 and len(engines["d1"].requests) == 1
 

@@ -32,7 +32,7 @@ def test_concurrent_legs_share_a_transfer_id(engines):
 
         resp = httpx.post(
             f"{base}/v1/completions",
-            timeout=10,
+            timeout=60,
             headers={"X-Request-Id": "m1"},
             json={"model": "m", "prompt": LONG, "max_tokens": 4},
         )
@@ -59,7 +59,7 @@ def test_failed_prefill_cancels_its_decode_and_retries(engines):
 
         resp = httpx.post(
             f"{base}/v1/completions",
-            timeout=20,
+            timeout=60,
             json={"model": "m", "prompt": LONG, "max_tokens": 4, "stream": True},
         )
         assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")

@@ -23,7 +23,7 @@ def test_split_non_streaming_legs_and_response(engines):
             "temperature": 0,
         }
         resp = httpx.post(
-            f"{base}/v1/completions", json=body, headers={"X-Request-Id": "req-42"}, timeout=10
+            f"{base}/v1/completions", json=body, headers={"X-Request-Id": "req-42"}, timeout=60
         )
     assert resp.status_code == 200, resp.text
     data = resp.json()
@@ -51,7 +51,7 @@ def test_split_streaming_chat_relays_events_and_counts(engines):
             "stream": True,
             "stream_options": {"include_usage": True},
         }
-        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=10) as r:
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
@@ -72,7 +72,7 @@ def test_short_prompt_is_served_colocated(engines):
         resp = httpx.post(
             f"{base}/v1/completions",
             json={"model": "m", "prompt": SHORT, "max_tokens": 3},
-            timeout=10,
+            timeout=60,
         )
         assert resp.status_code == 200
         assert not engines["p1"].requests and not engines["p2"].requests
@@ -89,7 +89,7 @@ def test_client_kv_transfer_params_dropped_or_rejected(engines):
     with proxy(engines) as (base, _):
         resp = httpx.post(
             f"{base}/v1/completions",
-            timeout=10,
+            timeout=60,
             json={"model": "m", "prompt": SHORT, "max_tokens": 2, "kv_transfer_params": evil},
         )
         assert resp.status_code == 200
@@ -97,7 +97,7 @@ def test_client_kv_transfer_params_dropped_or_rejected(engines):
     with proxy(engines, client_kv_transfer_params="reject") as (base, _):
         resp = httpx.post(
             f"{base}/v1/completions",
-            timeout=10,
+            timeout=60,
             json={"model": "m", "prompt": SHORT, "kv_transfer_params": evil},
         )
         assert resp.status_code == 400
@@ -122,7 +122,7 @@ def test_bad_bodies_get_openai_errors(engines, content, status, fragment):
             f"{base}/v1/completions",
             content=content,
             headers={"content-type": "application/json"},
-            timeout=10,
+            timeout=60,
         )
     assert resp.status_code == status
     err = resp.json()["error"]
@@ -132,10 +132,10 @@ def test_bad_bodies_get_openai_errors(engines, content, status, fragment):
 
 def test_chat_without_messages_and_engine_4xx_pass_through(engines):
     with proxy(engines) as (base, _):
-        resp = httpx.post(f"{base}/v1/chat/completions", json={"model": "m"}, timeout=10)
+        resp = httpx.post(f"{base}/v1/chat/completions", json={"model": "m"}, timeout=60)
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
         resp = httpx.post(
-            f"{base}/v1/completions", timeout=10, json={"model": "bad", "prompt": LONG}
+            f"{base}/v1/completions", timeout=60, json={"model": "bad", "prompt": LONG}
         )
         assert resp.status_code == 404
         assert "does not exist" in resp.json()["error"]["message"]
@@ -146,7 +146,7 @@ def test_prefill_error_retries_then_falls_back_colocated(engines):
     with proxy(engines) as (base, _):
         resp = httpx.post(
             f"{base}/v1/completions",
-            timeout=10,
+            timeout=60,
             json={"model": "m", "prompt": LONG, "max_tokens": 2},
         )
         assert resp.status_code == 200
@@ -157,7 +157,7 @@ def test_prefill_error_retries_then_falls_back_colocated(engines):
         engines["p2"].behavior.status = 503
         resp = httpx.post(
             f"{base}/v1/completions",
-            timeout=10,
+            timeout=60,
             json={"model": "m", "prompt": LONG, "max_tokens": 2},
         )
         assert resp.status_code == 200
@@ -170,7 +170,7 @@ def test_prefill_failure_can_fail_the_request(engines):
     engines["p1"].behavior.omit_kv_params = True
     engines["p2"].behavior.status = 500
     with proxy(engines, on_prefill_failure="retry-then-fail") as (base, _):
-        resp = httpx.post(f"{base}/v1/completions", timeout=10, json={"model": "m", "prompt": LONG})
+        resp = httpx.post(f"{base}/v1/completions", timeout=60, json={"model": "m", "prompt": LONG})
     assert resp.status_code == 502
     assert "no kv_transfer_params" in resp.json()["error"]["message"]
     assert not engines["d1"].requests and not engines["d2"].requests
@@ -183,7 +183,7 @@ def test_unreachable_prefill_is_marked_down_and_skipped(engines):
         assert {i.url: i.healthy for i in svc.fleet.instances()}[dead] is False
         resp = httpx.post(
             f"{base}/v1/completions",
-            timeout=10,
+            timeout=60,
             json={"model": "m", "prompt": LONG, "max_tokens": 2},
         )
         assert resp.status_code == 200
@@ -196,7 +196,7 @@ def test_decode_error_before_first_byte_retries_other_decode(engines):
     with proxy(engines) as (base, _):
         resp = httpx.post(
             f"{base}/v1/completions",
-            timeout=10,
+            timeout=60,
             json={"model": "m", "prompt": SHORT, "max_tokens": 2, "stream": True},
         )
         assert resp.status_code == 200 and resp.text.rstrip().endswith("data: [DONE]")
@@ -211,7 +211,7 @@ def test_decode_dying_mid_stream_ends_with_one_error_event(engines):
         with httpx.stream(
             "POST",
             f"{base}/v1/completions",
-            timeout=10,
+            timeout=60,
             json={"model": "m", "prompt": SHORT, "max_tokens": 8, "stream": True},
         ) as r:
             events = [line for line in r.iter_lines() if line.startswith("data: ")]
@@ -223,7 +223,7 @@ def test_decode_dying_mid_stream_ends_with_one_error_event(engines):
 
 def _disconnect_after(base: str, body: dict, seconds: float, path="/v1/completions") -> None:
     async def go():
-        async with httpx.AsyncClient(timeout=10) as client:
+        async with httpx.AsyncClient(timeout=60) as client:
             with pytest.raises(asyncio.TimeoutError):
                 await asyncio.wait_for(client.post(f"{base}{path}", json=body), seconds)
 
@@ -271,7 +271,7 @@ def test_disconnect_while_streaming_aborts_decode(engines):
     with proxy(engines) as (base, svc):
 
         async def go():
-            async with httpx.AsyncClient(timeout=10) as client:
+            async with httpx.AsyncClient(timeout=60) as client:
                 body = {"model": "m", "prompt": SHORT, "max_tokens": 50, "stream": True}
                 async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
                     async for _ in r.aiter_lines():
@@ -290,7 +290,7 @@ def test_admission_limit_answers_429_with_retry_after(engines):
     with proxy(engines, max_in_flight=1, max_queued=0) as (base, _):
 
         async def go():
-            async with httpx.AsyncClient(timeout=10) as client:
+            async with httpx.AsyncClient(timeout=60) as client:
                 body = {"model": "m", "prompt": SHORT, "max_tokens": 1}
                 first = asyncio.create_task(client.post(f"{base}/v1/completions", json=body))
                 await asyncio.sleep(0.3)
@@ -308,7 +308,7 @@ def test_admission_limit_answers_429_with_retry_after(engines):
 def test_api_key_and_admin_token(engines):
     with proxy(engines, api_key="sekret", admin_token="adm") as (base, _):
         body = {"model": "m", "prompt": SHORT, "max_tokens": 1}
-        assert httpx.post(f"{base}/v1/completions", json=body).status_code == 401
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 401
         bad = httpx.post(
             f"{base}/v1/completions", json=body, headers={"Authorization": "Bearer nope"}
         )
@@ -317,29 +317,35 @@ def test_api_key_and_admin_token(engines):
             f"{base}/v1/completions",
             json=body,
             headers={"Authorization": "Bearer sekret"},
-            timeout=10,
+            timeout=60,
         )
         assert ok.status_code == 200
-        assert httpx.get(f"{base}/health").status_code == 200  # probes need no key
+        assert httpx.get(f"{base}/health", timeout=60).status_code == 200  # probes need no key
         assert (
-            httpx.get(f"{base}/admin/fleet", headers={"Authorization": "Bearer sekret"}).status_code
+            httpx.get(
+                f"{base}/admin/fleet", headers={"Authorization": "Bearer sekret"}, timeout=60
+            ).status_code
             == 401
         )
-        fleet_state = httpx.get(f"{base}/admin/fleet", headers={"Authorization": "Bearer adm"})
+        fleet_state = httpx.get(
+            f"{base}/admin/fleet", headers={"Authorization": "Bearer adm"}, timeout=60
+        )
         assert fleet_state.status_code == 200 and len(fleet_state.json()) == 4
     with proxy(engines) as (base, _):
-        assert httpx.get(f"{base}/admin/fleet").status_code == 404
+        assert httpx.get(f"{base}/admin/fleet", timeout=60).status_code == 404
 
 
 def test_health_models_and_recovery(engines):
     with proxy(engines, instances=fleet(engines, decode=("d1",))) as (base, _):
-        assert httpx.get(f"{base}/v1/models").json()["data"][0]["id"] == "fake"
+        assert httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"] == "fake"
         engines["d1"].behavior.health_status = 503
-        wait_until(lambda: httpx.get(f"{base}/health").status_code == 503)
-        resp = httpx.post(f"{base}/v1/completions", json={"model": "m", "prompt": SHORT})
+        wait_until(lambda: httpx.get(f"{base}/health", timeout=60).status_code == 503)
+        resp = httpx.post(
+            f"{base}/v1/completions", json={"model": "m", "prompt": SHORT}, timeout=60
+        )
         assert resp.status_code == 503 and "retry-after" in resp.headers
         engines["d1"].behavior.health_status = 200
-        wait_until(lambda: httpx.get(f"{base}/health").status_code == 200, timeout=15)
+        wait_until(lambda: httpx.get(f"{base}/health", timeout=60).status_code == 200, timeout=15)
 
 
 def test_watched_instances_file(engines, tmp_path):
