@@ -78,4 +78,4 @@ def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_
         assert not alive, [p.pid for p in alive]
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # its children get SIGTERM (PDEATHSIG)

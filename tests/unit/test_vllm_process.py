@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -82,3 +83,35 @@ def test_wait_healthy_times_out(tmp_path):
             server.wait_healthy(timeout=1)
     finally:
         server.stop(grace=2)
+
+
+def test_children_die_with_a_killed_parent(tmp_path):
+    """A supervisor killed outright (SIGKILL) leaves no orphans: PDEATHSIG reaches the child."""
+    pid_file = tmp_path / "child.pid"
+    code = (
+        "import subprocess, sys, time\n"
+        "from vllm_pd_ext.tools.vllm_process import die_with_parent_preexec\n"
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
+        "                     start_new_session=True, preexec_fn=die_with_parent_preexec)\n"
+        f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", code])
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    parent.kill()
+    parent.wait(timeout=10)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, os.WNOHANG)  # reaped by init normally; harmless otherwise
+        time.sleep(0.05)
+    os.kill(child, 9)
+    pytest.fail("the child outlived its killed parent")

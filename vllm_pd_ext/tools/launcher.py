@@ -29,7 +29,12 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from vllm_pd_ext.tools.tiny_model import MODELS, ensure_model
-from vllm_pd_ext.tools.vllm_process import VllmServer, free_port, start_vllm_serve
+from vllm_pd_ext.tools.vllm_process import (
+    VllmServer,
+    die_with_parent_preexec,
+    free_port,
+    start_vllm_serve,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -101,6 +106,7 @@ class ProxyProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                preexec_fn=die_with_parent_preexec,
             )
 
     def stop(self, grace: float = 10.0) -> None:
@@ -160,6 +166,7 @@ class Stack:
                 base_args=base,
                 served_name=self.served_name,
                 device=cfg.device,
+                die_with_parent=True,
             )
 
         return Part(name=name, url=f"http://127.0.0.1:{port}", start=start)

@@ -134,6 +134,16 @@ def _kill_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def die_with_parent_preexec() -> None:
+    """In a child before exec (Linux): get SIGTERM when the parent process dies, so a
+    supervisor that is killed outright leaves no orphaned servers behind."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+
+
 def cpu_env(cpu_core: int | None = None, kv_cache_gib: float = 1.0) -> dict[str, str]:
     """:data:`CPU_ENV` plus the OpenMP core binding and KV cache size for one instance."""
     env = dict(CPU_ENV)
@@ -155,6 +165,7 @@ def start_vllm_serve(
     served_name: str | None = None,
     base_args: Iterable[str] = DEFAULT_ARGS,
     device: str = "cpu",
+    die_with_parent: bool = False,
 ) -> VllmServer:
     """Start ``vllm serve MODEL`` on 127.0.0.1 in a new process group; do not wait for it.
 
@@ -190,6 +201,7 @@ def start_vllm_serve(
             stderr=subprocess.STDOUT,
             env=full_env,
             start_new_session=True,
+            preexec_fn=die_with_parent_preexec if die_with_parent else None,
         )
     return VllmServer(
         model=str(model),
