@@ -291,6 +291,25 @@ class Derenderer:
 
     # ---- chat, streaming -------------------------------------------------------------------
 
+    def _stream_start(
+        self, req: Any, chunk: Any, skip: bool
+    ) -> tuple[DerenderStreamState, DetokState]:
+        """The incoming stream state (seeded from the prompt on the first chunk) and the
+        detokenizer state built from it; shared by chat and completion streaming."""
+        state = req.stream_state
+        if state is None:
+            seed_ids = (
+                req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
+            )
+            seed = seed_state(self.tok, seed_ids, skip_special_tokens=skip)
+            state = DerenderStreamState(
+                prev_tokens=seed.prev_tokens,
+                prefix_offset=seed.prefix_offset,
+                read_offset=seed.read_offset,
+            )
+        _check_window(state)
+        return state, DetokState(list(state.prev_tokens), state.prefix_offset, state.read_offset)
+
     def chat_stream(self, req: DerenderChatStreamRequest) -> dict[str, Any]:
         """One ``chat.completion.chunk`` plus the next ``stream_state``."""
         model = self._model(req.model)
@@ -317,19 +336,7 @@ class Derenderer:
             raise RenderError(f"delta ({delta_len}) exceeds max_model_len ({self.max_model_len}).")
         use_parser = self.has_parser
         skip = _decode_params(chat_request, preserve_special=use_parser)
-        state = req.stream_state
-        if state is None:
-            seed_ids = (
-                req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
-            )
-            seed = seed_state(self.tok, seed_ids, skip_special_tokens=skip)
-            state = DerenderStreamState(
-                prev_tokens=seed.prev_tokens,
-                prefix_offset=seed.prefix_offset,
-                read_offset=seed.read_offset,
-            )
-        _check_window(state)
-        detok = DetokState(list(state.prev_tokens), state.prefix_offset, state.read_offset)
+        state, detok = self._stream_start(req, chunk, skip)
         update: dict[str, Any] = {}
         choices = []
         for choice in chunk.choices:
@@ -498,19 +505,7 @@ class Derenderer:
             raise RenderError("derender_completion_stream expects at most one choice per chunk")
         self._check_prompt_ids(req.prompt_token_ids)
         skip = _decode_params(req.completion_request)
-        state = req.stream_state
-        if state is None:
-            seed_ids = (
-                req.prompt_token_ids if req.prompt_token_ids is not None else chunk.prompt_token_ids
-            )
-            seed = seed_state(self.tok, seed_ids, skip_special_tokens=skip)
-            state = DerenderStreamState(
-                prev_tokens=seed.prev_tokens,
-                prefix_offset=seed.prefix_offset,
-                read_offset=seed.read_offset,
-            )
-        _check_window(state)
-        detok = DetokState(list(state.prev_tokens), state.prefix_offset, state.read_offset)
+        state, detok = self._stream_start(req, chunk, skip)
         choices = []
         update: dict[str, Any] = {}
         for choice in chunk.choices:
