@@ -7,7 +7,6 @@ import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -15,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, error_body, error_response
 from vllm_pd_ext.proxy.service import ProxyService
+from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
 
 logger = logging.getLogger(__name__)
 
@@ -58,15 +58,17 @@ def create_app(config: ProxyConfig) -> AuthMiddleware:
     async def completions(request: Request) -> Response:
         return await service.handle(request, "completions")
 
+    models_timeout = Timeouts(total=config.timeouts.health_s, connect=config.timeouts.connect_s)
+
     @app.get("/v1/models")
     async def models() -> Response:
         for inst in service.fleet.healthy("decode") + service.fleet.healthy("prefill"):
             try:
-                resp = await inst.client.get("/v1/models", timeout=config.timeouts.health_s)
-            except httpx.HTTPError:
+                status, raw = await inst.client.fetch("GET", "/v1/models", models_timeout.client())
+            except UpstreamError:
                 continue
-            if resp.status_code == 200:
-                return Response(resp.content, media_type="application/json")
+            if status == 200:
+                return Response(raw, media_type="application/json")
         raise ProxyError(503, "no healthy instance to list models", code="no_upstream")
 
     @app.get("/health")

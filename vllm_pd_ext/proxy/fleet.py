@@ -15,10 +15,9 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import httpx
-
 from vllm_pd_ext.proxy.config import InstanceConfig, ProxyConfig
 from vllm_pd_ext.proxy.sources import FileSource, FleetSource, KubernetesSource
+from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
 from vllm_pd_ext.tools.prom import parse_metrics
 
 logger = logging.getLogger(__name__)
@@ -36,7 +35,7 @@ class Instance:
     """One engine as the proxy sees it. Mutated only on the proxy's event loop."""
 
     config: InstanceConfig
-    client: httpx.AsyncClient
+    client: Upstream
     healthy: bool = False
     failures: int = 0
     next_check: float = 0.0
@@ -93,20 +92,13 @@ class Fleet:
             self._sources.append(KubernetesSource(config.kubernetes))
         self._seen: dict[str, list[InstanceConfig]] = {}
         self._retired: list[Instance] = []
-        self._limits = httpx.Limits(
-            max_connections=config.max_in_flight * 2, max_keepalive_connections=64
-        )
+        t = config.timeouts
+        self._health_timeout = Timeouts(total=t.health_s, connect=t.connect_s).client()
 
     # -- membership ---------------------------------------------------------------------
 
-    def _client(self, url: str) -> httpx.AsyncClient:
-        t = self.config.timeouts
-        return httpx.AsyncClient(
-            base_url=url,
-            limits=self._limits,
-            timeout=httpx.Timeout(t.prefill_s, connect=t.connect_s),
-            trust_env=False,
-        )
+    def _client(self, url: str) -> Upstream:
+        return Upstream(url, max_connections=self.config.max_in_flight * 2)
 
     async def set_instances(self, configs: Iterable[InstanceConfig]) -> None:
         """Make the fleet exactly ``configs``: add new URLs, drop missing ones, keep state."""
@@ -147,7 +139,7 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for inst in [*self._instances.values(), *self._retired]:
-            await inst.client.aclose()
+            await inst.client.close()
         for source in self._sources:
             await source.close()
         self._instances.clear()
@@ -176,7 +168,7 @@ class Fleet:
     async def _close_retired(self) -> None:
         for inst in [i for i in self._retired if i.in_flight == 0]:
             self._retired.remove(inst)
-            await inst.client.aclose()
+            await inst.client.close()
 
     async def check_all(self) -> None:
         await self._close_retired()
@@ -185,27 +177,26 @@ class Fleet:
         await asyncio.gather(*(self._check(i) for i in due))
 
     async def _check(self, inst: Instance) -> None:
-        t = self.config.timeouts
         try:
-            resp = await inst.client.get("/health", timeout=t.health_s)
-            if resp.status_code != 200:
-                raise httpx.HTTPStatusError("unhealthy", request=resp.request, response=resp)
-            metrics = await inst.client.get("/metrics", timeout=t.health_s)
-        except httpx.HTTPError as exc:
+            status, _ = await inst.client.fetch("GET", "/health", self._health_timeout)
+            if status != 200:
+                raise UpstreamError("unhealthy", f"/health answered HTTP {status}")
+            status, text = await inst.client.fetch("GET", "/metrics", self._health_timeout)
+        except UpstreamError as exc:
             # A refused connection is decisive; a slow or failing answer from a busy engine
             # takes `unhealthy_after` rounds in a row, so load alone does not eject it.
             was = inst.healthy
             inst.failures += 1
-            if isinstance(exc, httpx.ConnectError) or inst.failures >= self.config.unhealthy_after:
-                inst.mark_failed(f"{type(exc).__name__}: {exc}", self.config.health_backoff_max_s)
+            if exc.kind == "connect" or inst.failures >= self.config.unhealthy_after:
+                inst.mark_failed(str(exc), self.config.health_backoff_max_s)
                 if was:
                     logger.warning("fleet: %s is down: %s", inst.label, inst.last_error)
             return
         if not inst.healthy:
             logger.info("fleet: %s is healthy", inst.label)
         inst.mark_ok()
-        if metrics.status_code == 200:
-            self._read_load(inst, metrics.text)
+        if status == 200:
+            self._read_load(inst, text.decode("utf-8", "replace"))
 
     @staticmethod
     def _read_load(inst: Instance, text: str) -> None:

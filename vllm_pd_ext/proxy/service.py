@@ -25,7 +25,6 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, TypeVar
 
-import httpx
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -38,6 +37,7 @@ from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.policies import make_policy
 from vllm_pd_ext.proxy.protocols import make_protocol
 from vllm_pd_ext.proxy.request import RequestContext, Route, parse_request, read_body
+from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -127,6 +127,14 @@ class ProxyService:
         self.decode_policy = make_policy(config.decode_policy)
         self.protocol = make_protocol(config.protocol)
         self._tasks: set[asyncio.Task] = set()
+        t = config.timeouts
+        self._prefill_timeout = Timeouts(total=t.prefill_s, connect=t.connect_s).client()
+        # Each wait for bytes (the headers, then every chunk) is bounded; a stream as a whole
+        # is not.
+        self._decode_timeout = Timeouts(
+            connect=t.connect_s, read=max(t.decode_first_byte_s, t.decode_idle_s)
+        ).client()
+        self._drain_timeout = Timeouts(total=t.drain_s, connect=t.connect_s).client()
 
     async def start(self) -> None:
         await self.fleet.start()
@@ -247,24 +255,23 @@ class ProxyService:
         """
         inst.in_flight += 1
         try:
-            resp = await inst.client.post(
+            status, raw = await inst.client.fetch(
+                "POST",
                 ctx.path,
-                json=prefill_body(ctx.body, params),
-                headers={"X-Request-Id": ctx.request_id},
-                timeout=httpx.Timeout(
-                    self.config.timeouts.prefill_s, connect=self.config.timeouts.connect_s
-                ),
+                self._prefill_timeout,
+                prefill_body(ctx.body, params),
+                {"X-Request-Id": ctx.request_id},
             )
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             self._upstream_failed(inst, exc)
-            raise _LegError(f"{inst.label}: {type(exc).__name__}") from None
+            raise _LegError(f"{inst.label}: {exc.kind}") from None
         finally:
             inst.in_flight -= 1
-        if 400 <= resp.status_code < 500:
-            raise _passthrough(resp)
-        if resp.status_code != 200:
-            raise _LegError(f"{inst.label}: HTTP {resp.status_code}")
-        data = _json_or_none(resp) or {}
+        if 400 <= status < 500:
+            raise _passthrough(status, raw)
+        if status != 200:
+            raise _LegError(f"{inst.label}: HTTP {status}")
+        data = _json_or_none(raw) or {}
         answer = data.get("kv_transfer_params")
         return (answer if isinstance(answer, dict) else None), data.get("usage")
 
@@ -339,29 +346,16 @@ class ProxyService:
             return plan.decode_params, pending, usage
         raise LegFailed("; ".join(errors) or "no healthy prefill instance")
 
-    def _decode_timeout(self) -> httpx.Timeout:
-        t = self.config.timeouts
-        return httpx.Timeout(
-            t.decode_first_byte_s,
-            connect=t.connect_s,
-            read=max(t.decode_first_byte_s, t.decode_idle_s),
-        )
-
     async def _open_decode(
         self, inst: Instance, ctx: RequestContext, params: dict[str, Any] | None
-    ) -> httpx.Response:
+    ) -> UpstreamResponse:
         """Send the decode leg to ``inst``; return the response with its body unread."""
-        body = dict(ctx.body)
+        body = ctx.body
         if params is not None:
-            body["kv_transfer_params"] = params
-        req = inst.client.build_request(
-            "POST",
-            ctx.path,
-            json=body,
-            headers={"X-Request-Id": ctx.request_id},
-            timeout=self._decode_timeout(),
+            body = {**body, "kv_transfer_params": params}
+        return await inst.client.send(
+            "POST", ctx.path, self._decode_timeout, body, {"X-Request-Id": ctx.request_id}
         )
-        return await inst.client.send(req, stream=True)
 
     async def _decode(
         self,
@@ -393,21 +387,25 @@ class ProxyService:
                         else (self._open_decode(inst, ctx, params))
                     )
                     resp = await watch.race(opening, "decode_wait")
-                except httpx.HTTPError as exc:
+                except UpstreamError as exc:
                     self._upstream_failed(inst, exc)
-                    errors.append(f"{inst.label}: {type(exc).__name__}")
+                    errors.append(f"{inst.label}: {exc.kind}")
                     continue
-                if resp.status_code >= 500:
-                    await resp.aclose()
-                    errors.append(f"{inst.label}: HTTP {resp.status_code}")
+                if resp.status >= 500:
+                    resp.close()
+                    errors.append(f"{inst.label}: HTTP {resp.status}")
                     continue
-                if resp.status_code != 200:
-                    await resp.aread()
-                    await resp.aclose()
+                if resp.status != 200:
+                    try:
+                        raw = await watch.race(resp.read(), "decode")
+                    except UpstreamError:
+                        raw = b""
+                    finally:
+                        resp.close()
                     self._finished(
-                        ctx, decision.label, f"client_error_{resp.status_code}", "client_error"
+                        ctx, decision.label, f"client_error_{resp.status}", "client_error"
                     )
-                    raise _passthrough(resp)
+                    raise _passthrough(resp.status, raw)
                 if ctx.stream:
                     keep = True
                     watch.stop()
@@ -417,14 +415,14 @@ class ProxyService:
                         headers={"X-Request-Id": ctx.request_id},
                     )
                 try:
-                    raw = await watch.race(resp.aread(), "decode")
-                except httpx.HTTPError as exc:
+                    raw = await watch.race(resp.read(), "decode")
+                except UpstreamError as exc:
                     self._upstream_failed(inst, exc)
                     raise ProxyError(
-                        502, f"decode instance failed: {type(exc).__name__}", code="decode_failed"
+                        502, f"decode instance failed: {exc.kind}", code="decode_failed"
                     ) from None
                 finally:
-                    await resp.aclose()
+                    resp.close()
                 data = json.loads(raw)
                 if isinstance(data, dict):
                     patch_payload(data, cached)
@@ -438,7 +436,7 @@ class ProxyService:
 
     async def _relay(
         self,
-        resp: httpx.Response,
+        resp: UpstreamResponse,
         ctx: RequestContext,
         inst: Instance,
         decision: Decision,
@@ -454,7 +452,7 @@ class ProxyService:
         last = 0.0
         itl = self.metrics.itl.labels(decision.label)
         try:
-            async for chunk in resp.aiter_raw():
+            async for chunk in resp.chunks():
                 now = time.perf_counter()
                 buffer += chunk
                 while b"\n\n" in buffer:
@@ -470,21 +468,20 @@ class ProxyService:
                     yield event + b"\n\n"
             if buffer.strip():
                 yield buffer
-        except httpx.HTTPError as exc:
+        except UpstreamError as exc:
             outcome = "decode_failed_mid_stream"
             self._upstream_failed(inst, exc)
             logger.warning(
                 "request %s: decode stream from %s failed: %s", ctx.request_id, inst.label, exc
             )
-            yield sse_error(502, f"decode instance failed mid-stream: {type(exc).__name__}")
+            yield sse_error(502, f"decode instance failed mid-stream: {exc.kind}")
         except (asyncio.CancelledError, GeneratorExit):
             outcome = "client_gone"
             self.metrics.aborts.labels("decode_stream").inc()
             logger.info("request %s: client disconnected while streaming", ctx.request_id)
             raise
         finally:
-            with contextlib.suppress(Exception):
-                await resp.aclose()
+            resp.close()
             inst.in_flight -= 1
             slot.release()
             self.metrics.in_flight.dec()
@@ -527,25 +524,27 @@ class ProxyService:
             body["max_completion_tokens"] = 1
         outcome = "ok"
         try:
-            resp = await decode.client.post(
+            status, _ = await decode.client.fetch(
+                "POST",
                 ctx.path,
-                json=body,
-                headers={"X-Request-Id": f"{ctx.request_id}-drain"},
-                timeout=self.config.timeouts.drain_s,
+                self._drain_timeout,
+                body,
+                {"X-Request-Id": f"{ctx.request_id}-drain"},
             )
-            if resp.status_code != 200:
-                outcome = f"http_{resp.status_code}"
-        except httpx.HTTPError as exc:
-            outcome = type(exc).__name__
+            if status != 200:
+                outcome = f"http_{status}"
+        except UpstreamError as exc:
+            outcome = exc.kind
         self.metrics.drains.labels(outcome).inc()
         logger.info("request %s: drained abandoned prefill KV (%s)", ctx.request_id, outcome)
 
     # -- helpers -------------------------------------------------------------------------
 
-    def _upstream_failed(self, inst: Instance, exc: Exception) -> None:
-        if isinstance(exc, httpx.TransportError) and not isinstance(exc, httpx.ReadTimeout):
-            inst.mark_failed(f"{type(exc).__name__}: {exc}", self.config.health_backoff_max_s)
-        logger.warning("upstream %s failed: %s: %s", inst.label, type(exc).__name__, exc)
+    def _upstream_failed(self, inst: Instance, exc: UpstreamError) -> None:
+        """Take ``inst`` out of rotation when the failure says it is gone (not on timeouts)."""
+        if exc.down:
+            inst.mark_failed(str(exc), self.config.health_backoff_max_s)
+        logger.warning("upstream %s failed: %s", inst.label, exc)
 
 
 class DisconnectWatch:
@@ -594,23 +593,24 @@ async def _discard(task: asyncio.Task) -> None:
     task.cancel()
     with contextlib.suppress(BaseException):
         resp = await task
-        await resp.aclose()
+        resp.close()
 
 
-def _json_or_none(resp: httpx.Response) -> dict | None:
+def _json_or_none(raw: bytes) -> dict | None:
     try:
-        data = resp.json()
+        data = json.loads(raw)
     except ValueError:
         return None
     return data if isinstance(data, dict) else None
 
 
-def _passthrough(resp: httpx.Response) -> ProxyError:
+def _passthrough(status: int, raw: bytes) -> ProxyError:
     """An engine's 4xx, forwarded with its own message."""
-    data = _json_or_none(resp) or {}
+    data = _json_or_none(raw) or {}
     err = data.get("error") if isinstance(data.get("error"), dict) else data
-    message = str(err.get("message") or resp.text[:2000] or f"HTTP {resp.status_code}")
-    return ProxyError(resp.status_code, message, param=err.get("param"), code=err.get("code"))
+    text = raw[:2000].decode("utf-8", "replace")
+    message = str(err.get("message") or text or f"HTTP {status}")
+    return ProxyError(status, message, param=err.get("param"), code=err.get("code"))
 
 
 def _patch_event(event: bytes, cached: int | None) -> bytes:
