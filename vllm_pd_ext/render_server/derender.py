@@ -358,7 +358,7 @@ class Derenderer:
                 for tc in delta.get("tool_calls") or []:
                     tools_streamed = True
                     if tc["index"] >= len(ids):
-                        ids.append(f"chatcmpl-tool-{uuid.uuid4().hex[:16]}")
+                        ids.append(parser.new_tool_call_id())
                         tc["id"] = ids[tc["index"]]
                         tc["type"] = "function"
                 update["tools_streamed"] = tools_streamed

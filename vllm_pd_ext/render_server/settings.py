@@ -22,7 +22,7 @@ _CONTEXT_KEYS = (
 #: Reasoning parsers built in (no vLLM needed).
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3")
 #: Tool-call parsers built in (no vLLM needed).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "deepseek_v3")
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "deepseek_v3", "mistral")
 
 
 class RenderSettings(BaseModel):

@@ -67,7 +67,7 @@ def _vllm_parser(name: str, tiny_llama):
 @pytest.mark.parametrize("name", list(OUTPUTS))
 def test_batch_equals_vllm(name, tiny_llama):
     ref = _vllm_parser(name, tiny_llama)
-    ours = TOOL_PARSERS[name]()
+    ours = TOOL_PARSERS[name](None)
     for text in OUTPUTS[name]:
         result = ref.extract_tool_calls(text, request=None)
         want_calls = [(c.function.name, c.function.arguments) for c in result.tool_calls]
@@ -79,7 +79,7 @@ def test_batch_equals_vllm(name, tiny_llama):
 @pytest.mark.parametrize("name", list(OUTPUTS))
 @pytest.mark.parametrize("size", [1, 2, 5, 1000])
 def test_streaming_equals_batch(name, size):
-    parser = ChatParser(None, TOOL_PARSERS[name]())
+    parser = ChatParser(None, TOOL_PARSERS[name](None))
     for text in OUTPUTS[name]:
         _, want_content, want_calls = parser.parse(text, [], None)
         state = parser.initial_state([])

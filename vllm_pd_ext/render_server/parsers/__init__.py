@@ -8,11 +8,13 @@ text it has already seen except a bounded tail (a partial marker or the tool cal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from vllm_pd_ext.render_server.parsers.base import ChatParser
 from vllm_pd_ext.render_server.parsers.buffered import DeepSeekV3ToolParser, Llama3JsonToolParser
 from vllm_pd_ext.render_server.parsers.hermes import HermesToolParser
+from vllm_pd_ext.render_server.parsers.mistral import mistral_tool_parser
 from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 
 __all__ = ["TOOL_PARSERS", "ChatParser", "make_parser", "reasoning_active"]
@@ -26,12 +28,24 @@ def reasoning_active(reasoning: str, template_kwargs: dict[str, Any]) -> bool:
     return reasoning in ("deepseek_r1", "qwen3")
 
 
-#: Built-in tool-call parsers by vLLM's names.
-TOOL_PARSERS: dict[str, Any] = {
-    "hermes": HermesToolParser,
-    "llama3_json": Llama3JsonToolParser,
-    "deepseek_v3": DeepSeekV3ToolParser,
+#: Built-in tool-call parsers by vLLM's names: factories taking the tokenizer.
+TOOL_PARSERS: dict[str, Callable[[Any], Any]] = {
+    "hermes": lambda tok: HermesToolParser(),
+    "llama3_json": lambda tok: Llama3JsonToolParser(),
+    "deepseek_v3": lambda tok: DeepSeekV3ToolParser(),
+    "mistral": mistral_tool_parser,
 }
+
+
+def _tool_choice_parsed(tool_choice: Any, parser: Any) -> bool:
+    """Whether the tool parser reads the output for this ``tool_choice``: ``auto`` (or unset);
+    ``required`` / named too for parsers that handle them as ``auto`` (vLLM's
+    ``supports_required_and_named = False``, e.g. mistral)."""
+    if tool_choice in ("auto", None):
+        return True
+    if tool_choice == "none":
+        return False
+    return bool(getattr(parser, "handles_required_and_named", False))
 
 
 def make_parser(
@@ -52,16 +66,8 @@ def make_parser(
     if reasoning is not None and reasoning_active(reasoning, template_kwargs or {}):
         reasoning_parser = ThinkReasoningParser(tok)
     tool_parser = None
-    tool_choice = getattr(request, "tool_choice", None)
-    if (
-        tools in TOOL_PARSERS
-        and request.tools
-        and enable_auto_tools
-        and tool_choice
-        in (
-            "auto",
-            None,
-        )
-    ):
-        tool_parser = TOOL_PARSERS[tools]()
+    if tools in TOOL_PARSERS and request.tools and enable_auto_tools:
+        tool_parser = TOOL_PARSERS[tools](tok)
+        if not _tool_choice_parsed(getattr(request, "tool_choice", None), tool_parser):
+            tool_parser = None
     return ChatParser(reasoning_parser, tool_parser)

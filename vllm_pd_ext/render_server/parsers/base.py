@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import uuid
 from typing import Any
 
 from vllm_pd_ext.render_server.parsers.buffered import BufferedToolParser
 from vllm_pd_ext.render_server.parsers.hermes import HermesToolParser
+from vllm_pd_ext.render_server.parsers.mistral import MistralToolParser
 from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 
 
@@ -15,10 +17,16 @@ class ChatParser:
     def __init__(
         self,
         reasoning: ThinkReasoningParser | None,
-        tools: HermesToolParser | BufferedToolParser | None,
+        tools: HermesToolParser | BufferedToolParser | MistralToolParser | None,
     ) -> None:
         self.reasoning = reasoning
         self.tools = tools
+
+    def new_tool_call_id(self) -> str:
+        """A fresh id for a streamed tool call, in the tool parser's format (vLLM's
+        ``chatcmpl-tool-<hex>`` unless the parser has its own, e.g. mistral's 9 alphanumerics)."""
+        make = getattr(self.tools, "make_tool_call_id", None)
+        return make() if make is not None else f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"
 
     def parse(
         self, text: str, token_ids: list[int], prompt_token_ids: list[int] | None
