@@ -51,19 +51,21 @@ def test_plugin_loads_and_resolves_in_api_server_engine_core_and_worker(served):
 
 
 def test_kv_transfer_config_names_our_connector(vllm_servers, tiny_llama):
-    """`--kv-transfer-config '{"kv_connector":"PdExtMoRIIOConnector"}'` finds our class.
-
-    Until the connector lands, the engine must refuse to start with our clear message
-    (not vLLM's "Unsupported connector type").
-    """
+    """`--kv-transfer-config '{"kv_connector":"PdExtMoRIIOConnector"}'` finds our class, which
+    validates its extra config: an unknown key stops the engine with our message naming the key
+    (not vLLM's "Unsupported connector type")."""
     server = vllm_servers.start(
         tiny_llama,
-        name="placeholder",
+        name="bad-config",
         wait=False,
-        kv_transfer_config={"kv_connector": "PdExtMoRIIOConnector", "kv_role": "kv_both"},
+        kv_transfer_config={
+            "kv_connector": "PdExtMoRIIOConnector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"lease_seconds": 5},
+        },
     )
     server.proc.wait(timeout=240)
     log = server.log_tail(10**6)
     assert server.proc.returncode != 0
-    assert "PdExtMoRIIOConnector is registered but not implemented yet" in log
+    assert "invalid kv_connector_extra_config for PdExtMoRIIOConnector: lease_seconds" in log
     assert "Unsupported connector type" not in log

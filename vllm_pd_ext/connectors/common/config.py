@@ -1,0 +1,64 @@
+"""``kv_connector_extra_config`` of our P/D connectors, validated once at construction."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class TransferConfig(BaseModel):
+    """Settings shared by our P/D connectors (``PdExtMoRIIOConnector``, the Mamba connector).
+
+    Every key is optional; an unknown key or a bad value fails the engine's start with a
+    message naming it.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["mooncake", "mori"] = Field(
+        "mooncake", description="Transport backend: mooncake (TCP/RDMA) or mori (MoRI-IO, ROCm)."
+    )
+    backend_settings: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Backend settings, e.g. {'protocol': 'rdma'}; 'host' defaults to this IP.",
+    )
+    transfer_mode: Literal["read", "write"] = Field(
+        "read",
+        description="Default mode when kv_transfer_params name none: read (D pulls after P "
+        "finishes) or write (P pushes each layer into D's blocks).",
+    )
+    side_channel_host: str | None = Field(
+        None,
+        description="Host of the prefill side's handshake server; default: this host's IP "
+        "(VLLM_HOST_IP).",
+    )
+    side_channel_port: int | None = Field(
+        None,
+        ge=1,
+        le=65535,
+        description="Handshake server port (plus the worker's TP rank); default kv_port.",
+    )
+    lease_s: float = Field(
+        30.0, gt=0, description="P frees a request's blocks this long after D last renewed."
+    )
+    transfer_timeout_s: float = Field(
+        60.0, gt=0, description="D gives up on one transfer (then kv_load_failure_policy applies)."
+    )
+    handshake_timeout_s: float = Field(10.0, gt=0, description="Timeout of one handshake call.")
+    max_concurrent_transfers: int = Field(
+        4, ge=1, le=64, description="Transfers a decode worker runs at once."
+    )
+
+
+def parse_transfer_config(connector: str, extra: Mapping[str, Any] | None) -> TransferConfig:
+    """Validate ``extra``; ``ValueError`` naming the connector and the bad key otherwise."""
+    try:
+        return TransferConfig.model_validate(dict(extra or {}))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise ValueError(f"invalid kv_connector_extra_config for {connector}: {problems}") from None

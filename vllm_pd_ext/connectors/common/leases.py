@@ -1,0 +1,47 @@
+"""Leases on prefill-side blocks: held until the decode side is done or stops renewing."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+
+class LeaseTable:
+    """Request id -> expiry time. Not thread-safe: one owner (the worker's step loop).
+
+    ``clock`` is injectable so tests can expire leases without sleeping.
+    """
+
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.lease_s = lease_s
+        self._clock = clock
+        self._expiry: dict[str, float] = {}
+
+    def grant(self, req_id: str, lease_s: float | None = None) -> None:
+        """Start (or restart) the lease of ``req_id``."""
+        self._expiry[req_id] = self._clock() + (self.lease_s if lease_s is None else lease_s)
+
+    def renew(self, req_id: str) -> bool:
+        """Extend a held lease; False if ``req_id`` holds none (already freed or unknown)."""
+        if req_id not in self._expiry:
+            return False
+        self._expiry[req_id] = self._clock() + self.lease_s
+        return True
+
+    def release(self, req_id: str) -> bool:
+        """Drop the lease; True if it was held."""
+        return self._expiry.pop(req_id, None) is not None
+
+    def expired(self) -> list[str]:
+        """Remove and return every lease past its expiry."""
+        now = self._clock()
+        gone = [r for r, t in self._expiry.items() if t <= now]
+        for r in gone:
+            del self._expiry[r]
+        return gone
+
+    def __contains__(self, req_id: object) -> bool:
+        return req_id in self._expiry
+
+    def __len__(self) -> int:
+        return len(self._expiry)

@@ -1,0 +1,73 @@
+"""What our P/D connectors' scheduler side tells the worker side each step (plain dataclasses).
+
+Both sides run in different processes; vLLM pickles the metadata object into each worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+READ, WRITE = "read", "write"
+
+
+@dataclass(frozen=True)
+class RemoteRef:
+    """Where a prefill worker's side channel is, and the request id it knows."""
+
+    engine_id: str
+    host: str
+    port: int
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class RecvSpec:
+    """Decode side: load ``pairs`` (local block, remote block) of ``req_id`` from ``remote``.
+
+    READ: pull from the remote's blocks, then tell it it may free them. WRITE: offer our
+    blocks to the remote under ``transfer_id`` and wait for its "written" notice.
+    """
+
+    req_id: str
+    mode: str
+    remote: RemoteRef
+    pairs: tuple[tuple[int, int], ...]
+    local_block_ids: tuple[int, ...]
+    transfer_id: str | None = None
+
+
+@dataclass(frozen=True)
+class SendSpec:
+    """Prefill side: ``req_id`` finished; its ``block_ids`` are held for a decode instance.
+
+    READ: hold them under a lease until the decode side says done. WRITE: they are being
+    pushed under ``transfer_id``; free once the push ends.
+    """
+
+    req_id: str
+    mode: str
+    block_ids: tuple[int, ...]
+    transfer_id: str | None = None
+
+
+@dataclass(frozen=True)
+class PushSpec:
+    """Prefill side, WRITE mode: this step computes the last prompt tokens of ``req_id``;
+    push each layer of ``block_ids`` as it is saved."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+
+
+@dataclass
+class PdTransferMetadata(KVConnectorMetadata):
+    """One step's instructions for the worker side."""
+
+    recv: list[RecvSpec] = field(default_factory=list)
+    send: list[SendSpec] = field(default_factory=list)
+    push: list[PushSpec] = field(default_factory=list)
+    renew: list[RemoteRef] = field(default_factory=list)
+    release: list[RemoteRef] = field(default_factory=list)

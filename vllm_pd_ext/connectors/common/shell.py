@@ -1,0 +1,72 @@
+"""What our P/D connector classes share: building the scheduler and worker objects from
+vLLM's config, so each connector class stays a thin shell over them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm_pd_ext.connectors.common.config import TransferConfig, parse_transfer_config
+from vllm_pd_ext.connectors.common.scheduler import (
+    TransferScheduler,
+    default_host,
+    side_channel_address,
+)
+from vllm_pd_ext.connectors.common.worker import TransferWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+def model_facts(vllm_config: VllmConfig) -> dict[str, Any]:
+    """What two engines must agree on to exchange KV blocks (goes into the fingerprint)."""
+    mc, pc = vllm_config.model_config, vllm_config.parallel_config
+    return {
+        "architectures": list(getattr(mc.hf_config, "architectures", None) or []),
+        "layers": mc.get_num_layers(pc),
+        "kv_heads": mc.get_num_kv_heads(pc),
+        "head_size": mc.get_head_size(),
+        "cache_dtype": str(vllm_config.cache_config.cache_dtype),
+        "tp_size": pc.tensor_parallel_size,
+    }
+
+
+def block_size_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
+    """The scheduler's block size (of the first KV cache group when known)."""
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    return int(vllm_config.cache_config.block_size)
+
+
+def make_scheduler(
+    name: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+) -> TransferScheduler:
+    cfg = parse_transfer_config(name, vllm_config.kv_transfer_config.kv_connector_extra_config)
+    return TransferScheduler(vllm_config, cfg, block_size_of(vllm_config, kv_cache_config))
+
+
+def make_worker(
+    name: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+) -> TransferWorker:
+    kv = vllm_config.kv_transfer_config
+    cfg: TransferConfig = parse_transfer_config(name, kv.kv_connector_extra_config)
+    try:
+        from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+        tp_rank = get_tensor_model_parallel_rank()
+    except (AssertionError, ImportError, RuntimeError):  # no TP group (tests)
+        tp_rank = 0
+    host, port = side_channel_address(vllm_config, cfg)
+    return TransferWorker(
+        cfg,
+        engine_id=str(kv.engine_id),
+        role=str(kv.kv_role),
+        tp_rank=tp_rank,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        side_host=host,
+        side_port=port,
+        kv_ip=default_host(vllm_config),
+        num_blocks=int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0,
+        block_size=block_size_of(vllm_config, kv_cache_config),
+        model=model_facts(vllm_config),
+    )

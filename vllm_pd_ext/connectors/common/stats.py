@@ -1,0 +1,168 @@
+"""Transfer statistics of our P/D connectors, through vLLM's connector stats and metrics hooks.
+
+The worker fills a :class:`PdTransferStats` (``get_kv_connector_stats``); vLLM ships its
+``data`` to the engine's logger, aggregates, logs a summary line and feeds
+:class:`PdTransferPromMetrics`, which exports these on the engine's own ``/metrics``:
+
+* ``vllm:pdext_kv_transfer_seconds`` / ``vllm:pdext_kv_transfer_bytes`` histograms, one
+  observation per finished transfer (either direction);
+* ``vllm:pdext_kv_transfer_failures_total``, ``vllm:pdext_kv_lease_expiries_total`` counters;
+* ``vllm:pdext_kv_blocks_held`` gauge: prefill-side blocks held for decode instances.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
+from vllm.v1.metrics.utils import create_metric_per_engine
+
+_LISTS = ("seconds", "bytes")
+_COUNTERS = ("failures", "lease_expiries")
+
+
+def _empty() -> dict[str, Any]:
+    return {"seconds": [], "bytes": [], "failures": 0, "lease_expiries": 0, "blocks_held": None}
+
+
+class PdTransferStats(KVConnectorStats):
+    """Serializable stats of one interval (``data`` is a plain dict)."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            self.data = _empty()
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        o = other.data
+        for k in _LISTS:
+            self.data[k] = list(self.data.get(k, [])) + list(o.get(k, []))
+        for k in _COUNTERS:
+            self.data[k] = self.data.get(k, 0) + o.get(k, 0)
+        if o.get("blocks_held") is not None:
+            self.data["blocks_held"] = o["blocks_held"]
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        secs, sizes = self.data.get("seconds", []), self.data.get("bytes", [])
+        total_s = sum(secs)
+        out: dict[str, int | float] = {
+            "transfers": len(secs),
+            "MB": round(sum(sizes) / 1e6, 3),
+            "avg_ms": round(1e3 * total_s / len(secs), 3) if secs else 0.0,
+            "GB/s": round(sum(sizes) / total_s / 1e9, 3) if total_s > 0 else 0.0,
+            "failures": self.data.get("failures", 0),
+            "lease_expiries": self.data.get("lease_expiries", 0),
+        }
+        if self.data.get("blocks_held") is not None:
+            out["blocks_held"] = self.data["blocks_held"]
+        return out
+
+    def is_empty(self) -> bool:
+        d = self.data
+        return not any(d.get(k) for k in _LISTS + _COUNTERS)
+
+
+class StatsRecorder:
+    """Thread-safe accumulator the worker's transfer threads write into."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._data = _empty()
+        self._held: int | None = None
+
+    def transfer(self, seconds: float, nbytes: int) -> None:
+        with self._lock:
+            self._data["seconds"].append(float(seconds))
+            self._data["bytes"].append(int(nbytes))
+
+    def failure(self) -> None:
+        with self._lock:
+            self._data["failures"] += 1
+
+    def lease_expired(self, n: int = 1) -> None:
+        with self._lock:
+            self._data["lease_expiries"] += n
+
+    def blocks_held(self, n: int) -> None:
+        with self._lock:
+            if n != self._held:
+                self._held = n
+                self._data["blocks_held"] = n
+
+    def take(self) -> PdTransferStats | None:
+        """The interval's stats (None when nothing happened), then start a new interval."""
+        with self._lock:
+            data, self._data = self._data, _empty()
+        stats = PdTransferStats(data=data)
+        if stats.is_empty() and data["blocks_held"] is None:
+            return None
+        return stats
+
+
+class PdTransferPromMetrics(KVConnectorPromMetrics):
+    """Our connectors' Prometheus metrics (registered by vLLM through build_prom_metrics)."""
+
+    def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+        def per_engine(metric):
+            return create_metric_per_engine(metric, per_engine_labelvalues)
+
+        self.seconds = per_engine(
+            self._histogram_cls(
+                name="vllm:pdext_kv_transfer_seconds",
+                documentation="Seconds per KV transfer of a request (vllm-pd-ext connectors).",
+                buckets=[0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+                labelnames=labelnames,
+            )
+        )
+        self.bytes = per_engine(
+            self._histogram_cls(
+                name="vllm:pdext_kv_transfer_bytes",
+                documentation="Bytes per KV transfer of a request (vllm-pd-ext connectors).",
+                buckets=[float(4**i * 1024) for i in range(1, 13)],
+                labelnames=labelnames,
+            )
+        )
+        self.failures = per_engine(
+            self._counter_cls(
+                name="vllm:pdext_kv_transfer_failures",
+                documentation="KV transfers that failed or timed out (vllm-pd-ext connectors).",
+                labelnames=labelnames,
+            )
+        )
+        self.lease_expiries = per_engine(
+            self._counter_cls(
+                name="vllm:pdext_kv_lease_expiries",
+                documentation="Prefill-side block leases that expired unrenewed (blocks freed).",
+                labelnames=labelnames,
+            )
+        )
+        self.blocks_held = per_engine(
+            self._gauge_cls(
+                name="vllm:pdext_kv_blocks_held",
+                documentation="Prefill-side KV blocks held for decode instances.",
+                labelnames=labelnames,
+                multiprocess_mode="mostrecent",
+            )
+        )
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        d = transfer_stats_data
+        for s in d.get("seconds", []):
+            self.seconds[engine_idx].observe(s)
+        for b in d.get("bytes", []):
+            self.bytes[engine_idx].observe(b)
+        if d.get("failures"):
+            self.failures[engine_idx].inc(d["failures"])
+        if d.get("lease_expiries"):
+            self.lease_expiries[engine_idx].inc(d["lease_expiries"])
+        if d.get("blocks_held") is not None:
+            self.blocks_held[engine_idx].set(d["blocks_held"])

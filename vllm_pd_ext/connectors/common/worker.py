@@ -1,0 +1,540 @@
+"""Worker side of our P/D connectors (runs in each vLLM worker process).
+
+Owns the transport (one region per KV cache tensor), the prefill side's handshake server and
+the transfers:
+
+* READ, decode: a transfer thread handshakes with the prefill worker (once per engine),
+  checks the KV layout, reads the blocks, then notifies "done" so the prefill side frees them.
+* READ, prefill: finished requests' blocks are held under a lease; "done" frees them,
+  "renew" extends the lease, and a lease that runs out frees them too.
+* WRITE, decode: the transfer thread offers our blocks (``POST /write_target``) and waits for
+  the prefill side's "written" notice.
+* WRITE, prefill: in the step that computes the last prompt tokens, each layer is written
+  into the decode blocks as it is saved (if the offer is already there), the rest after the
+  step; then "written" is sent and the blocks are freed.
+
+Every failure ends in the same place: the decode request is reported finished with its blocks
+in ``get_block_ids_with_load_errors()``, so vLLM's ``kv_load_failure_policy`` recomputes or
+fails it; nothing half-loaded is ever used as valid.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from vllm_pd_ext.connectors.common.config import TransferConfig
+from vllm_pd_ext.connectors.common.layout import (
+    CacheLayout,
+    LayoutMismatch,
+    block_spans,
+    layout_from_caches,
+)
+from vllm_pd_ext.connectors.common.leases import LeaseTable
+from vllm_pd_ext.connectors.common.metadata import (
+    READ,
+    PdTransferMetadata,
+    PushSpec,
+    RecvSpec,
+    RemoteRef,
+)
+from vllm_pd_ext.connectors.common.side_channel import (
+    SideChannelError,
+    SideChannelServer,
+    fetch_handshake,
+    post_json,
+)
+from vllm_pd_ext.connectors.common.stats import StatsRecorder
+from vllm_pd_ext.transport import Transport, TransportDescriptor, TransportError, get_backend
+
+if TYPE_CHECKING:
+    import torch
+
+logger = logging.getLogger(__name__)
+
+#: Handshake document format version.
+HANDSHAKE_VERSION = 1
+
+
+class LoadFailed(RuntimeError):
+    """One decode-side load did not complete; the request is recomputed or failed."""
+
+
+@dataclass
+class _Peer:
+    """A prefill worker we have handshaken with."""
+
+    peer_id: str
+    layout: CacheLayout
+
+
+@dataclass
+class _Push:
+    """Prefill side, WRITE mode: one request's push into decode blocks."""
+
+    spec: PushSpec
+    started: float = field(default_factory=time.monotonic)
+    regions_done: set[str] = field(default_factory=set)
+    handles: list[Any] = field(default_factory=list)
+    nbytes: int = 0
+
+
+@dataclass
+class _Target:
+    """Decode side's offer for a WRITE transfer, as the prefill side received it."""
+
+    peer_id: str
+    layout: CacheLayout
+    block_ids: list[int]
+    skip: int
+    reply_to: str
+    received: float = field(default_factory=time.monotonic)
+
+
+class TransferWorker:
+    """Worker-side state; every public method runs on vLLM's worker thread."""
+
+    def __init__(
+        self,
+        cfg: TransferConfig,
+        *,
+        engine_id: str,
+        role: str,
+        tp_rank: int,
+        tp_size: int,
+        side_host: str,
+        side_port: int,
+        kv_ip: str,
+        num_blocks: int,
+        block_size: int,
+        model: Mapping[str, Any],
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cfg = cfg
+        self.engine_id = engine_id
+        self.role = role  # kv_producer / kv_consumer / kv_both
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.side_host, self.side_port = side_host, side_port + tp_rank
+        self.kv_ip = kv_ip
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.model = dict(model)
+        self.stats = StatsRecorder()
+        self.transport: Transport | None = None
+        self.layout: CacheLayout | None = None
+        self._clock = clock
+        self._server: SideChannelServer | None = None
+        self._pool = ThreadPoolExecutor(
+            max_workers=cfg.max_concurrent_transfers, thread_name_prefix="pdext-xfer"
+        )
+        self._lock = threading.Lock()
+        self._peers: dict[str, _Peer] = {}
+        self._peer_locks: dict[str, threading.Lock] = {}
+        self._meta: PdTransferMetadata | None = None
+        # decode side
+        self._loads: dict[str, Future] = {}
+        self._load_blocks: dict[str, tuple[int, ...]] = {}
+        self._written: dict[str, tuple[bool, str]] = {}  # transfer id -> (ok, error)
+        self._load_errors: set[int] = set()
+        # prefill side
+        self._leases = LeaseTable(cfg.lease_s, clock=clock)
+        self._held: dict[str, int] = {}  # req id -> blocks held (read mode)
+        self._pushes: dict[str, _Push] = {}  # req id -> push
+        self._push_futures: dict[str, Future] = {}
+        self._push_confirmed: set[str] = set()
+        self._targets: dict[str, _Target] = {}  # transfer id -> offer
+        self._finished_sending: set[str] = set()
+        self._finished_reqs: set[str] = set()
+
+    # ---- setup ----
+    @property
+    def is_producer(self) -> bool:
+        return self.role in ("kv_producer", "kv_both")
+
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Register every cache tensor with a new transport; start the handshake server."""
+        self.layout, tensors = layout_from_caches(
+            kv_caches, num_blocks=self.num_blocks, block_size=self.block_size, model=self.model
+        )
+        settings = dict(self.cfg.backend_settings)
+        settings.setdefault("host", self.kv_ip)
+        self.transport = get_backend(self.cfg.backend, **settings)
+        for name, tensor in tensors.items():
+            self.transport.register_tensor(name, tensor)
+        if self.is_producer:
+            self._server = SideChannelServer(
+                self.side_host, self.side_port, self.handshake, self._on_write_target
+            )
+        logger.info(
+            "KV transfer ready: %s backend %s, %d cache tensors, layout %s%s",
+            self.engine_id,
+            self.cfg.backend,
+            len(tensors),
+            self.layout.fingerprint(),
+            f", side channel {self.side_host}:{self.side_port}" if self._server else "",
+        )
+
+    def handshake(self) -> dict[str, Any]:
+        """The document a peer fetches: who we are, how to reach us, our KV layout."""
+        assert self.transport is not None and self.layout is not None
+        return {
+            "v": HANDSHAKE_VERSION,
+            "engine_id": self.engine_id,
+            "tp_rank": self.tp_rank,
+            "tp_size": self.tp_size,
+            "transport": self.transport.descriptor().to_dict(),
+            "layout": self.layout.to_dict(),
+            "fingerprint": self.layout.fingerprint(),
+        }
+
+    def _check_handshake(self, doc: Mapping[str, Any], expect_engine: str | None) -> CacheLayout:
+        if doc.get("v") != HANDSHAKE_VERSION:
+            raise LayoutMismatch(
+                f"handshake version {doc.get('v')!r}, expected {HANDSHAKE_VERSION}"
+            )
+        if expect_engine and doc.get("engine_id") != expect_engine:
+            raise LayoutMismatch(
+                f"side channel answered as engine {doc.get('engine_id')!r}, "
+                f"kv_transfer_params named {expect_engine!r}"
+            )
+        if doc.get("tp_size") != self.tp_size:
+            raise LayoutMismatch(
+                f"tensor parallel size {self.tp_size} here, {doc.get('tp_size')} remote"
+            )
+        layout = CacheLayout.from_dict(doc["layout"])
+        assert self.layout is not None
+        self.layout.check_compatible(layout)
+        return layout
+
+    def _peer(self, remote: RemoteRef) -> _Peer:
+        """Handshake with a prefill worker once (per engine id); raise on any mismatch."""
+        key = f"{remote.engine_id}@{remote.host}:{remote.port}"
+        with self._lock:
+            peer = self._peers.get(key)
+            lock = self._peer_locks.setdefault(key, threading.Lock())
+        if peer is not None:
+            return peer
+        with lock:
+            with self._lock:
+                peer = self._peers.get(key)
+            if peer is not None:
+                return peer
+            doc = fetch_handshake(
+                remote.host, remote.port + self.tp_rank, self.cfg.handshake_timeout_s
+            )
+            layout = self._check_handshake(doc, remote.engine_id or None)
+            assert self.transport is not None
+            peer_id = self.transport.connect(TransportDescriptor.from_dict(doc["transport"]))
+            peer = _Peer(peer_id, layout)
+            with self._lock:
+                self._peers[key] = peer
+            logger.info("handshake with %s (%s) done", remote.engine_id, key)
+            return peer
+
+    def _forget_peer(self, remote: RemoteRef) -> None:
+        with self._lock:
+            self._peers.pop(f"{remote.engine_id}@{remote.host}:{remote.port}", None)
+
+    def _notify(self, peer_id: str, body: dict[str, Any]) -> None:
+        assert self.transport is not None
+        self.transport.notify(
+            peer_id, json.dumps(body).encode(), timeout=self.cfg.handshake_timeout_s
+        )
+
+    # ---- per step ----
+    def bind(self, meta: PdTransferMetadata) -> None:
+        """Take this step's metadata (called before the forward pass)."""
+        self._meta = meta
+        for spec in meta.send:
+            if spec.mode == READ:
+                self._leases.grant(spec.req_id)
+                self._held[spec.req_id] = len(spec.block_ids)
+            else:
+                self._push_confirmed.add(spec.req_id)
+        for spec in meta.push:
+            self._pushes[spec.req_id] = _Push(spec)
+
+    def start_load_kv(self) -> None:
+        """Start this step's loads and lease messages (non-blocking)."""
+        meta = self._meta
+        if meta is None:
+            return
+        for spec in meta.recv:
+            self._load_blocks[spec.req_id] = spec.local_block_ids
+            self._loads[spec.req_id] = self._pool.submit(self._load, spec)
+        for ref in meta.renew:
+            self._pool.submit(self._send_quietly, ref, {"op": "renew"})
+        for ref in meta.release:
+            self._pool.submit(self._send_quietly, ref, {"op": "done"})
+
+    def _send_quietly(self, remote: RemoteRef, body: dict[str, Any]) -> None:
+        try:
+            peer = self._peer(remote)
+            self._notify(peer.peer_id, {**body, "req": remote.request_id})
+        except (TransportError, SideChannelError, LayoutMismatch, OSError) as e:
+            logger.warning(
+                "could not send %s for %s to %s: %s",
+                body.get("op"),
+                remote.request_id,
+                remote.host,
+                e,
+            )
+
+    def _load(self, spec: RecvSpec) -> None:
+        """Transfer thread: complete one decode-side load or raise :class:`LoadFailed`."""
+        t0 = time.perf_counter()
+        deadline = time.monotonic() + self.cfg.transfer_timeout_s
+        try:
+            peer = self._peer(spec.remote)
+            assert self.transport is not None and self.layout is not None
+            if spec.mode == READ:
+                nbytes = self._move(peer, spec.pairs, deadline, read=True)
+                self._notify(peer.peer_id, {"op": "done", "req": spec.remote.request_id})
+            else:
+                post_json(
+                    spec.remote.host,
+                    spec.remote.port + self.tp_rank,
+                    "/write_target",
+                    {
+                        "transfer_id": spec.transfer_id,
+                        "engine_id": self.engine_id,
+                        "transport": self.transport.descriptor().to_dict(),
+                        "layout": self.layout.to_dict(),
+                        "block_ids": list(spec.local_block_ids),
+                        "skip": len(spec.local_block_ids) - len(spec.pairs),
+                        "v": HANDSHAKE_VERSION,
+                        "tp_size": self.tp_size,
+                    },
+                    self.cfg.handshake_timeout_s,
+                )
+                nbytes = self._await_written(str(spec.transfer_id), deadline)
+        except (TransportError, SideChannelError, LayoutMismatch, LoadFailed, OSError) as e:
+            self.stats.failure()
+            if isinstance(e, TransportError | SideChannelError):
+                self._forget_peer(spec.remote)
+            raise LoadFailed(
+                f"KV load of {spec.req_id} from {spec.remote.host}:{spec.remote.port} failed: {e}"
+            ) from e
+        self.stats.transfer(time.perf_counter() - t0, nbytes)
+
+    def _move(self, peer: _Peer, pairs: Any, deadline: float, *, read: bool) -> int:
+        """Copy block ``pairs`` (local, remote) for every region; return bytes moved."""
+        assert self.transport is not None and self.layout is not None
+        handles, nbytes = [], 0
+        for mine, theirs in zip(self.layout.regions, peer.layout.regions, strict=True):
+            spans = block_spans(mine, theirs, pairs)
+            if not len(spans):
+                continue
+            op = self.transport.read if read else self.transport.write
+            handles.append(op(peer.peer_id, mine.name, theirs.name, spans))
+            nbytes += int(spans[:, 2].sum())
+        self.transport.wait_all(handles, max(0.0, deadline - time.monotonic()))
+        return nbytes
+
+    def _await_written(self, transfer_id: str, deadline: float) -> int:
+        while time.monotonic() < deadline:
+            with self._lock:
+                result = self._written.pop(transfer_id, None)
+            if result is not None:
+                ok, error = result
+                if not ok:
+                    raise LoadFailed(f"prefill side reported: {error}")
+                return 0
+            time.sleep(0.002)
+        raise LoadFailed(f"no 'written' notice for transfer {transfer_id} in time")
+
+    # ---- prefill side, WRITE mode ----
+    def _on_write_target(self, body: dict[str, Any]) -> None:
+        """Side-channel thread: a decode worker's offer for transfer ``transfer_id``."""
+        assert self.transport is not None
+        layout = self._check_handshake(body, None)
+        peer_id = self.transport.connect(TransportDescriptor.from_dict(body["transport"]))
+        target = _Target(
+            peer_id=peer_id,
+            layout=layout,
+            block_ids=[int(b) for b in body["block_ids"]],
+            skip=int(body.get("skip", 0)),
+            reply_to=str(body["engine_id"]),
+        )
+        with self._lock:
+            self._targets[str(body["transfer_id"])] = target
+
+    def _push_pairs(self, push: _Push, target: _Target) -> np.ndarray:
+        n = min(len(push.spec.block_ids), len(target.block_ids))
+        return np.asarray(
+            [(push.spec.block_ids[i], target.block_ids[i]) for i in range(target.skip, n)],
+            dtype=np.int64,
+        ).reshape(-1, 2)
+
+    def save_kv_layer(self, layer_name: str) -> None:
+        """Write ``layer_name``'s region to every decode target already known (non-blocking)."""
+        if not self._pushes or self.layout is None or self.transport is None:
+            return
+        region = next((r for r in self.layout.regions if layer_name in r.layers), None)
+        if region is None or region.layers[-1] != layer_name:
+            return  # write a shared region once, after its last layer
+        idx = self.layout.regions.index(region)
+        for push in self._pushes.values():
+            if push.spec.req_id in self._push_futures or region.name in push.regions_done:
+                continue
+            with self._lock:
+                target = self._targets.get(push.spec.transfer_id)
+            if target is None:
+                continue
+            try:
+                spans = block_spans(
+                    region, target.layout.regions[idx], self._push_pairs(push, target)
+                )
+                if len(spans):
+                    push.handles.append(
+                        self.transport.write(target.peer_id, region.name, region.name, spans)
+                    )
+                    push.nbytes += int(spans[:, 2].sum())
+                push.regions_done.add(region.name)
+            except (TransportError, LayoutMismatch) as e:
+                logger.warning(
+                    "layer push of %s failed, retrying after the step: %s", push.spec.req_id, e
+                )
+
+    def wait_for_save(self) -> None:
+        """Hand each push of this step to a transfer thread that completes it."""
+        for req_id, push in self._pushes.items():
+            if req_id not in self._push_futures:
+                self._push_futures[req_id] = self._pool.submit(self._finish_push, push)
+
+    def _finish_push(self, push: _Push) -> None:
+        """Transfer thread: wait for the decode offer, write what is left, say "written"."""
+        assert self.transport is not None and self.layout is not None
+        tid = push.spec.transfer_id
+        deadline = push.started + self.cfg.lease_s
+        target = None
+        while time.monotonic() < deadline:
+            with self._lock:
+                target = self._targets.get(tid)
+            if target is not None:
+                break
+            time.sleep(0.002)
+        if target is None:
+            self.stats.lease_expired()
+            raise LoadFailed(f"no decode offer for transfer {tid} within the lease")
+        ok, error = True, ""
+        t0 = time.perf_counter()
+        try:
+            self.transport.wait_all(push.handles, max(0.0, deadline - time.monotonic()))
+            rest = [i for i, r in enumerate(self.layout.regions) if r.name not in push.regions_done]
+            pairs = self._push_pairs(push, target)
+            handles = []
+            for i in rest:
+                mine = self.layout.regions[i]
+                spans = block_spans(mine, target.layout.regions[i], pairs)
+                if len(spans):
+                    handles.append(
+                        self.transport.write(target.peer_id, mine.name, mine.name, spans)
+                    )
+                    push.nbytes += int(spans[:, 2].sum())
+            self.transport.wait_all(handles, max(0.0, deadline - time.monotonic()))
+            # Only vouch for the bytes once the scheduler confirmed it kept the blocks.
+            while push.spec.req_id not in self._push_confirmed:
+                if push.spec.req_id in self._finished_reqs or time.monotonic() > deadline:
+                    raise LoadFailed("the prefill request ended without keeping its blocks")
+                time.sleep(0.002)
+        except (TransportError, LayoutMismatch, LoadFailed) as e:
+            ok, error = False, str(e)
+            self.stats.failure()
+        else:
+            self.stats.transfer(time.perf_counter() - t0, push.nbytes)
+        finally:
+            with self._lock:
+                self._targets.pop(tid, None)
+        self._notify(
+            target.peer_id, {"op": "written", "transfer_id": tid, "ok": ok, "error": error}
+        )
+
+    # ---- completions ----
+    def _handle_notifications(self) -> None:
+        assert self.transport is not None
+        for n in self.transport.drain_notifications():
+            try:
+                body = json.loads(n.payload)
+                op = body["op"]
+            except (ValueError, KeyError, TypeError):
+                logger.warning("ignored a malformed notification from %s", n.sender)
+                continue
+            if op == "done":
+                req = str(body.get("req"))
+                if self._leases.release(req):
+                    self._free(req)
+            elif op == "renew":
+                self._leases.renew(str(body.get("req")))
+            elif op == "written":
+                with self._lock:
+                    self._written[str(body.get("transfer_id"))] = (
+                        bool(body.get("ok")),
+                        str(body.get("error", "")),
+                    )
+
+    def _free(self, req_id: str) -> None:
+        self._held.pop(req_id, None)
+        self._finished_sending.add(req_id)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """Requests whose sends / loads ended since the last call (failed loads included)."""
+        tracked = self._held.keys() | self._pushes.keys() | self._push_confirmed
+        self._finished_reqs |= finished_req_ids & tracked
+        if self.transport is not None:
+            self._handle_notifications()
+        expired = self._leases.expired()
+        if expired:
+            self.stats.lease_expired(len(expired))
+            logger.warning(
+                "freed the KV blocks of %d request(s) whose lease ran out: %s",
+                len(expired),
+                expired,
+            )
+        for req in expired:
+            self._free(req)
+        for req_id, fut in list(self._push_futures.items()):
+            if fut.done():
+                if fut.exception() is not None:
+                    logger.warning("KV push of %s failed: %s", req_id, fut.exception())
+                del self._push_futures[req_id]
+                self._pushes.pop(req_id, None)
+                if req_id in self._push_confirmed:
+                    self._push_confirmed.discard(req_id)
+                    self._finished_sending.add(req_id)
+        recving = set()
+        for req_id, fut in list(self._loads.items()):
+            if not fut.done():
+                continue
+            del self._loads[req_id]
+            blocks = self._load_blocks.pop(req_id, ())
+            if fut.exception() is not None:
+                logger.warning("%s", fut.exception())
+                self._load_errors.update(blocks)
+            recving.add(req_id)
+        sending = self._finished_sending & self._finished_reqs
+        self._finished_sending -= sending
+        self._finished_reqs -= sending
+        self._finished_reqs -= recving
+        self.stats.blocks_held(sum(self._held.values()))
+        return (sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """Blocks of loads reported finished that did not complete (then cleared)."""
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        """Stop the handshake server, the transfer threads and the transport."""
+        if self._server is not None:
+            self._server.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        if self.transport is not None:
+            self.transport.close()
