@@ -47,8 +47,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--chat-template-content-format", default="auto", choices=["auto", "string", "openai"]
     )
     p.add_argument("--default-chat-template-kwargs", type=_json_dict, default=None)
-    p.add_argument("--reasoning-parser", default=None)
-    p.add_argument("--tool-call-parser", default=None)
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        help="built in: deepseek_r1, qwen3, deepseek_v3 (others with --parser-source vllm)",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="built in: hermes, llama3_json, deepseek_v3, mistral "
+        "(others with --parser-source vllm)",
+    )
+    p.add_argument(
+        "--parser-source",
+        default=_DEFAULTS["parser_source"].default,
+        choices=["builtin", "vllm"],
+        help="builtin: only the built-in parsers (no vLLM needed); vllm: a parser name not "
+        "built in is taken from vLLM's parser registry (needs vLLM installed; its parsers "
+        "then parse everything, and streaming replays the output per chunk as vLLM does)",
+    )
     p.add_argument("--enable-auto-tool-choice", action="store_true")
     p.add_argument("--max-logprobs", type=int, default=_DEFAULTS["max_logprobs"].default)
     p.add_argument("--max-body-bytes", type=int, default=_DEFAULTS["max_body_bytes"].default)
@@ -71,6 +88,7 @@ def settings_from_args(args: argparse.Namespace) -> RenderSettings:
         default_chat_template_kwargs=args.default_chat_template_kwargs or {},
         reasoning_parser=args.reasoning_parser,
         tool_call_parser=args.tool_call_parser,
+        parser_source=args.parser_source,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         max_logprobs=args.max_logprobs,
         max_body_bytes=args.max_body_bytes,

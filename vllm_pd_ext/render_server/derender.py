@@ -76,6 +76,10 @@ class Derenderer:
         self.tok = tok
         self.max_model_len = max_model_len
         self.has_parser = bool(settings.reasoning_parser or settings.tool_call_parser)
+        if settings.uses_vllm_parsers:  # fail at startup if vLLM's parser cannot serve tok
+            from vllm_pd_ext.render_server.parsers.vllm_registry import parser_class
+
+            parser_class(settings, tok)
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -114,6 +118,11 @@ class Derenderer:
             )
 
     def _parser(self, chat_request: ChatCompletionRequest) -> ChatParser:
+        if self.settings.uses_vllm_parsers:
+            from vllm_pd_ext.render_server.parsers.vllm_registry import VllmChatParser
+
+            kwargs = self.template_kwargs(chat_request) if self.template_kwargs else {}
+            return VllmChatParser(self.settings, self.tok, chat_request, kwargs)  # type: ignore[return-value]
         return make_parser(
             self.tok,
             reasoning=self.settings.reasoning_parser,
@@ -346,6 +355,7 @@ class Derenderer:
             if use_parser:
                 assert chat_request is not None
                 parser = self._parser(chat_request)
+                parser.set_prompt_token_ids(req.prompt_token_ids)
                 pstate = state.parser_state
                 if pstate is None:
                     pstate = parser.initial_state(req.prompt_token_ids or [])
@@ -358,7 +368,7 @@ class Derenderer:
                 for tc in delta.get("tool_calls") or []:
                     tools_streamed = True
                     if tc["index"] >= len(ids):
-                        ids.append(parser.new_tool_call_id())
+                        ids.append(tc.get("id") or parser.new_tool_call_id())
                         tc["id"] = ids[tc["index"]]
                         tc["type"] = "function"
                 update["tools_streamed"] = tools_streamed

@@ -338,6 +338,11 @@ class Renderer:
             return True
         if self.settings.reasoning_parser is None:
             return None
+        if self.settings.uses_vllm_parsers:
+            from vllm_pd_ext.render_server.parsers.vllm_registry import reasoning_ended
+
+            kwargs = self.chat_template_kwargs(request)
+            return reasoning_ended(self.settings, self.tok, request, ids, kwargs)
         from vllm_pd_ext.render_server.parsers import reasoning_active
         from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 #: Keys of ``config.json`` that give a model's context length, in the order vLLM tries them.
 _CONTEXT_KEYS = (
@@ -47,6 +47,11 @@ class RenderSettings(BaseModel):
     default_chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    parser_source: Literal["builtin", "vllm"] = Field(
+        default="builtin",
+        description="where parser names resolve: only the built-in parsers, or vLLM's parser "
+        "registry for names not built in (needs vLLM installed)",
+    )
     enable_auto_tool_choice: bool = False
     max_logprobs: int = Field(default=20, ge=-1)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
@@ -60,23 +65,34 @@ class RenderSettings(BaseModel):
             raise ValueError(f"model directory {value!r} does not exist")
         return value
 
-    @field_validator("reasoning_parser")
-    @classmethod
-    def _known_reasoning_parser(cls, value: str | None) -> str | None:
-        if value is not None and value not in REASONING_PARSERS:
-            raise ValueError(
-                f"unknown reasoning parser {value!r}; built in: {', '.join(REASONING_PARSERS)}"
-            )
-        return value
+    @model_validator(mode="after")
+    def _known_parsers(self) -> RenderSettings:
+        for kind, value, built_in in (
+            ("reasoning parser", self.reasoning_parser, REASONING_PARSERS),
+            ("tool-call parser", self.tool_call_parser, TOOL_CALL_PARSERS),
+        ):
+            if value is None or value in built_in:
+                continue
+            if self.parser_source == "builtin":
+                raise ValueError(
+                    f"unknown {kind} {value!r}; built in: {', '.join(built_in)} "
+                    "(parser_source 'vllm' takes the names vLLM registers)"
+                )
+            from vllm_pd_ext.render_server.parsers.vllm_registry import check_registered
 
-    @field_validator("tool_call_parser")
-    @classmethod
-    def _known_tool_parser(cls, value: str | None) -> str | None:
-        if value is not None and value not in TOOL_CALL_PARSERS:
-            raise ValueError(
-                f"unknown tool-call parser {value!r}; built in: {', '.join(TOOL_CALL_PARSERS)}"
+            check_registered(kind, value)
+        return self
+
+    @property
+    def uses_vllm_parsers(self) -> bool:
+        """True when a configured parser name resolves through vLLM's registry (then vLLM's
+        composed parser does all reasoning and tool parsing, as in ``vllm launch render``)."""
+        return self.parser_source == "vllm" and (
+            (self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS)
+            or (
+                self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS
             )
-        return value
+        )
 
     @property
     def model_name(self) -> str:

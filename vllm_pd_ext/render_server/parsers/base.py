@@ -28,6 +28,9 @@ class ChatParser:
         make = getattr(self.tools, "make_tool_call_id", None)
         return make() if make is not None else f"chatcmpl-tool-{uuid.uuid4().hex[:16]}"
 
+    def set_prompt_token_ids(self, prompt_token_ids: list[int] | None) -> None:
+        """Nothing to do: the built-in parsers read the prompt in :meth:`initial_state`."""
+
     def parse(
         self, text: str, token_ids: list[int], prompt_token_ids: list[int] | None
     ) -> tuple[str | None, str | None, list[dict[str, str]]]:
