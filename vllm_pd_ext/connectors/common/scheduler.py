@@ -145,9 +145,15 @@ class TransferScheduler:
         if not p:
             return
         if p.get("do_remote_prefill") and (p.get("transfer_mode") or READ) == READ:
-            plan = self._load_plan(request)
-            if plan is not None:
-                self._waiting_remote[request.request_id] = plan[1]
+            try:
+                self._waiting_remote[request.request_id] = RemoteRef(
+                    engine_id=str(p.get("remote_engine_id") or ""),
+                    host=str(p["remote_host"]),
+                    port=int(p["remote_port"]),
+                    request_id=str(p["remote_request_id"]),
+                )
+            except (KeyError, TypeError, ValueError):
+                pass  # nowhere to send renewals; _load_plan refuses the load
         if p.get("do_remote_decode") and self._mode(p) == WRITE and p.get("transfer_id"):
             self._write_reqs[request.request_id] = request
 

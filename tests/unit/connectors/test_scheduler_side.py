@@ -1,0 +1,242 @@
+"""PdExtMoRIIOConnector's scheduler side, driven through vLLM's real Scheduler on CPU.
+
+The worker's part is played by the test: it reports finished sending / receiving and load
+errors in the model-runner output, as the worker side would.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from vllm.v1.request import FinishReason, RequestStatus
+
+from tests.unit.connectors.sched_harness import (
+    BLOCK_SIZE,
+    assert_scheduler_empty,
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    step,
+)
+from vllm_pd_ext.connectors.common.metadata import PdTransferMetadata, RemoteRef
+from vllm_pd_ext.connectors.common.scheduler import prompt_hash
+
+SIDE_PORT = 23456
+PROMPT = 40  # two full blocks and a half one
+
+
+@pytest.fixture(scope="module")
+def producer_config(tiny_qwen):
+    return make_vllm_config(tiny_qwen, "kv_producer", {"side_channel_port": SIDE_PORT})
+
+
+@pytest.fixture(scope="module")
+def consumer_config(tiny_qwen):
+    return make_vllm_config(tiny_qwen, "kv_consumer")
+
+
+def finished_params(producer_config, mode: str = "read", transfer_id: str | None = None) -> dict:
+    """Run one prefill request on a producer scheduler; return its kv_transfer_params."""
+    sched = make_scheduler(producer_config)
+    params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": mode}
+    if transfer_id:
+        params["transfer_id"] = transfer_id
+    sched.add_request(make_request(PROMPT, params, max_tokens=1))
+    _, out = step(sched)
+    return out[0].outputs[0].kv_transfer_params
+
+
+def test_prefill_holds_blocks_until_decode_is_done(producer_config):
+    sched = make_scheduler(producer_config)
+    req = make_request(PROMPT, {"do_remote_decode": True, "do_remote_prefill": False}, max_tokens=1)
+    sched.add_request(req)
+    _, out = step(sched)
+    (output,) = out[0].outputs
+    assert output.finish_reason == FinishReason.LENGTH
+    params = output.kv_transfer_params
+    blocks = sched.kv_cache_manager.get_block_ids(req.request_id)[0]
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_block_ids"] == list(blocks[:3])
+    assert params["remote_num_tokens"] == PROMPT
+    assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == SIDE_PORT
+    assert params["remote_engine_id"] == "engine-kv_producer"
+    assert params["remote_request_id"] == req.request_id
+    assert params["prompt_hash"] == prompt_hash(req.prompt_token_ids, PROMPT)
+    # Held: the next step tells the worker to hold them under a lease...
+    meta, _ = step(sched)
+    meta = meta.kv_connector_metadata
+    assert isinstance(meta, PdTransferMetadata)
+    assert [(s.req_id, s.mode, list(s.block_ids)) for s in meta.send] == [
+        (req.request_id, "read", params["remote_block_ids"])
+    ]
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() < 63
+    # ...until the worker reports the send finished.
+    step(sched, sending={req.request_id})
+    assert_scheduler_empty(sched)
+
+
+def test_prefill_aborted_before_finishing_frees_at_once(producer_config):
+    sched = make_scheduler(producer_config)
+    req = make_request(PROMPT, {"do_remote_decode": True}, max_tokens=1)
+    sched.add_request(req)
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.send == []
+    assert_scheduler_empty(sched)
+
+
+def test_write_mode_prefill_pushes_in_the_last_prompt_step(producer_config):
+    sched = make_scheduler(producer_config)
+    params = {"do_remote_decode": True, "transfer_mode": "write", "transfer_id": "t-1"}
+    req = make_request(PROMPT, params, max_tokens=1)
+    sched.add_request(req)
+    out, eng = step(sched)
+    (push,) = out.kv_connector_metadata.push
+    assert push.req_id == req.request_id and push.transfer_id == "t-1"
+    assert list(push.block_ids) == sched.kv_cache_manager.get_block_ids(req.request_id)[0][:3]
+    assert eng[0].outputs[0].kv_transfer_params["transfer_mode"] == "write"
+    out, _ = step(sched)
+    assert [(s.mode, s.transfer_id) for s in out.kv_connector_metadata.send] == [("write", "t-1")]
+    assert out.kv_connector_metadata.push == []  # pushed once
+    step(sched, sending={req.request_id})
+    assert_scheduler_empty(sched)
+
+
+def test_decode_loads_remote_prompt_then_runs(producer_config, consumer_config):
+    params = finished_params(producer_config)
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, dict(params), max_tokens=3)
+    sched.add_request(req)
+    out, _ = step(sched)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    (spec,) = out.kv_connector_metadata.recv
+    local = sched.kv_cache_manager.get_block_ids(req.request_id)[0][:3]
+    assert spec.mode == "read"
+    assert list(spec.pairs) == list(zip(local, params["remote_block_ids"], strict=True))
+    assert spec.remote == RemoteRef(
+        "engine-kv_producer", "127.0.0.1", SIDE_PORT, params["remote_request_id"]
+    )
+    assert out.total_num_scheduled_tokens == 0
+    # Worker reports the load done: only the last prompt token is computed locally.
+    out, _ = step(sched, recving={req.request_id})
+    out, _ = step(sched)
+    assert out.num_scheduled_tokens[req.request_id] == 1
+    for _ in range(4):
+        step(sched)
+    assert_scheduler_empty(sched)
+
+
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_decode_load_error_recomputes_or_fails(tiny_qwen, producer_config, policy):
+    params = finished_params(producer_config)
+    sched = make_scheduler(make_vllm_config(tiny_qwen, "kv_consumer", policy=policy))
+    req = make_request(PROMPT, dict(params), max_tokens=2)
+    sched.add_request(req)
+    out, _ = step(sched)
+    local = [a for a, _ in out.kv_connector_metadata.recv[0].pairs]
+    _, eng = step(sched, recving={req.request_id}, invalid=set(local))
+    if policy == "fail":
+        (output,) = eng[0].outputs
+        assert output.finish_reason == FinishReason.ERROR
+    else:
+        out, _ = step(sched)
+        assert out.num_scheduled_tokens[req.request_id] == PROMPT  # whole prompt recomputed
+        for _ in range(3):
+            step(sched)
+    assert_scheduler_empty(sched)
+
+
+def test_decode_refuses_a_different_prompt(producer_config, consumer_config):
+    params = finished_params(producer_config)
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, dict(params), prompt=[99] * PROMPT)  # not what P computed
+    sched.add_request(req)
+    out, _ = step(sched)
+    meta = out.kv_connector_metadata
+    assert meta.recv == []
+    assert out.num_scheduled_tokens[req.request_id] == PROMPT  # computed locally
+    assert [r.request_id for r in meta.release] == [params["remote_request_id"]]  # P freed
+
+
+def test_decode_refuses_too_few_remote_blocks(producer_config, consumer_config):
+    params = finished_params(producer_config)
+    params["remote_block_ids"] = params["remote_block_ids"][:1]
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, dict(params))
+    sched.add_request(req)
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.recv == []
+    assert out.num_scheduled_tokens[req.request_id] == PROMPT
+
+
+def test_decode_aborted_in_queue_releases_prefill_blocks(producer_config, consumer_config):
+    params = finished_params(producer_config)
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, dict(params))
+    sched.add_request(req)
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.recv == []
+    assert [r.request_id for r in out.kv_connector_metadata.release] == [
+        params["remote_request_id"]
+    ]
+    assert_scheduler_empty(sched)
+
+
+def test_decode_aborted_while_loading_keeps_blocks_until_the_load_ends(
+    producer_config, consumer_config
+):
+    params = finished_params(producer_config)
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, dict(params))
+    sched.add_request(req)
+    step(sched)
+    assert req.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    sched.finish_requests(req.request_id, RequestStatus.FINISHED_ABORTED)
+    step(sched)
+    assert req.request_id in sched.requests  # the transfer may still write these blocks
+    step(sched, recving={req.request_id})
+    assert_scheduler_empty(sched)
+
+
+def test_decode_renews_the_lease_while_queued(tiny_qwen, producer_config):
+    params = finished_params(producer_config)
+    sched = make_scheduler(
+        make_vllm_config(tiny_qwen, "kv_consumer", {"lease_s": 0.3}, max_num_seqs=1)
+    )
+    blocker = make_request(PROMPT, None, max_tokens=50)
+    sched.add_request(blocker)
+    step(sched)
+    req = make_request(PROMPT, dict(params))
+    sched.add_request(req)  # waits: one sequence at a time
+    renewed = []
+    deadline = time.monotonic() + 5
+    while not renewed and time.monotonic() < deadline:
+        out, _ = step(sched)
+        renewed = out.kv_connector_metadata.renew
+        time.sleep(0.05)
+    assert [r.request_id for r in renewed] == [params["remote_request_id"]]
+    assert req.status == RequestStatus.WAITING
+
+
+def test_write_mode_decode_plans_an_offer(producer_config, consumer_config):
+    sched = make_scheduler(consumer_config)
+    params = {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "transfer_mode": "write",
+        "transfer_id": "t-9",
+        "remote_host": "127.0.0.1",
+        "remote_port": SIDE_PORT,
+        "remote_engine_id": None,
+    }
+    req = make_request(PROMPT, params)
+    sched.add_request(req)
+    out, _ = step(sched)
+    (spec,) = out.kv_connector_metadata.recv
+    local = sched.kv_cache_manager.get_block_ids(req.request_id)[0][:3]
+    assert spec.mode == "write" and spec.transfer_id == "t-9"
+    assert list(spec.local_block_ids) == list(local)
+    assert [r for _, r in spec.pairs] == [0, 1, 2]  # offered in prompt order
+    assert len(local) * BLOCK_SIZE >= PROMPT
