@@ -11,8 +11,19 @@ from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, m
 
 Role = Literal["prefill", "decode", "both"]
 
-#: P/D protocols (how the two legs are sequenced and what kv_transfer_params carry).
-Protocol = Literal["nixl-pull", "nixl-push", "mooncake"]
+#: P/D protocols (how the two legs are sequenced and what kv_transfer_params carry); see
+#: ``protocols.py``.
+Protocol = Literal[
+    "nixl-pull", "nixl-push", "mooncake", "moriio-read", "moriio-write", "pdext-read", "pdext-write"
+]
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) as ``(host, port)``; ValueError if not."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {addr!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 class _Strict(BaseModel):
@@ -25,10 +36,24 @@ class InstanceConfig(_Strict):
     url: str
     role: Role = "both"
     name: str | None = None
-    engine_id: str | None = Field(None, description="the engine's kv engine_id (mooncake)")
-    bootstrap_addr: str | None = Field(
-        None, description="host:port of the engine's KV bootstrap server (mooncake)"
+    engine_id: str | None = Field(
+        None, description="the engine's kv engine_id (mooncake; moriio-write, pdext-write)"
     )
+    bootstrap_addr: str | None = Field(
+        None,
+        description="host:port of the engine's KV side channel: mooncake's bootstrap server, "
+        "MoRI-IO's handshake port (moriio-write), our connector's side channel (pdext-write)",
+    )
+    notify_port: int | None = Field(
+        None, ge=1, le=65535, description="MoRI-IO's notify port (moriio-write)"
+    )
+
+    @field_validator("bootstrap_addr")
+    @classmethod
+    def _addr(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_host_port(value)
+        return value
 
     @field_validator("url")
     @classmethod
@@ -131,18 +156,16 @@ class ProxyConfig(_Strict):
         if not self.instances and self.instances_file is None and self.kubernetes is None:
             raise ValueError("no instances: give `instances`, `instances_file` or `kubernetes`")
         from vllm_pd_ext.proxy.policies import POLICIES
+        from vllm_pd_ext.proxy.protocols import make_protocol
 
-        if self.protocol == "mooncake":
-            missing = [
-                i.label
-                for i in self.instances
-                if i.role != "decode" and not (i.engine_id and i.bootstrap_addr)
-            ]
-            if missing:
-                raise ValueError(
-                    "protocol mooncake: prefill instances need engine_id and bootstrap_addr: "
-                    + ", ".join(missing)
-                )
+        protocol = make_protocol(self.protocol)
+        lacking = [
+            f"{i.label} needs {' and '.join(fields)}"
+            for i in self.instances
+            if (fields := protocol.missing(i))
+        ]
+        if lacking:
+            raise ValueError(f"protocol {self.protocol}: " + "; ".join(lacking))
         for field in ("prefill_policy", "decode_policy"):
             if getattr(self, field) not in POLICIES:
                 raise ValueError(

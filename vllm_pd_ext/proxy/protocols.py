@@ -1,14 +1,41 @@
 """P/D protocols: what each leg's ``kv_transfer_params`` carry and whether the legs overlap.
 
+Serial protocols send the prefill leg first and copy its answer's ``kv_transfer_params`` into
+the decode leg; concurrent ones send both legs at once with params the proxy builds.
+
 * ``nixl-pull`` / ``nixl-push`` (vLLM's NixlConnector, and connectors speaking its protocol):
-  serial. The prefill leg carries the marker below; its answer's ``kv_transfer_params`` (P's
-  block ids and side-channel coordinates) go verbatim into the decode leg. In push mode P writes
-  into D's blocks once D registers them; the proxy's part is the same.
+  serial. The prefill leg carries the marker below; its answer (P's block ids and side-channel
+  coordinates) goes verbatim into the decode leg. In push mode P writes into D's blocks once D
+  registers them; the proxy's part is the same.
 * ``mooncake`` (vLLM's MooncakeConnector): concurrent. The proxy mints a ``transfer_id``, sends
   P ``{do_remote_decode, transfer_id}`` and, at the same time, D ``{do_remote_prefill,
   transfer_id, remote_engine_id, remote_bootstrap_addr}``; D pulls from P's bootstrap server
-  once P has computed the prompt. Prefill instances must be configured with ``engine_id`` and
-  ``bootstrap_addr``.
+  once P has computed the prompt. Prefill instances need ``engine_id`` and ``bootstrap_addr``.
+* ``moriio-read`` / ``moriio-write`` (vLLM's MoRIIOConnector, ``read_mode`` true / false).
+  vLLM's own proxy learns each instance's MoRI-IO address over ZMQ registration and embeds both
+  peers' addresses in the request id (``___prefill_addr_..___decode_addr_..``). We instead pass
+  the peer's coordinates explicitly in ``kv_transfer_params`` (``remote_host``,
+  ``remote_handshake_port``, ``remote_notify_port``: the fallback the connector documents for
+  routers that do not rewrite request ids, as llm-d's sidecar does) and take them from the
+  fleet config: ``bootstrap_addr`` is the instance's ``host:handshake_port`` and
+  ``notify_port`` its notify port (``kv_connector_extra_config`` ``handshake_port`` /
+  ``notify_port``, vLLM defaults 6301 / 61005; host = its ``host_ip``). Request ids stay ours.
+
+  - read: serial, like NIXL pull. P gets ``{do_remote_decode, transfer_id}``; its answer
+    carries its own coordinates, block ids and the ``transfer_id``, copied into D's request. D
+    reads the blocks, then tells P to free them. No coordinates in the config.
+  - write: concurrent. Both legs share a ``transfer_id``; P gets D's coordinates (P writes
+    into D's blocks once D tells P's notify port they are allocated), D gets P's. Every
+    instance needs ``bootstrap_addr`` and ``notify_port``. Because P pushes to the D it was
+    told, a decode retry on another instance runs colocated (``binds_decode``).
+* ``pdext-read`` / ``pdext-write`` (our PdExtMoRIIOConnector).
+
+  - read: exactly the NIXL-pull serial flow; P's marker carries ``transfer_mode: "read"``.
+  - write: concurrent. The proxy mints ``transfer_id`` (uuid4 hex); P gets ``{do_remote_decode,
+    transfer_mode: "write", transfer_id}``, D gets ``{do_remote_prefill, transfer_mode,
+    transfer_id, remote_engine_id, remote_host, remote_port}`` with P's side channel
+    (``bootstrap_addr``) and ``engine_id`` (or null). Prefill instances need
+    ``bootstrap_addr``. A decode retry on another instance runs colocated (``binds_decode``).
 """
 
 from __future__ import annotations
@@ -17,7 +44,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from vllm_pd_ext.proxy.config import InstanceConfig
+from vllm_pd_ext.proxy.config import InstanceConfig, split_host_port
 
 #: The prefill leg's marker for NIXL-style serial protocols.
 NIXL_PREFILL_PARAMS: dict[str, Any] = {
@@ -28,6 +55,10 @@ NIXL_PREFILL_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+class MissingCoordinates(ValueError):
+    """An instance lacks the fleet-config fields its protocol needs."""
 
 
 @dataclass(frozen=True)
@@ -45,32 +76,59 @@ class PDProtocol(Protocol):
     name: str
     #: True when the decode leg is sent while the prefill leg runs.
     concurrent: bool
+    #: True when the prefill leg is told which decode instance receives the KV: a decode leg
+    #: retried on another instance gets no KV and must run colocated.
+    binds_decode: bool
 
-    def plan(self, request_id: str, prefill: InstanceConfig) -> LegPlan:
-        """Both legs' params for a request whose prefill runs on ``prefill``."""
+    def missing(self, inst: InstanceConfig) -> list[str]:
+        """The InstanceConfig fields this protocol needs on ``inst`` that are unset."""
         ...
+
+    def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
+        """Both legs' params for a request split across ``prefill`` and ``decode``.
+
+        Runs on the proxy's event loop; mints fresh ids each call. Raises
+        ``MissingCoordinates`` when an instance lacks what the protocol needs.
+        """
+        ...
+
+
+def _require(protocol: PDProtocol, *instances: InstanceConfig) -> None:
+    for inst in instances:
+        if missing := protocol.missing(inst):
+            raise MissingCoordinates(
+                f"instance {inst.label} needs {' and '.join(missing)} for protocol {protocol.name}"
+            )
+
+
+def _unset(inst: InstanceConfig, fields: tuple[str, ...]) -> list[str]:
+    return [f for f in fields if getattr(inst, f) in (None, "")]
 
 
 class NixlSerial:
     concurrent = False
+    binds_decode = False
 
     def __init__(self, name: str):
         self.name = name
 
-    def plan(self, request_id: str, prefill: InstanceConfig) -> LegPlan:
+    def missing(self, inst: InstanceConfig) -> list[str]:
+        return []
+
+    def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
         return LegPlan(prefill_params=dict(NIXL_PREFILL_PARAMS), decode_params=None)
 
 
 class MooncakeConcurrent:
     name = "mooncake"
     concurrent = True
+    binds_decode = False
 
-    def plan(self, request_id: str, prefill: InstanceConfig) -> LegPlan:
-        if not prefill.engine_id or not prefill.bootstrap_addr:
-            raise ValueError(
-                f"prefill instance {prefill.label} needs engine_id and bootstrap_addr "
-                "for the mooncake protocol"
-            )
+    def missing(self, inst: InstanceConfig) -> list[str]:
+        return _unset(inst, ("engine_id", "bootstrap_addr")) if inst.role != "decode" else []
+
+    def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
+        _require(self, prefill)
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         return LegPlan(
             prefill_params={"do_remote_decode": True, "transfer_id": transfer_id},
@@ -83,9 +141,125 @@ class MooncakeConcurrent:
         )
 
 
+class MoRIIORead:
+    name = "moriio-read"
+    concurrent = False
+    binds_decode = False
+
+    def missing(self, inst: InstanceConfig) -> list[str]:
+        return []
+
+    def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
+        return LegPlan(
+            prefill_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_id": uuid.uuid4().hex,
+            },
+            decode_params=None,
+        )
+
+
+def _moriio_peer(inst: InstanceConfig) -> dict[str, Any]:
+    """The MoRI-IO coordinates of ``inst`` as its peer's ``remote_*`` fields."""
+    host, handshake_port = split_host_port(inst.bootstrap_addr or "")
+    return {
+        "remote_engine_id": inst.engine_id,
+        "remote_block_ids": [],  # WRITE: the decode side allocates its own blocks
+        "remote_host": host,
+        "remote_handshake_port": handshake_port,
+        "remote_notify_port": inst.notify_port,
+    }
+
+
+class MoRIIOWrite:
+    name = "moriio-write"
+    concurrent = True
+    binds_decode = True
+
+    def missing(self, inst: InstanceConfig) -> list[str]:
+        return _unset(inst, ("bootstrap_addr", "notify_port"))
+
+    def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
+        _require(self, prefill, decode)
+        transfer_id = uuid.uuid4().hex
+        return LegPlan(
+            prefill_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_id": transfer_id,
+                **_moriio_peer(decode),
+            },
+            decode_params={
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "transfer_id": transfer_id,
+                **_moriio_peer(prefill),
+            },
+        )
+
+
+class PdExtRead:
+    name = "pdext-read"
+    concurrent = False
+    binds_decode = False
+
+    def missing(self, inst: InstanceConfig) -> list[str]:
+        return []
+
+    def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
+        return LegPlan(
+            prefill_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_mode": "read",
+            },
+            decode_params=None,
+        )
+
+
+class PdExtWrite:
+    name = "pdext-write"
+    concurrent = True
+    binds_decode = True
+
+    def missing(self, inst: InstanceConfig) -> list[str]:
+        return _unset(inst, ("bootstrap_addr",)) if inst.role != "decode" else []
+
+    def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
+        _require(self, prefill)
+        host, port = split_host_port(prefill.bootstrap_addr or "")
+        transfer_id = uuid.uuid4().hex
+        return LegPlan(
+            prefill_params={
+                "do_remote_decode": True,
+                "do_remote_prefill": False,
+                "transfer_mode": "write",
+                "transfer_id": transfer_id,
+            },
+            decode_params={
+                "do_remote_prefill": True,
+                "do_remote_decode": False,
+                "transfer_mode": "write",
+                "transfer_id": transfer_id,
+                "remote_engine_id": prefill.engine_id,
+                "remote_host": host,
+                "remote_port": port,
+            },
+        )
+
+
 def make_protocol(name: str) -> PDProtocol:
+    """The protocol named in ``ProxyConfig.protocol``."""
     if name in ("nixl-pull", "nixl-push"):
         return NixlSerial(name)
-    if name == "mooncake":
-        return MooncakeConcurrent()
-    raise ValueError(f"unknown P/D protocol {name!r}")
+    protocols: dict[str, type] = {
+        "mooncake": MooncakeConcurrent,
+        "moriio-read": MoRIIORead,
+        "moriio-write": MoRIIOWrite,
+        "pdext-read": PdExtRead,
+        "pdext-write": PdExtWrite,
+    }
+    if name not in protocols:
+        raise ValueError(f"unknown P/D protocol {name!r}")
+    return protocols[name]()

@@ -35,7 +35,7 @@ from vllm_pd_ext.proxy.errors import ProxyError, sse_error
 from vllm_pd_ext.proxy.fleet import Fleet, Instance
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.policies import make_policy
-from vllm_pd_ext.proxy.protocols import make_protocol
+from vllm_pd_ext.proxy.protocols import MissingCoordinates, make_protocol
 from vllm_pd_ext.proxy.request import RequestContext, Route, parse_request, read_body
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse
 
@@ -209,7 +209,7 @@ class ProxyService:
                     )
                 else:
                     params, usage = await watch.race(
-                        self._prefill_serial(ctx, prefill_pool), "prefill"
+                        self._prefill_serial(ctx, prefill_pool, decode), "prefill"
                     )
             except LegFailed as exc:
                 if self.config.on_prefill_failure == "retry-then-fail":
@@ -301,12 +301,16 @@ class ProxyService:
             yield inst
 
     async def _prefill_serial(
-        self, ctx: RequestContext, pool: list[Instance]
+        self, ctx: RequestContext, pool: list[Instance], decode: Instance
     ) -> tuple[dict[str, Any], dict | None]:
         """Serial protocols: the prefill leg; its kv_transfer_params feed the decode leg."""
         errors: list[str] = []
         for inst in self._candidates(ctx, pool, "prefill"):
-            plan = self.protocol.plan(ctx.request_id, inst.config)
+            try:
+                plan = self.protocol.plan(ctx.request_id, inst.config, decode.config)
+            except MissingCoordinates as exc:
+                errors.append(str(exc))
+                continue
             try:
                 answer, usage = await self._prefill_once(ctx, inst, plan.prefill_params)
             except _LegError as exc:
@@ -329,7 +333,11 @@ class ProxyService:
         """
         errors: list[str] = []
         for inst in self._candidates(ctx, pool, "prefill"):
-            plan = self.protocol.plan(ctx.request_id, inst.config)
+            try:
+                plan = self.protocol.plan(ctx.request_id, inst.config, decode.config)
+            except MissingCoordinates as exc:
+                errors.append(str(exc))
+                continue
             assert plan.decode_params is not None
             pending = asyncio.ensure_future(self._open_decode(decode, ctx, plan.decode_params))
             try:
@@ -374,9 +382,13 @@ class ProxyService:
         """The decode leg, retried on other decode instances until its first byte.
 
         ``pending`` is a decode request already sent to ``first`` (concurrent protocols).
+        When the protocol bound the KV to ``first``, a retry elsewhere runs colocated.
         """
         errors: list[str] = []
         for attempt, inst in enumerate(self._candidates(ctx, pool, "decode", first)):
+            if attempt and params is not None and self.protocol.binds_decode:
+                params, cached = None, None
+                self.metrics.fallbacks.labels("decode_retry").inc()
             inst.in_flight += 1
             keep = False
             try:

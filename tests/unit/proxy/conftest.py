@@ -25,3 +25,4 @@ def reset(engines):
         e.held_blocks.clear()
         e.disconnects = 0
         e.pulls = 0
+        e.param_errors.clear()

@@ -1,9 +1,13 @@
-"""An in-process stand-in for a `vllm serve` instance with a NIXL-style P/D connector.
+"""An in-process stand-in for a `vllm serve` instance with a P/D connector.
 
 Served by a real uvicorn server on 127.0.0.1 in a thread, so the proxy talks to it over real
 sockets and real disconnects. It answers completions with deterministic "tokens", keeps prefill
 KV "blocks" until a decode instance pulls them (``POST /_fake/pull``), and can be told to fail,
 stall or die mid-stream. It records every request and every client disconnect it sees.
+
+``Behavior.connector`` names the connector it plays (default: NIXL-style). For the MoRI-IO and
+pdext protocols it checks each leg's ``kv_transfer_params`` the way the real connector reads
+them (``check_params``) and records what it would have refused in ``param_errors``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ class Behavior:
     token_delay_s: float = 0.0  # between streamed tokens
     die_after_tokens: int | None = None  # streaming: break the connection after N tokens
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params
+    connector: str | None = None  # "moriio-read", "moriio-write", "pdext-read", "pdext-write"
 
 
 @dataclass
@@ -42,6 +47,7 @@ class FakeEngine:
     pulls: int = 0
     running: int = 0
     port: int = 0
+    param_errors: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
@@ -113,19 +119,29 @@ class FakeEngine:
                 )
             params = body.get("kv_transfer_params") or {}
             rid = request.headers.get("x-request-id", "r")
-            if params.get("do_remote_prefill") and params.get("remote_host"):
+            if b.connector and params:
+                self.param_errors.extend(check_params(b.connector, params))
+            if (
+                params.get("do_remote_prefill")
+                and params.get("remote_request_id")
+                and params.get("remote_port")
+            ):
+                # NIXL style: the prefill's answer; it already holds the KV.
                 async with httpx.AsyncClient() as client:
                     await client.post(
                         f"http://{params['remote_host']}:{params['remote_port']}/_fake/pull",
                         json={"remote_request_id": params["remote_request_id"]},
                     )
-            elif params.get("do_remote_prefill") and params.get("remote_bootstrap_addr"):
-                # Mooncake style: pull by transfer_id once the prefill has computed it.
+            elif params.get("do_remote_prefill") and params.get("transfer_id"):
+                # By transfer_id from the prefill's side channel, once it has computed the
+                # prompt (Mooncake, MoRI-IO, pdext write; MoRI-IO read after the prefill).
+                addr = params.get("remote_bootstrap_addr") or "{}:{}".format(
+                    params.get("remote_host"),
+                    params.get("remote_port") or params.get("remote_handshake_port"),
+                )
                 self.running += 1
                 try:
-                    outcome = await _pull_when_ready(
-                        params["remote_bootstrap_addr"], params["transfer_id"], request
-                    )
+                    outcome = await _pull_when_ready(addr, params["transfer_id"], request)
                 finally:
                     self.running -= 1
                 if outcome != "ok":
@@ -147,10 +163,24 @@ class FakeEngine:
             out_params = None
             if params.get("do_remote_decode"):
                 self.held_blocks[params.get("transfer_id") or rid] = 4
-                out_params = (
-                    None
-                    if b.omit_kv_params
-                    else {
+                if b.omit_kv_params:
+                    out_params = None
+                elif (b.connector or "").startswith("moriio"):
+                    # What MoRIIOConnector's request_finished answers.
+                    out_params = {
+                        "do_remote_prefill": True,
+                        "do_remote_decode": False,
+                        "remote_block_ids": [[1, 2, 3, 4]],
+                        "remote_engine_id": self.name,
+                        "remote_host": "127.0.0.1",
+                        "remote_handshake_port": self.port,
+                        "remote_notify_port": self.port,
+                        "remote_dp_rank": 0,
+                        "tp_size": 1,
+                        "transfer_id": params.get("transfer_id"),
+                    }
+                else:
+                    out_params = {
                         "do_remote_prefill": True,
                         "do_remote_decode": False,
                         "remote_block_ids": [[1, 2, 3, 4]],
@@ -160,7 +190,8 @@ class FakeEngine:
                         "remote_port": self.port,
                         "remote_prefill_cached_tokens": 3,
                     }
-                )
+                    if "transfer_mode" in params:
+                        out_params["transfer_mode"] = params["transfer_mode"]
             usage = {
                 "prompt_tokens": len(prompt.split()),
                 "completion_tokens": len(tokens),
@@ -229,6 +260,59 @@ class FakeEngine:
 
 class _Disconnected(Exception):
     pass
+
+
+def _port(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 < value < 65536
+
+
+def check_params(connector: str, params: dict) -> list[str]:
+    """What ``connector`` would refuse in one leg's ``kv_transfer_params``.
+
+    MoRI-IO: the fields ``add_new_req`` and the WRITE notify path of vLLM's MoRIIOConnector
+    read when the request id embeds no peer address (explicit ``remote_host`` /
+    ``remote_handshake_port`` / ``remote_notify_port``). pdext: the contract of issue #3.
+    """
+    errors: list[str] = []
+    leg = "prefill" if params.get("do_remote_decode") else "decode"
+    tid = params.get("transfer_id")
+
+    def need(cond: bool, what: str) -> None:
+        if not cond:
+            errors.append(f"{connector} {leg}: {what} in {params}")
+
+    if connector.startswith("moriio"):
+        need(isinstance(tid, str) and bool(tid), "transfer_id")
+        peer_needed = leg == "decode" or connector == "moriio-write"
+        if peer_needed:
+            need("remote_engine_id" in params, "remote_engine_id key")
+            need("remote_block_ids" in params, "remote_block_ids key")
+            need(isinstance(params.get("remote_host"), str) and params["remote_host"], "host")
+            need(_port(params.get("remote_handshake_port")), "remote_handshake_port")
+            need(_port(params.get("remote_notify_port")), "remote_notify_port")
+        need(params.get("do_remote_prefill") is (leg == "decode"), "do_remote_prefill")
+    elif connector == "pdext-read":
+        if leg == "prefill":
+            want = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "read"}
+            need(params == want, f"exactly {want}")
+        else:
+            need(params.get("do_remote_prefill") is True, "the prefill's answer")
+    elif connector == "pdext-write":
+        hexid = isinstance(tid, str) and len(tid) == 32 and set(tid) <= set("0123456789abcdef")
+        need(hexid, "uuid4 hex transfer_id")
+        need(params.get("transfer_mode") == "write", "transfer_mode write")
+        if leg == "prefill":
+            want = {"do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"}
+        else:
+            want = {
+                *("do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"),
+                *("remote_engine_id", "remote_host", "remote_port"),
+            }
+            need(params.get("do_remote_prefill") is True, "do_remote_prefill")
+            need(isinstance(params.get("remote_host"), str), "remote_host")
+            need(_port(params.get("remote_port")), "int remote_port")
+        need(set(params) == want, f"exactly the keys {sorted(want)}")
+    return errors
 
 
 async def _pull_when_ready(
