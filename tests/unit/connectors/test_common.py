@@ -1,0 +1,164 @@
+"""Small parts our P/D connectors share: config, leases, layout, stats, side channel."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_pd_ext.connectors.common.config import parse_transfer_config
+from vllm_pd_ext.connectors.common.layout import LayoutMismatch, block_spans, layout_from_caches
+from vllm_pd_ext.connectors.common.leases import LeaseTable
+from vllm_pd_ext.connectors.common.side_channel import (
+    SideChannelError,
+    SideChannelServer,
+    fetch_handshake,
+    post_json,
+)
+from vllm_pd_ext.connectors.common.stats import PdTransferStats, StatsRecorder
+
+
+def test_config_names_the_bad_key():
+    assert parse_transfer_config("X", {}).transfer_mode == "read"
+    with pytest.raises(ValueError, match="invalid kv_connector_extra_config for X: lease_s"):
+        parse_transfer_config("X", {"lease_s": -1})
+    with pytest.raises(ValueError, match="backendd: Extra inputs are not permitted"):
+        parse_transfer_config("X", {"backendd": "mooncake"})
+
+
+def test_leases_expire_renew_and_release():
+    now = [0.0]
+    leases = LeaseTable(10.0, clock=lambda: now[0])
+    leases.grant("a")
+    leases.grant("b")
+    now[0] = 8.0
+    assert leases.renew("a") and not leases.renew("zzz")
+    now[0] = 12.0
+    assert leases.expired() == ["b"]
+    assert "a" in leases and len(leases) == 1
+    assert leases.release("a") and not leases.release("a")
+
+
+def kv(num_blocks=8, heads=2, shape="cpu", dtype=torch.float16):
+    dims = (num_blocks, heads, 16, 64) if shape == "cpu" else (2, num_blocks, 16, heads, 32)
+    return {f"l{i}": torch.zeros(dims, dtype=dtype) for i in range(2)}
+
+
+def test_layout_of_cpu_and_kv_first_caches():
+    layout, tensors = layout_from_caches(kv(), num_blocks=8, block_size=16, model={"m": 1})
+    r = layout.regions[0]
+    assert list(tensors) == ["kv0", "kv1"] and r.layers == ("l0",)
+    assert (r.piece_offsets, r.piece_len, r.block_stride) == (
+        (0,),
+        2 * 16 * 64 * 2,
+        2 * 16 * 64 * 2,
+    )
+    assert r.size == 8 * r.block_stride
+    layout2, _ = layout_from_caches(kv(shape="kv"), num_blocks=8, block_size=16, model={"m": 1})
+    r2 = layout2.regions[0]
+    assert r2.piece_offsets == (0, 8 * 16 * 2 * 32 * 2) and r2.piece_len == 16 * 2 * 32 * 2
+
+
+def test_block_spans_map_pairs_and_refuse_out_of_range():
+    a, _ = layout_from_caches(kv(8, shape="kv"), num_blocks=8, block_size=16, model={})
+    b, _ = layout_from_caches(kv(12, shape="kv"), num_blocks=12, block_size=16, model={})
+    ra, rb = a.regions[0], b.regions[0]
+    spans = block_spans(ra, rb, [(1, 11)])
+    np.testing.assert_array_equal(
+        spans,
+        [
+            [ra.block_stride, 11 * rb.block_stride, ra.piece_len],
+            [
+                ra.piece_offsets[1] + ra.block_stride,
+                rb.piece_offsets[1] + 11 * rb.block_stride,
+                ra.piece_len,
+            ],
+        ],
+    )
+    with pytest.raises(LayoutMismatch, match="out of range"):
+        block_spans(ra, rb, [(8, 0)])
+    a.check_compatible(b)  # block counts may differ
+
+
+@pytest.mark.parametrize(
+    ("other", "message"),
+    [
+        ({"heads": 4}, r"block_shape: \[2, 16, 64\] here, \[4, 16, 64\] remote"),
+        ({"dtype": torch.float32}, "dtype"),
+        ({"shape": "kv"}, "block_shape"),
+    ],
+)
+def test_layout_mismatch_names_the_difference(other, message):
+    mine, _ = layout_from_caches(kv(), num_blocks=8, block_size=16, model={"m": 1})
+    theirs, _ = layout_from_caches(kv(**other), num_blocks=8, block_size=16, model={"m": 1})
+    with pytest.raises(LayoutMismatch, match=message):
+        mine.check_compatible(theirs)
+    assert mine.fingerprint() != theirs.fingerprint()
+
+
+def test_layout_mismatch_on_model_and_block_size():
+    mine, _ = layout_from_caches(kv(), num_blocks=8, block_size=16, model={"layers": 2})
+    other_model, _ = layout_from_caches(kv(), num_blocks=8, block_size=16, model={"layers": 3})
+    with pytest.raises(LayoutMismatch, match="model layers: 2 here, 3 remote"):
+        mine.check_compatible(other_model)
+    other_bs, _ = layout_from_caches(kv(), num_blocks=8, block_size=32, model={"layers": 2})
+    with pytest.raises(LayoutMismatch, match="block size 16 here, 32 remote"):
+        mine.check_compatible(other_bs)
+
+
+def test_stats_take_aggregate_reduce():
+    rec = StatsRecorder()
+    assert rec.take() is None
+    rec.transfer(0.5, 1_000_000)
+    rec.failure()
+    rec.blocks_held(3)
+    first = rec.take()
+    second = PdTransferStats(data={"seconds": [0.5], "bytes": [3_000_000], "lease_expiries": 2})
+    total = first.aggregate(second).reduce()
+    assert total == {
+        "transfers": 2,
+        "MB": 4.0,
+        "avg_ms": 500.0,
+        "GB/s": 0.004,
+        "failures": 1,
+        "lease_expiries": 2,
+        "blocks_held": 3,
+    }
+    assert PdTransferStats().is_empty()
+
+
+def test_side_channel_routes_and_errors(monkeypatch):
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # must be ignored
+    offers = []
+    server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, offers.append)
+    try:
+        assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}
+        post_json("127.0.0.1", server.port, "/write_target", {"transfer_id": "t"}, 2.0)
+        assert offers == [{"transfer_id": "t"}]
+        with pytest.raises(SideChannelError, match="404"):
+            post_json("127.0.0.1", server.port, "/nope", {}, 2.0)
+        req = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/write_target", data=b"[1]", method="POST"
+        )
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.build_opener(urllib.request.ProxyHandler({})).open(req, timeout=2)
+        assert e.value.code == 400 and "not a JSON object" in json.loads(e.value.read())["error"]
+    finally:
+        server.close()
+    with pytest.raises(SideChannelError, match=r"handshake with 127\.0\.0\.1"):
+        fetch_handshake("127.0.0.1", server.port, 1.0)
+
+
+def test_side_channel_port_in_use_is_a_clear_error():
+    server = SideChannelServer("127.0.0.1", 0, dict)
+    try:
+        with pytest.raises(
+            SideChannelError, match=r"set kv_connector_extra_config\.side_channel_port"
+        ):
+            SideChannelServer("127.0.0.1", server.port, dict)
+    finally:
+        server.close()

@@ -1,0 +1,262 @@
+"""PdExtMoRIIOConnector's worker side with CPU KV caches and the real Mooncake transport.
+
+A prefill and a decode ``TransferWorker`` live in this process, each with its own Mooncake
+engine over TCP on 127.0.0.1 and its own caches shaped like vLLM's CPU backend
+(``[blocks, kv_heads, block_size, 2 * head_size]`` per layer). The test plays the scheduler:
+it binds the metadata each step would carry and calls ``get_finished`` as the runner does.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import pytest
+import torch
+
+from tests.unit.connectors.conftest import requires_mooncake
+from vllm_pd_ext.connectors.common.config import TransferConfig
+from vllm_pd_ext.connectors.common.metadata import (
+    PdTransferMetadata,
+    PushSpec,
+    RecvSpec,
+    RemoteRef,
+    SendSpec,
+)
+from vllm_pd_ext.connectors.common.worker import TransferWorker
+from vllm_pd_ext.tools.vllm_process import free_port
+
+pytestmark = requires_mooncake
+
+LAYERS, NUM_BLOCKS, BLOCK, HEADS, HEAD = 3, 12, 16, 2, 32
+_seq = itertools.count()
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def caches(fill: bool, heads: int = HEADS, shape: str = "cpu") -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(next(_seq))
+    out = {}
+    for i in range(LAYERS):
+        if shape == "cpu":
+            dims = (NUM_BLOCKS, heads, BLOCK, 2 * HEAD)
+        else:  # [2, blocks, block_size, heads, head]: K and V apart
+            dims = (2, NUM_BLOCKS, BLOCK, heads, HEAD)
+        t = torch.randn(dims, generator=g) if fill else torch.zeros(dims)
+        out[f"model.layers.{i}.self_attn.attn"] = t
+    return out
+
+
+def worker(role: str, port: int, clock=None, **cfg) -> TransferWorker:
+    settings = {
+        "backend_settings": {"host": "127.0.0.1"},
+        "side_channel_host": "127.0.0.1",
+        "side_channel_port": port,
+        "transfer_timeout_s": 5.0,
+        "handshake_timeout_s": 2.0,
+        **cfg,
+    }
+    return TransferWorker(
+        TransferConfig(**settings),
+        engine_id=f"engine-{role}-{port}",
+        role=role,
+        tp_rank=0,
+        tp_size=1,
+        side_host="127.0.0.1",
+        side_port=port,
+        kv_ip="127.0.0.1",
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK,
+        model={"layers": LAYERS},
+        **({"clock": clock} if clock else {}),
+    )
+
+
+@pytest.fixture
+def pair(request):
+    """(prefill worker, its caches, decode worker, its caches, side port)."""
+    opts = getattr(request, "param", {})
+    port = free_port()
+    clock = Clock()
+    p = worker("kv_producer", port, clock=clock, **opts.get("p", {}))
+    d = worker("kv_consumer", free_port(), **opts.get("d", {}))
+    shape = opts.get("shape", "cpu")
+    pc, dc = caches(True, shape=shape), caches(False, shape=shape, **opts.get("dcache", {}))
+    p.register_kv_caches(pc)
+    d.register_kv_caches(dc)
+    p.clock = clock
+    yield p, pc, d, dc, port
+    d.shutdown()
+    p.shutdown()
+
+
+def poll(fn, what: str, timeout: float = 10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = fn()
+        if got:
+            return got
+        time.sleep(0.01)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def block(cache: dict[str, torch.Tensor], name: str, b: int) -> torch.Tensor:
+    t = cache[name]
+    return t[:, b] if t.shape[0] == 2 else t[b]
+
+
+def assert_copied(src, dst, pairs) -> None:
+    for name in src:
+        for s, d in pairs:
+            assert torch.equal(block(src, name, s), block(dst, name, d)), (name, s, d)
+
+
+def recv(d: TransferWorker, spec: RecvSpec) -> None:
+    d.bind(PdTransferMetadata(recv=[spec]))
+    d.start_load_kv()
+
+
+@pytest.mark.parametrize(
+    "pair", [{}, {"shape": "kv-first"}], indirect=True, ids=["cpu", "kv-first"]
+)
+def test_read_mode_copies_blocks_and_frees_prefill(pair):
+    p, pc, d, dc, port = pair
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1, 2, 3))]))
+    assert p.get_finished({"p-req"}) == (None, None)  # held for the decode side
+    pairs = ((5, 1), (9, 2), (6, 3))
+    ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
+    recv(d, RecvSpec("d-req", "read", ref, pairs, (5, 9, 6)))
+    done = poll(lambda: d.get_finished(set())[1], "the load")
+    assert done == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == set()
+    assert_copied(pc, dc, [(r, loc) for loc, r in pairs])
+    assert torch.count_nonzero(block(dc, next(iter(dc)), 0)) == 0  # nothing else written
+    sending = poll(lambda: p.get_finished(set())[0], "the prefill side's release")
+    assert sending == {"p-req"}
+    stats = d.stats.take().data
+    per_block = BLOCK * HEADS * 2 * HEAD * 4
+    assert stats["bytes"] == [3 * LAYERS * per_block] and stats["failures"] == 0
+
+
+def test_lease_expires_without_renewal(pair):
+    p, *_ = pair
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1, 2))]))
+    assert p.get_finished({"p-req"}) == (None, None)
+    assert p.stats.take().data["blocks_held"] == 2
+    p.clock.now += p.cfg.lease_s - 1
+    assert p.get_finished(set()) == (None, None)
+    p.clock.now += 2
+    assert p.get_finished(set()) == ({"p-req"}, None)
+    assert p.stats.take().data["lease_expiries"] == 1
+
+
+def test_renewal_extends_the_lease(pair):
+    p, _, d, _, port = pair
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1,))]))
+    p.get_finished({"p-req"})
+    p.clock.now += 0.8 * p.cfg.lease_s
+    d.bind(PdTransferMetadata(renew=[RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")]))
+    d.start_load_kv()
+    renewed_until = p.clock.now + p.cfg.lease_s
+
+    def renewed():
+        p.get_finished(set())
+        return p._leases._expiry.get("p-req", 0) >= renewed_until
+
+    poll(renewed, "the renewal")
+    p.clock.now += 0.5 * p.cfg.lease_s  # past the first lease, inside the renewed one
+    assert p.get_finished(set()) == (None, None)
+    p.clock.now += p.cfg.lease_s
+    assert p.get_finished(set()) == ({"p-req"}, None)
+
+
+def test_release_frees_prefill_blocks(pair):
+    p, _, d, _, port = pair
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1,))]))
+    p.get_finished({"p-req"})
+    d.bind(PdTransferMetadata(release=[RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")]))
+    d.start_load_kv()
+    sending = poll(lambda: p.get_finished(set())[0], "the release")
+    assert sending == {"p-req"}
+
+
+def write_offer(d, port, transfer_id, pairs):
+    ref = RemoteRef("", "127.0.0.1", port, None)
+    local = tuple(loc for loc, _ in pairs)
+    recv(d, RecvSpec("d-req", "write", ref, pairs, local, transfer_id=transfer_id))
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+def test_write_mode_pushes_into_decode_blocks(pair, layerwise):
+    p, pc, d, dc, port = pair
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", (1, 2, 3))]))
+    if layerwise:  # the offer arrives before the prefill step saves its layers
+        write_offer(d, port, "t-1", ((4, 0), (8, 1), (10, 2)))
+        poll(lambda: "t-1" in p._targets, "the decode offer")
+        for layer in pc:
+            p.save_kv_layer(layer)
+        assert len(p._pushes["p-req"].regions_done) == LAYERS
+        p.wait_for_save()
+    else:  # the prefill step ends first; the push waits for the offer
+        for layer in pc:
+            p.save_kv_layer(layer)
+        p.wait_for_save()
+        write_offer(d, port, "t-1", ((4, 0), (8, 1), (10, 2)))
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", (1, 2, 3), "t-1")]))
+    done = poll(lambda: d.get_finished(set())[1], "the push")
+    assert done == {"d-req"} and d.get_block_ids_with_load_errors() == set()
+    assert_copied(pc, dc, [(1, 4), (2, 8), (3, 10)])
+    sending = poll(lambda: p.get_finished({"p-req"})[0], "the prefill side's free")
+    assert sending == {"p-req"}
+
+
+def test_write_mode_prefill_that_lost_its_blocks_reports_failure(pair):
+    p, _pc, d, _, port = pair
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-2", (1, 2))]))
+    write_offer(d, port, "t-2", ((4, 0), (8, 1)))
+    p.wait_for_save()
+    p.bind(PdTransferMetadata())
+    p.get_finished({"p-req"})  # finished but never confirmed as held (e.g. aborted)
+    done = poll(lambda: d.get_finished(set())[1], "the failure")
+    assert done == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == {4, 8}
+
+
+@pytest.mark.parametrize("pair", [{"dcache": {"heads": 4}}], indirect=True)
+def test_layout_mismatch_fails_closed(pair):
+    p, _, d, dc, port = pair
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1,))]))
+    recv(
+        d,
+        RecvSpec(
+            "d-req", "read", RemoteRef(p.engine_id, "127.0.0.1", port, "p-req"), ((5, 1),), (5,)
+        ),
+    )
+    done = poll(lambda: d.get_finished(set())[1], "the failed load")
+    assert done == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == {5}
+    assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
+    assert d.stats.take().data["failures"] == 1
+
+
+def test_unreachable_prefill_is_a_load_error(pair):
+    _, _, d, _, _ = pair
+    ref = RemoteRef("nobody", "127.0.0.1", free_port(), "p-req")
+    recv(d, RecvSpec("d-req", "read", ref, ((3, 1), (4, 2)), (3, 4)))
+    done = poll(lambda: d.get_finished(set())[1], "the failed load")
+    assert done == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == {3, 4}
+
+
+def test_wrong_engine_behind_the_side_channel_is_refused(pair):
+    _p, _, d, _, port = pair
+    ref = RemoteRef("some-other-engine", "127.0.0.1", port, "p-req")
+    recv(d, RecvSpec("d-req", "read", ref, ((3, 1),), (3,)))
+    poll(lambda: d.get_finished(set())[1], "the refused load")
+    assert d.get_block_ids_with_load_errors() == {3}
