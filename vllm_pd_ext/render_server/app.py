@@ -21,6 +21,7 @@ from pydantic import BaseModel, ValidationError
 
 from vllm_pd_ext.render_server.derender import Derenderer
 from vllm_pd_ext.render_server.errors import RenderError, body_for, error_body, validation_message
+from vllm_pd_ext.render_server.openapi import build_openapi
 from vllm_pd_ext.render_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -281,6 +282,7 @@ def create_app(settings: RenderSettings) -> FastAPI:
             status_code=405,
         )
 
+    app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
     return app
 
 

@@ -87,7 +87,19 @@ class _SamplingFields(_Open):
 class ChatCompletionRequest(_SamplingFields):
     """An OpenAI chat completion request, as ``/v1/chat/completions/render`` takes it."""
 
-    messages: list[dict[str, Any]]
+    messages: list[dict[str, Any]] = Field(
+        json_schema_extra={  # documents the common shape (the server accepts any message dict)
+            "minItems": 1,
+            "items": {
+                "type": "object",
+                "required": ["role", "content"],
+                "properties": {
+                    "role": {"enum": ["system", "user", "assistant", "tool"]},
+                    "content": {"type": ["string", "null"]},
+                },
+            },
+        }
+    )
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
     parallel_tool_calls: bool | None = True
