@@ -77,6 +77,19 @@ class Timeouts:
         )
 
 
+def _buffered(content: aiohttp.StreamReader) -> bytes:
+    """Bytes received before the connection broke and not yet read.
+
+    aiohttp's readers raise a broken connection's error before returning what is buffered;
+    the last events an engine sent before dying belong to the client, so take them from the
+    buffer (private API, guarded: an aiohttp without it loses them, as before).
+    """
+    try:
+        return content._read_nowait(-1) if getattr(content, "_buffer", None) else b""
+    except Exception:
+        return b""
+
+
 class UpstreamResponse:
     """An engine's answer whose body has not been read yet. Close it exactly once."""
 
@@ -103,7 +116,11 @@ class UpstreamResponse:
                     return
                 yield chunk
         except _CLIENT_ERRORS as exc:
-            raise _map(exc) from None
+            error = _map(exc)
+        rest = _buffered(content)  # events that arrived just before the connection broke
+        if rest:
+            yield rest
+        raise error
 
     def close(self) -> None:
         """Give the connection back to the pool if the body was read to its end; otherwise
