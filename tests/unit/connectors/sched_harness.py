@@ -39,6 +39,8 @@ def make_vllm_config(
     extra: dict[str, Any] | None = None,
     policy: str = "recompute",
     max_num_seqs: int = 8,
+    connector: str = "PdExtMoRIIOConnector",
+    enable_prefix_caching: bool = False,
 ) -> VllmConfig:
     return VllmConfig(
         scheduler_config=SchedulerConfig(
@@ -48,9 +50,11 @@ def make_vllm_config(
             is_encoder_decoder=False,
         ),
         model_config=ModelConfig(model=str(model), max_model_len=512, dtype="float32"),
-        cache_config=CacheConfig(block_size=BLOCK_SIZE, enable_prefix_caching=False),
+        cache_config=CacheConfig(
+            block_size=BLOCK_SIZE, enable_prefix_caching=enable_prefix_caching
+        ),
         kv_transfer_config=KVTransferConfig(
-            kv_connector="PdExtMoRIIOConnector",
+            kv_connector=connector,
             kv_role=role,
             engine_id=f"engine-{role}",
             kv_connector_extra_config={"side_channel_host": "127.0.0.1", **(extra or {})},
