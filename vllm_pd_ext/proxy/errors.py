@@ -9,6 +9,7 @@ _TYPES = {
     401: "AuthenticationError",
     403: "PermissionDeniedError",
     404: "NotFoundError",
+    405: "MethodNotAllowedError",
     413: "BadRequestError",
     429: "RateLimitError",
     500: "InternalServerError",

@@ -34,7 +34,7 @@ class ProxyMetrics:
         )
         self.itl = Histogram(
             "vllm_pd_itl_seconds",
-            "Gap between streamed chunks as the client sees it",
+            "Gap between streamed writes to the client (events that arrive together go together)",
             ["decision"],
             buckets=_ITL,
             registry=r,

@@ -26,9 +26,10 @@ from collections.abc import AsyncIterator, Awaitable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from vllm_pd_ext.proxy.admission import Admission
+from vllm_pd_ext.proxy.client_channel import ClientGone, DisconnectWatch, RelayResponse
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.decision import Decider, Decision
 from vllm_pd_ext.proxy.errors import ProxyError, sse_error
@@ -45,14 +46,6 @@ T = TypeVar("T")
 
 #: Fields the prefill leg drops or overrides; the decode leg sends the client's originals.
 PREFILL_DROPPED = ("stream_options", "min_tokens")
-
-
-class ClientGone(Exception):
-    """The client disconnected while the proxy was waiting on an engine."""
-
-    def __init__(self, phase: str):
-        super().__init__(phase)
-        self.phase = phase
 
 
 class LegFailed(Exception):
@@ -171,15 +164,15 @@ class ProxyService:
         watch = DisconnectWatch(request)
         try:
             response = await self._serve(watch, ctx, slot)
-            handed_over = isinstance(response, StreamingResponse)
+            handed_over = isinstance(response, RelayResponse)  # it releases slot and watch
             return response
         except ClientGone as gone:
             self.metrics.aborts.labels(gone.phase).inc()
             self._finished(ctx, "-", f"client_gone_{gone.phase}", "client_gone")
             return Response(status_code=499)
         finally:
-            watch.stop()
             if not handed_over:
+                watch.stop()
                 slot.release()
                 self.metrics.in_flight.dec()
 
@@ -420,10 +413,9 @@ class ProxyService:
                     raise _passthrough(resp.status, raw)
                 if ctx.stream:
                     keep = True
-                    watch.stop()
-                    return StreamingResponse(
+                    return RelayResponse(
                         self._relay(resp, ctx, inst, decision, cached, start, prefill_done, slot),
-                        media_type="text/event-stream",
+                        watch,
                         headers={"X-Request-Id": ctx.request_id},
                     )
                 try:
@@ -457,7 +449,12 @@ class ProxyService:
         prefill_done: float | None,
         slot: _Slot,
     ) -> AsyncIterator[bytes]:
-        """Forward the decode stream event by event; measure TTFT, ITL and the transfer gap."""
+        """Forward the decode stream; measure TTFT, ITL and the transfer gap.
+
+        Complete SSE events go out as they arrive, those that arrived together in one write
+        (fewer writes under load); a trailing partial event waits for its end. Events are
+        parsed only to hide ``kv_transfer_params`` or to report the prefill's cache hits.
+        """
         outcome = "ok"
         buffer = b""
         first: float | None = None
@@ -467,17 +464,24 @@ class ProxyService:
             async for chunk in resp.chunks():
                 now = time.perf_counter()
                 buffer += chunk
-                while b"\n\n" in buffer:
-                    event, buffer = buffer.split(b"\n\n", 1)
-                    if b"kv_transfer_params" in event or b'"usage"' in event:
-                        event = _patch_event(event, cached)
-                    if first is None and event.startswith(b"data: {"):
+                end = buffer.rfind(b"\n\n") + 2
+                if end < 2:
+                    continue
+                ready, buffer = buffer[:end], buffer[end:]
+                if b'"kv_transfer_params"' in ready or (
+                    cached is not None and b'"prompt_tokens_details"' in ready
+                ):
+                    ready = b"".join(
+                        _patch_event(event, cached) + b"\n\n" for event in ready[:-2].split(b"\n\n")
+                    )
+                if first is None:
+                    if ready.startswith(b"data: {") or b"\n\ndata: {" in ready:
                         first = now
                         self._observe_first(ctx, decision, start, prefill_done, now)
-                    elif first is not None:
-                        itl.observe(now - last)
-                    last = now
-                    yield event + b"\n\n"
+                else:
+                    itl.observe(now - last)
+                last = now
+                yield ready
             if buffer.strip():
                 yield buffer
         except UpstreamError as exc:
@@ -557,47 +561,6 @@ class ProxyService:
         if exc.down:
             inst.mark_failed(str(exc), self.config.health_backoff_max_s)
         logger.warning("upstream %s failed: %s", inst.label, exc)
-
-
-class DisconnectWatch:
-    """Watches one request's ASGI channel for the client going away.
-
-    One long-lived watcher per request: a one-shot ``is_disconnected()`` can miss a
-    disconnect while the server has paused reading the socket. Stop it before handing the
-    connection to a ``StreamingResponse``, which listens for disconnects itself.
-    """
-
-    def __init__(self, request: Request):
-        self.gone = asyncio.Event()
-        self._task = asyncio.ensure_future(self._watch(request))
-
-    async def _watch(self, request: Request) -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                self.gone.set()
-                return
-
-    async def race(self, work: Awaitable[T], phase: str) -> T:
-        """Await ``work``; if the client disconnects first, cancel it and raise ClientGone."""
-        task = asyncio.ensure_future(work)
-        gone = asyncio.ensure_future(self.gone.wait())
-        try:
-            done, _ = await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        finally:
-            gone.cancel()
-        if task in done:
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(BaseException):
-            await task
-        raise ClientGone(phase)
-
-    def stop(self) -> None:
-        self._task.cancel()
 
 
 async def _discard(task: asyncio.Task) -> None:

@@ -359,3 +359,10 @@ def test_watched_instances_file(engines, tmp_path):
         path.write_text("instances: [oops")  # a bad edit keeps the last good fleet
         time.sleep(0.5)
         assert {i.url for i in svc.fleet.instances()} == {engines["p1"].url, engines["d2"].url}
+
+
+def test_completion_routes_take_post_only(engines):
+    with proxy(engines) as (base, _):
+        resp = httpx.get(f"{base}/v1/completions", timeout=60)
+    assert resp.status_code == 405
+    assert resp.json()["error"]["type"] == "MethodNotAllowedError"

@@ -1,0 +1,154 @@
+"""The client's side of one request: noticing a disconnect, and streaming the answer back.
+
+Both are built to cost little per request (they sit on the proxy's hot path): one watcher task
+per request, which on a disconnect cancels whatever the request's task is awaiting at that
+moment, instead of a task pair and ``asyncio.wait`` per awaited step or a task group per
+stream (Starlette's ``StreamingResponse``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
+
+from starlette.requests import Request
+
+T = TypeVar("T")
+
+
+class ClientGone(Exception):
+    """The client disconnected while the proxy was waiting on an engine."""
+
+    def __init__(self, phase: str):
+        super().__init__(phase)
+        self.phase = phase
+
+
+class DisconnectWatch:
+    """Watches one request's ASGI channel for the client going away.
+
+    One long-lived watcher per request (a one-shot ``is_disconnected()`` can miss a disconnect
+    while the server has paused reading the socket). While the request's task is inside
+    ``race`` or a ``RelayResponse``, a disconnect cancels that task; elsewhere it only sets
+    ``gone``. ``stop()`` it once the answer is complete: the server then reports the channel
+    as disconnected.
+    """
+
+    def __init__(self, request: Request):
+        self.gone = asyncio.Event()
+        self._target: asyncio.Task | None = None
+        self._cancelled = False
+        self._task = asyncio.ensure_future(self._watch(request))
+
+    async def _watch(self, request: Request) -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                self.gone.set()
+                if self._target is not None:
+                    self._cancelled = True
+                    self._target.cancel()
+                return
+
+    @contextlib.contextmanager
+    def _cancel_on_gone(self):
+        task = asyncio.current_task()
+        self._target, self._cancelled = task, False
+        try:
+            yield
+        finally:
+            self._target = None
+
+    def _ours(self) -> bool:
+        """Was the cancellation being handled ours? Then take it back (Python 3.11+)."""
+        if not self._cancelled:
+            return False
+        self._cancelled = False
+        task = asyncio.current_task()
+        if task is not None and hasattr(task, "uncancel"):
+            task.uncancel()
+        return True
+
+    async def race(self, work: Awaitable[T], phase: str) -> T:
+        """Await ``work``; if the client disconnects first, cancel it and raise ClientGone.
+
+        ``work`` is a coroutine (run in the calling task, cancelled on a disconnect) or a
+        future (a task already running; when it finishes as the client leaves, its result
+        wins, so a response it opened is not lost unclosed).
+        """
+        if isinstance(work, asyncio.Future):
+            return await self._race_future(work, phase)
+        if self.gone.is_set():
+            work.close()  # type: ignore[attr-defined]
+            raise ClientGone(phase)
+        with self._cancel_on_gone():
+            try:
+                return await work
+            except asyncio.CancelledError:
+                if self._ours():
+                    raise ClientGone(phase) from None
+                raise
+
+    async def _race_future(self, fut: asyncio.Future, phase: str) -> T:
+        gone = asyncio.ensure_future(self.gone.wait())
+        try:
+            done, _ = await asyncio.wait({fut, gone}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:
+            fut.cancel()
+            raise
+        finally:
+            gone.cancel()
+        if fut in done:
+            return fut.result()
+        fut.cancel()
+        with contextlib.suppress(BaseException):
+            await fut
+        raise ClientGone(phase)
+
+    def stop(self) -> None:
+        self._target = None
+        self._task.cancel()
+
+
+class RelayResponse:
+    """An ASGI response streaming ``body``; a client disconnect ends it quietly.
+
+    The body generator sees the disconnect as a cancellation at whatever it awaits (it then
+    aborts its upstream request and records the outcome); this response swallows that
+    cancellation. Always closes ``body`` and stops ``watch``.
+    """
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        watch: DisconnectWatch,
+        headers: dict[str, str],
+        media_type: str = "text/event-stream",
+    ):
+        self._body = body
+        self._watch = watch
+        self._headers = [(b"content-type", media_type.encode())] + [
+            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
+        ]
+
+    async def __call__(self, scope, receive, send) -> None:
+        watch = self._watch
+        try:
+            with watch._cancel_on_gone():
+                try:
+                    await send(
+                        {"type": "http.response.start", "status": 200, "headers": self._headers}
+                    )
+                    async for chunk in self._body:
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                except asyncio.CancelledError:
+                    if watch._ours():
+                        return
+                    raise
+            watch.stop()  # before the last message, which reads as a disconnect to the watch
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            watch.stop()
+            await self._body.aclose()  # type: ignore[attr-defined]
