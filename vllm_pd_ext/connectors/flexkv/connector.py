@@ -1,18 +1,194 @@
-"""PdExtFlexKVConnector: placeholder until the tiered-cache issue (#6) lands.
+"""PdExtFlexKVConnector: a tiered KV cache (CPU memory, SSD, shared directory) with prefix reuse.
 
-The class is importable (vLLM's API server resolves it for metrics and HMA checks) and fails
-at construction with a message naming the tracking issue.
+A thin ``KVConnectorBase_V1`` shell: the scheduler role delegates to
+:class:`~vllm_pd_ext.connectors.flexkv.scheduler.FlexKVScheduler` (index, lookups, load and
+save plans), the worker role to :class:`~vllm_pd_ext.connectors.flexkv.worker.FlexKVWorker`
+(CPU pool, block copies, file I/O). Settings come from ``kv_connector_extra_config``
+(:class:`~vllm_pd_ext.connectors.flexkv.config.FlexKVConfig`).
 """
 
 from __future__ import annotations
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from typing import TYPE_CHECKING, Any
 
-from vllm_pd_ext.connectors.common.placeholder import not_implemented
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_pd_ext.connectors.common.shell import block_size_of, model_facts
+from vllm_pd_ext.connectors.flexkv.config import parse_flexkv_config
+from vllm_pd_ext.connectors.flexkv.keys import cache_namespace
+from vllm_pd_ext.connectors.flexkv.metadata import FlexKVMetadata
+from vllm_pd_ext.connectors.flexkv.scheduler import FlexKVScheduler
+from vllm_pd_ext.connectors.flexkv.stats import FlexKVPromMetrics, FlexKVStats
+from vllm_pd_ext.connectors.flexkv.worker import FlexKVWorker
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+
+def block_bytes_of(kv_cache_config: KVCacheConfig | None) -> int:
+    """Bytes of one KV block across all layers (what one CPU-tier row holds)."""
+    if kv_cache_config is None:
+        return 1
+    return (
+        sum(
+            int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
+            for g in kv_cache_config.kv_cache_groups
+        )
+        or 1
+    )
 
 
 class PdExtFlexKVConnector(KVConnectorBase_V1):
-    """Tiered KV cache connector (not implemented yet)."""
+    """Tiered KV cache: CPU memory, local SSD and a shared directory, LRU-with-frequency."""
 
-    def __new__(cls, *args, **kwargs):
-        raise not_implemented(cls.__name__, issue=6)
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        name = type(self).__name__
+        cfg = parse_flexkv_config(name, vllm_config.kv_transfer_config.kv_connector_extra_config)
+        model = model_facts(vllm_config)
+        block_size = block_size_of(vllm_config, kv_cache_config)
+        block_bytes = block_bytes_of(kv_cache_config)
+        self._scheduler: FlexKVScheduler | None = None
+        self._worker: FlexKVWorker | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = FlexKVScheduler(
+                cfg,
+                block_size=block_size,
+                block_bytes=block_bytes,
+                model=model,
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+            )
+        else:
+            try:
+                from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+                tp_rank = get_tensor_model_parallel_rank()
+            except (AssertionError, ImportError, RuntimeError):  # no TP group (tests)
+                tp_rank = 0
+            self._worker = FlexKVWorker(
+                cfg,
+                namespace=cache_namespace(model, block_size, cfg.namespace),
+                num_blocks=int(kv_cache_config.num_blocks) if kv_cache_config else 0,
+                block_size=block_size,
+                model=model,
+                cpu_slots=cfg.cpu_slots(block_bytes),
+                tp_rank=tp_rank,
+            )
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a best-effort cache: a dropped save is a future miss
+
+    # ---- scheduler side (EngineCore) ----
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._scheduler is not None:
+            self._scheduler.kv_cache_manager = kv_cache_manager
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        assert self._scheduler is not None
+        return self._scheduler.hit_sources(request, num_external_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        self._scheduler.request_finished(request)
+        return False, None
+
+    def reset_cache(self) -> bool:
+        return self._scheduler.reset_cache() if self._scheduler is not None else True
+
+    # ---- worker side ----
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        assert self._worker is not None
+        self._worker.register_kv_caches(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert self._worker is not None and isinstance(connector_metadata, FlexKVMetadata)
+        self._worker.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        assert self._worker is not None
+        self._worker.start_load_kv()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        return None  # whole blocks are saved after the forward pass, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        assert self._worker is not None
+        self._worker.wait_for_save()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self._worker is not None
+        return None, self._worker.get_finished() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        assert self._worker is not None
+        return self._worker.take_load_errors()
+
+    def get_kv_connector_stats(self) -> FlexKVStats | None:
+        side = self._worker if self._worker is not None else self._scheduler
+        return side.stats.take() if side is not None else None
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()
+
+    # ---- metrics (EngineCore / API server) ----
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> FlexKVStats:
+        return FlexKVStats(data=dict(data) if data else {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
+    ) -> FlexKVPromMetrics:
+        return FlexKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

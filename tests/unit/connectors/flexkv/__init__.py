@@ -1,0 +1,1 @@
+"""PdExtFlexKVConnector unit tests."""

@@ -1,0 +1,159 @@
+"""Parts of the tiered KV cache: block files, tier index, block keys, config."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+
+from vllm_pd_ext.connectors.flexkv.config import parse_flexkv_config
+from vllm_pd_ext.connectors.flexkv.index import TierIndex
+from vllm_pd_ext.connectors.flexkv.keys import cache_namespace, chain_keys, root_hash
+from vllm_pd_ext.connectors.flexkv.store import HEADER_BYTES, BlockFileError, FileStore
+
+KEY = "ab" * 16
+FP = "0123456789abcdef"
+
+
+def payload(n: int = 4096, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def test_block_file_round_trip(tmp_path):
+    store = FileStore(tmp_path, "ns")
+    data = payload()
+    assert store.write(KEY, data, FP) == HEADER_BYTES + data.size
+    out = np.zeros_like(data)
+    store.read_into(KEY, out, FP)
+    assert np.array_equal(out, data)
+    assert store.exists(KEY) and not store.exists(KEY, ranks=2)
+    assert store.scan() == [KEY]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    ["flip_payload", "truncate", "flip_header_key", "append"],
+)
+def test_damaged_block_file_is_detected_and_deleted(tmp_path, damage):
+    store = FileStore(tmp_path, "ns")
+    data = payload()
+    store.write(KEY, data, FP)
+    path = store.path(KEY)
+    raw = bytearray(path.read_bytes())
+    if damage == "flip_payload":
+        raw[HEADER_BYTES + 100] ^= 0xFF
+    elif damage == "truncate":
+        raw = raw[: HEADER_BYTES + 10]
+    elif damage == "flip_header_key":
+        raw[HEADER_BYTES - 1] ^= 0x01
+    else:
+        raw += b"x"
+    path.write_bytes(bytes(raw))
+    with pytest.raises(BlockFileError):
+        store.read_into(KEY, np.zeros_like(data), FP)
+    assert not path.exists()
+
+
+def test_other_layout_is_refused_but_kept(tmp_path):
+    store = FileStore(tmp_path, "ns")
+    store.write(KEY, payload(), FP)
+    with pytest.raises(BlockFileError, match="layout"):
+        store.read_into(KEY, np.zeros(4096, np.uint8), "fedcba9876543210")
+    assert store.exists(KEY)
+
+
+def test_crash_mid_write_leaves_no_block(tmp_path, monkeypatch):
+    store = FileStore(tmp_path, "ns")
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", crash)
+    with pytest.raises(OSError):
+        store.write(KEY, payload(), FP)
+    assert not store.exists(KEY)
+    assert list(store.path(KEY).parent.iterdir()) == []  # the temporary is gone too
+
+
+def test_scan_ignores_and_reaps_stale_temporaries(tmp_path):
+    store = FileStore(tmp_path, "ns")
+    store.write(KEY, payload(), FP)
+    tmp = store.path(KEY).parent / f".{KEY}.r0.1.2.tmp"
+    tmp.write_bytes(b"partial")
+    assert store.scan() == [KEY] and tmp.exists()  # fresh: maybe another writer's
+    old = time.time() - 3600
+    os.utime(tmp, (old, old))
+    assert store.scan() == [KEY] and not tmp.exists()
+
+
+def test_index_evicts_least_hit_of_the_lru_window():
+    idx = TierIndex("cpu", capacity=3, window=3)
+    for k in "abc":
+        idx.add(k, ready=True)
+    idx.touch("a")
+    idx.touch("a")  # a is hot although least recently added
+    idx.touch("c")
+    entry, evicted = idx.add("d", ready=True)
+    assert evicted == ["b"] and entry is not None
+    assert set(idx.keys()) == {"a", "c", "d"}
+
+
+def test_index_plain_lru_with_window_one():
+    idx = TierIndex("cpu", capacity=2, window=1)
+    idx.add("a", ready=True)
+    idx.add("b", ready=True)
+    idx.touch("a")  # a becomes most recent
+    assert idx.add("c", ready=True)[1] == ["b"]
+
+
+def test_index_never_evicts_pinned_or_pending():
+    idx = TierIndex("cpu", capacity=2)
+    idx.add("a", ready=True)
+    idx.pin("a")
+    idx.add("b", ready=False)
+    entry, evicted = idx.add("c", ready=True)
+    assert entry is None and evicted == []
+    idx.unpin("a")
+    entry, evicted = idx.add("c", ready=True)
+    assert evicted == ["a"] and entry.slot in (0, 1)
+    assert idx.ready("b") is None and idx.ready("c") is not None
+
+
+def test_index_ages_out_a_once_hot_entry():
+    idx = TierIndex("cpu", capacity=2, window=2)
+    idx.add("old", ready=True)
+    for _ in range(4):
+        idx.touch("old")
+    idx.add("x", ready=True)
+    # every eviction that passes "old" over halves its count: it goes eventually
+    for i in range(5):
+        idx.touch(idx.keys()[-1])
+        idx.add(f"n{i}", ready=True)
+    assert "old" not in idx
+
+
+def test_keys_chain_and_salt():
+    ns = cache_namespace({"layers": 2}, 16)
+    tokens = list(range(64))
+    a = chain_keys(root_hash(ns, None, None), tokens, 16, 4)
+    b = chain_keys(root_hash(ns, None, None), tokens[:32] + [999] + tokens[33:], 16, 4)
+    assert len(a) == 4 and a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3]
+    salted = chain_keys(root_hash(ns, "tenant-1", None), tokens, 16, 4)
+    assert not set(salted) & set(a)
+    assert chain_keys(root_hash(ns, "tenant-1", None), tokens, 16, 4) == salted
+    other_model = cache_namespace({"layers": 3}, 16)
+    assert chain_keys(root_hash(other_model, None, None), tokens, 16, 4)[0] != a[0]
+    assert cache_namespace({"layers": 2}, 32) != ns
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ValueError, match="cpu_capacity_gb"):
+        parse_flexkv_config("PdExtFlexKVConnector", {"cpu_capacity_gb": -1})
+    with pytest.raises(ValueError, match="ssd_dri"):
+        parse_flexkv_config("PdExtFlexKVConnector", {"ssd_dri": "/tmp/x"})
+    with pytest.raises(ValueError, match="no tier"):
+        parse_flexkv_config("PdExtFlexKVConnector", {"cpu_capacity_blocks": 0})
+    cfg = parse_flexkv_config("X", {"cpu_capacity_gb": 0.5})
+    assert cfg.cpu_slots(1 << 20) == 512 and cfg.ssd_blocks(1 << 30) == 16

@@ -1,0 +1,108 @@
+"""``kv_connector_extra_config`` of ``PdExtFlexKVConnector``, validated once at construction."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+GiB = 1 << 30
+
+
+class FlexKVConfig(BaseModel):
+    """Tiers, capacities and I/O limits of the tiered KV cache.
+
+    Every key is optional; an unknown key or a bad value fails the engine's start with a
+    message naming it. Without ``ssd_dir`` and ``shared_dir`` only the CPU tier is used.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    cpu_capacity_gb: float = Field(
+        1.0, ge=0, description="CPU memory tier size in GiB (0 disables the tier)."
+    )
+    cpu_capacity_blocks: int | None = Field(
+        None, ge=0, description="CPU tier size in KV blocks; overrides cpu_capacity_gb."
+    )
+    ssd_dir: str | None = Field(
+        None, description="Directory of the local SSD tier (created if missing); None: no SSD."
+    )
+    ssd_capacity_gb: float = Field(16.0, gt=0, description="SSD tier size in GiB.")
+    ssd_capacity_blocks: int | None = Field(
+        None, ge=1, description="SSD tier size in KV blocks; overrides ssd_capacity_gb."
+    )
+    shared_dir: str | None = Field(
+        None,
+        description="Directory several instances share (NFS, a common disk): blocks written "
+        "there are loadable by every instance with the same model and block size. Never "
+        "evicted by the connector.",
+    )
+    io_threads: int = Field(4, ge=1, le=64, description="Threads of the file I/O pool.")
+    load_threads: int = Field(2, ge=1, le=32, description="Requests loaded at once.")
+    max_pending_writes: int = Field(
+        1024,
+        ge=1,
+        description="Block file writes queued at most; beyond it new writes are dropped "
+        "(counted), so saves never stall the engine.",
+    )
+    fsync: bool = Field(
+        False, description="fsync each block file before it becomes visible (power-loss safety)."
+    )
+    min_match_blocks: int = Field(
+        1, ge=1, description="Load only when at least this many blocks hit (else recompute)."
+    )
+    eviction_window: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="LRU-with-frequency eviction: the least-hit entry among this many "
+        "least-recently-used ones is evicted (1 = plain LRU).",
+    )
+    namespace: str = Field(
+        "",
+        max_length=128,
+        description="Extra isolation key (e.g. a weights version): caches with different "
+        "namespaces never share blocks.",
+    )
+    reset_clears_disk: bool = Field(
+        False,
+        description="reset_cache (POST /reset_prefix_cache?reset_external=true) also deletes "
+        "this instance's SSD tier; by default it clears the CPU tier only.",
+    )
+
+    @model_validator(mode="after")
+    def _some_tier(self) -> FlexKVConfig:
+        if self.cpu_blocks_hint() == 0 and not self.ssd_dir and not self.shared_dir:
+            raise ValueError("no tier left: the CPU tier is 0 and neither ssd_dir nor shared_dir")
+        return self
+
+    def cpu_blocks_hint(self) -> int | None:
+        """0 when the CPU tier is disabled, else None (size depends on the block bytes)."""
+        if self.cpu_capacity_blocks is not None:
+            return self.cpu_capacity_blocks or 0
+        return 0 if self.cpu_capacity_gb == 0 else None
+
+    def cpu_slots(self, block_bytes: int) -> int:
+        """CPU tier size in blocks of ``block_bytes`` each."""
+        if self.cpu_capacity_blocks is not None:
+            return self.cpu_capacity_blocks
+        return int(self.cpu_capacity_gb * GiB) // max(block_bytes, 1)
+
+    def ssd_blocks(self, block_bytes: int) -> int:
+        """SSD tier size in blocks of ``block_bytes`` each."""
+        if self.ssd_capacity_blocks is not None:
+            return self.ssd_capacity_blocks
+        return max(1, int(self.ssd_capacity_gb * GiB) // max(block_bytes, 1))
+
+
+def parse_flexkv_config(connector: str, extra: Mapping[str, Any] | None) -> FlexKVConfig:
+    """Validate ``extra``; ``ValueError`` naming the connector and the bad key otherwise."""
+    try:
+        return FlexKVConfig.model_validate(dict(extra or {}))
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise ValueError(f"invalid kv_connector_extra_config for {connector}: {problems}") from None

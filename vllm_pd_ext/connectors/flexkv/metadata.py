@@ -1,0 +1,53 @@
+"""What the scheduler side tells the worker side each step (``KVConnectorMetadata``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+CPU, SSD, SHARED = "cpu", "ssd", "shared"
+TIERS = (CPU, SSD, SHARED)
+
+
+@dataclass(frozen=True)
+class LoadItem:
+    """Copy block ``key`` from ``tier`` (CPU pool row ``slot``, or its file) into device
+    block ``block_id``; when ``promote_slot`` >= 0 also keep it in that CPU pool row."""
+
+    block_id: int
+    key: str
+    tier: str
+    slot: int = -1
+    promote_slot: int = -1
+
+
+@dataclass(frozen=True)
+class LoadJob:
+    """One request's asynchronous load; reported in ``finished_recving`` when done."""
+
+    req_id: str
+    items: tuple[LoadItem, ...]
+
+
+@dataclass(frozen=True)
+class SaveItem:
+    """Save device block ``block_id`` as ``key``: into CPU pool row ``slot`` (>= 0), and as a
+    file in the SSD and/or shared tier."""
+
+    block_id: int
+    key: str
+    slot: int = -1
+    ssd: bool = False
+    shared: bool = False
+
+
+@dataclass
+class FlexKVMetadata(KVConnectorMetadata):
+    """One step's instructions: loads to start, saves to take after the forward pass, SSD
+    block files to delete (evicted), and whether to wipe the SSD tier (reset)."""
+
+    loads: list[LoadJob] = field(default_factory=list)
+    saves: list[SaveItem] = field(default_factory=list)
+    ssd_deletes: list[str] = field(default_factory=list)
+    clear_ssd: bool = False

@@ -1,0 +1,362 @@
+"""Scheduler side of the tiered KV cache (runs in vLLM's EngineCore process).
+
+Owns the index of every tier (:class:`~vllm_pd_ext.connectors.flexkv.index.TierIndex` for
+the CPU pool and the SSD directory; the shared directory is looked up on disk) and turns
+vLLM's scheduling into per-step instructions for the worker side:
+
+* lookup: the longest run of the request's block keys, after the local prefix-cache hit,
+  that some tier holds *ready* (CPU pool rows written, block files renamed into place);
+  the last prompt token is always left to compute;
+* load: after vLLM allocates blocks, each hit block is read from the fastest tier holding
+  it (CPU, then SSD, then shared); blocks read from a file are promoted into the CPU pool.
+  Entries a load reads are pinned until the worker reports the request in
+  ``finished_recving``; blocks it reports as failed are dropped from the index;
+* save: in the step that completes a full prompt block, the worker copies it into a CPU
+  pool row (evicting LRU-with-frequency) and queues its file writes (SSD write-through,
+  shared directory), off the engine's critical path.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
+from vllm_pd_ext.connectors.flexkv.index import TierIndex
+from vllm_pd_ext.connectors.flexkv.keys import cache_namespace, request_keys
+from vllm_pd_ext.connectors.flexkv.metadata import (
+    CPU,
+    SHARED,
+    SSD,
+    FlexKVMetadata,
+    LoadItem,
+    LoadJob,
+    SaveItem,
+)
+from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
+from vllm_pd_ext.connectors.flexkv.store import FileStore
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+#: Tier -> vLLM's cache-hit source label (``vllm:prompt_tokens_by_source`` etc.).
+HIT_SOURCE = {CPU: CacheHitSource.HOST, SSD: CacheHitSource.DISK, SHARED: CacheHitSource.DISK}
+#: A pending SSD write whose file has not appeared after this long is given up.
+PENDING_GIVE_UP_S = 60.0
+_SHARED_KNOWN_MAX = 1 << 16
+
+
+@dataclass
+class _Tracked:
+    """A request whose full prompt blocks we save as they are computed."""
+
+    request: Request
+    keys: list[str]
+    saved_upto: int = 0
+
+
+@dataclass
+class _Plan:
+    """A load in flight."""
+
+    items: tuple[LoadItem, ...]
+    failed: set[int] = field(default_factory=set)
+
+
+class FlexKVScheduler:
+    """Scheduler-side state of one engine."""
+
+    def __init__(
+        self,
+        cfg: FlexKVConfig,
+        *,
+        block_size: int,
+        block_bytes: int,
+        model: dict[str, Any],
+        tp_size: int = 1,
+    ) -> None:
+        self.cfg = cfg
+        self.block_size = block_size
+        self.tp_size = tp_size
+        self.namespace = cache_namespace(model, block_size, cfg.namespace)
+        self.stats = FlexKVRecorder()
+        self.kv_cache_manager: KVCacheManager | None = None
+        self.cpu = TierIndex(CPU, cfg.cpu_slots(block_bytes), cfg.eviction_window)
+        self.ssd: TierIndex | None = None
+        self.ssd_store: FileStore | None = None
+        self.shared_store: FileStore | None = None
+        self._shared_known: set[str] = set()
+        self._ssd_deletes: list[str] = []
+        self._clear_ssd = False
+        if cfg.ssd_dir:
+            self.ssd_store = FileStore(cfg.ssd_dir, self.namespace)
+            self.ssd = TierIndex(SSD, cfg.ssd_blocks(block_bytes), cfg.eviction_window)
+            for key in self.ssd_store.scan():  # a restarted engine keeps its SSD tier
+                _, evicted = self.ssd.add(key, ready=True)
+                self._ssd_deletes.extend(evicted)
+        if cfg.shared_dir:
+            self.shared_store = FileStore(cfg.shared_dir, self.namespace)
+        self._tracked: dict[str, _Tracked] = {}
+        self._matched_from: dict[str, int] = {}
+        self._plans: dict[str, _Plan] = {}
+        self._sources: dict[str, dict[CacheHitSource, int]] = {}
+        self._loads: list[LoadJob] = []
+        logger.info(
+            "tiered KV cache: namespace %s, CPU %d blocks, SSD %s, shared %s",
+            self.namespace,
+            self.cpu.capacity,
+            f"{self.ssd.capacity} blocks in {self.ssd_store.dir}" if self.ssd else "off",
+            self.shared_store.dir if self.shared_store else "off",
+        )
+
+    # ---- lookup ----
+    def _keys(self, request: Request) -> list[str]:
+        t = self._tracked.get(request.request_id)
+        if t is not None:
+            return t.keys
+        return request_keys(request, self.namespace, self.block_size)
+
+    def tier_of(self, key: str) -> str | None:
+        """The fastest tier holding ``key`` ready to load, or None."""
+        if self.cpu.ready(key) is not None:
+            return CPU
+        if self.ssd is not None:
+            e = self.ssd.get(key)
+            if e is not None:
+                if e.ready:
+                    return SSD
+                if self.ssd_store.exists(key, self.tp_size):
+                    self.ssd.mark_ready(key)
+                    return SSD
+        if self.shared_store is not None:
+            if key in self._shared_known:
+                return SHARED
+            if self.shared_store.exists(key, self.tp_size):
+                if len(self._shared_known) >= _SHARED_KNOWN_MAX:
+                    self._shared_known.clear()
+                self._shared_known.add(key)
+                return SHARED
+        return None
+
+    def _usable_blocks(self, request: Request, keys: list[str]) -> int:
+        # Leave at least one prompt token for the engine to compute.
+        return min(len(keys), max(0, (request.num_prompt_tokens - 1) // self.block_size))
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens loadable beyond ``num_computed_tokens`` (block-aligned), loaded async."""
+        keys = self._keys(request)
+        usable = self._usable_blocks(request, keys)
+        start = num_computed_tokens // self.block_size
+        n = 0
+        while start + n < usable and self.tier_of(keys[start + n]) is not None:
+            n += 1
+        self._matched_from[request.request_id] = num_computed_tokens
+        if n < self.cfg.min_match_blocks:
+            return 0, False
+        return (start + n) * self.block_size - num_computed_tokens, True
+
+    # ---- load ----
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Track the request for saving; plan its load into the blocks just allocated."""
+        rid = request.request_id
+        keys = self._keys(request)
+        if rid not in self._tracked and keys:
+            self._tracked[rid] = _Tracked(request, keys)
+        num_computed = self._matched_from.pop(rid, None)
+        if num_computed is None:
+            return  # second call after the load, or not our request
+        start = num_computed // self.block_size
+        lookups = self._usable_blocks(request, keys) - start
+        if lookups > 0:
+            self.stats.add("lookup_blocks", lookups)
+        if num_external_tokens <= 0:
+            return
+        block_ids = blocks.get_block_ids()[0]
+        items: list[LoadItem] = []
+        per_tier: Counter[str] = Counter()
+        for i in range(start, start + num_external_tokens // self.block_size):
+            key, bid = keys[i], block_ids[i]
+            tier = self.tier_of(key)
+            if tier is None:  # vanished since the lookup: the worker reports it failed
+                items.append(LoadItem(bid, key, "missing"))
+                continue
+            per_tier[tier] += 1
+            if tier == CPU:
+                e = self.cpu.get(key)
+                self.cpu.pin(key)
+                self.cpu.touch(key)
+                items.append(LoadItem(bid, key, CPU, slot=e.slot))
+                continue
+            if tier == SSD:
+                self.ssd.pin(key)
+                self.ssd.touch(key)
+            items.append(LoadItem(bid, key, tier, promote_slot=self._promotion_slot(key)))
+        for tier, n in per_tier.items():
+            self.stats.add("hit_blocks", n, tier)
+        sources: Counter[CacheHitSource] = Counter()
+        for tier, n in per_tier.items():
+            sources[HIT_SOURCE[tier]] += n * self.block_size
+        missing = num_external_tokens - sum(sources.values())
+        if missing:
+            sources[CacheHitSource.EXTERNAL_UNSPECIFIED] += missing
+        self._sources[rid] = dict(sources)
+        self._plans[rid] = _Plan(tuple(items))
+        self._loads.append(LoadJob(rid, tuple(items)))
+
+    def _promotion_slot(self, key: str) -> int:
+        """A CPU pool row to keep a block read from a file in (pending until loaded)."""
+        if self.cpu.capacity == 0 or key in self.cpu:
+            return -1
+        e, evicted = self.cpu.add(key, ready=False)
+        if evicted:
+            self.stats.add("evicted_blocks", len(evicted), CPU)
+        if e is None:
+            return -1
+        self.cpu.pin(key)
+        return e.slot
+
+    def hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        """``num_external_tokens`` split by the tier that supplies them."""
+        sources = self._sources.pop(request.request_id, None)
+        if not sources or sum(sources.values()) != num_external_tokens:
+            return (
+                {CacheHitSource.EXTERNAL_UNSPECIFIED: num_external_tokens}
+                if num_external_tokens
+                else {}
+            )
+        return {s: n for s, n in sources.items() if n}
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Settle finished loads: unpin, commit or drop promotions, forget failed blocks."""
+        invalid = output.invalid_block_ids or set()
+        if invalid:
+            for plan in self._plans.values():
+                plan.failed |= {it.block_id for it in plan.items if it.block_id in invalid}
+        for rid in output.finished_recving or ():
+            plan = self._plans.pop(rid, None)
+            if plan is not None:
+                self._settle(plan)
+
+    def _settle(self, plan: _Plan) -> None:
+        for it in plan.items:
+            failed = it.block_id in plan.failed
+            if it.tier == CPU:
+                self.cpu.unpin(it.key)
+                if failed:
+                    self.cpu.remove(it.key)
+            elif it.tier == SSD:
+                self.ssd.unpin(it.key)
+                if failed:
+                    self.ssd.remove(it.key)  # the worker deleted a corrupt file
+            elif it.tier == SHARED and failed:
+                self._shared_known.discard(it.key)
+            if it.promote_slot >= 0:
+                self.cpu.unpin(it.key)
+                if failed:
+                    self.cpu.remove(it.key)
+                else:
+                    self.cpu.mark_ready(it.key)
+
+    # ---- save ----
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> FlexKVMetadata:
+        """This step's loads, the saves of prompt blocks it completes, SSD deletions."""
+        saves: list[SaveItem] = []
+        for rid, n_sched in scheduler_output.num_scheduled_tokens.items():
+            t = self._tracked.get(rid)
+            if t is None:
+                continue
+            req = t.request
+            end = min(req.num_computed_tokens + n_sched, req.num_prompt_tokens)
+            full = min(end // self.block_size, len(t.keys))
+            if full <= t.saved_upto:
+                continue
+            block_ids = self._block_ids(rid, scheduler_output)
+            for i in range(t.saved_upto, min(full, len(block_ids))):
+                item = self._plan_save(block_ids[i], t.keys[i])
+                if item is not None:
+                    saves.append(item)
+            t.saved_upto = full
+        meta = FlexKVMetadata(
+            loads=self._loads,
+            saves=saves,
+            ssd_deletes=self._ssd_deletes,
+            clear_ssd=self._clear_ssd,
+        )
+        self._loads, self._ssd_deletes, self._clear_ssd = [], [], False
+        return meta
+
+    def _block_ids(self, rid: str, scheduler_output: SchedulerOutput) -> list[int]:
+        if self.kv_cache_manager is not None:
+            return list(self.kv_cache_manager.get_block_ids(rid)[0])
+        state = scheduler_output.kv_connector_block_state
+        return list(state.resolve_block_ids(rid)[0]) if state is not None else []
+
+    def _plan_save(self, block_id: int, key: str) -> SaveItem | None:
+        slot = -1
+        if self.cpu.capacity and key not in self.cpu:
+            e, evicted = self.cpu.add(key, ready=True)  # written in this step's wait_for_save
+            if evicted:
+                self.stats.add("evicted_blocks", len(evicted), CPU)
+            slot = e.slot if e is not None else -1
+        to_ssd = False
+        if self.ssd is not None and key not in self.ssd:
+            e, evicted = self.ssd.add(key, ready=False)
+            if e is None:
+                self._reap_pending_ssd()
+                e, more = self.ssd.add(key, ready=False)
+                evicted += more
+            if evicted:
+                self._ssd_deletes.extend(evicted)
+                self.stats.add("evicted_blocks", len(evicted), SSD)
+            to_ssd = e is not None
+        to_shared = (
+            self.shared_store is not None
+            and key not in self._shared_known
+            and not self.shared_store.exists(key, self.tp_size)
+        )
+        if slot < 0 and not to_ssd and not to_shared:
+            return None
+        return SaveItem(block_id, key, slot=slot, ssd=to_ssd, shared=to_shared)
+
+    def _reap_pending_ssd(self) -> None:
+        """Settle SSD writes the scheduler has not seen land: ready if the file is there,
+        dropped if it never appeared (write failed or was dropped)."""
+        assert self.ssd is not None and self.ssd_store is not None
+        now = time.monotonic()
+        for key in self.ssd.pending_older_than(0.0):
+            if self.ssd_store.exists(key, self.tp_size):
+                self.ssd.mark_ready(key)
+            elif now - self.ssd.get(key).since > PENDING_GIVE_UP_S:
+                self.ssd.remove(key)
+
+    # ---- lifecycle ----
+    def request_finished(self, request: Request) -> None:
+        """Forget a finished request (a load still in flight is settled when it reports)."""
+        rid = request.request_id
+        self._tracked.pop(rid, None)
+        self._matched_from.pop(rid, None)
+        self._sources.pop(rid, None)
+
+    def reset_cache(self) -> bool:
+        """Drop the CPU tier (and the SSD tier when ``reset_clears_disk``)."""
+        dropped = self.cpu.clear()
+        if self.cfg.reset_clears_disk and self.ssd is not None:
+            dropped += self.ssd.clear()
+            self._clear_ssd = True
+        self._shared_known.clear()
+        logger.info("tiered KV cache reset: %d entries dropped", len(dropped))
+        return True

@@ -1,0 +1,293 @@
+"""Worker side of the tiered KV cache (runs in each vLLM worker process).
+
+Holds the CPU tier (one ``[slots, block_bytes]`` byte tensor, pinned when a GPU is present)
+and moves blocks between vLLM's KV cache tensors, that pool and block files:
+
+* saves run in ``wait_for_save`` after the step's forward pass: the completed blocks are
+  gathered once, copied into their CPU pool rows, and their file writes are queued to a
+  bounded I/O pool (when the queue is full a write is dropped and counted, never awaited);
+* loads run on a small thread pool: CPU rows and verified block files are scattered into the
+  request's blocks, file blocks are promoted into the CPU rows the scheduler reserved, and
+  the request is reported in ``finished_recving``; blocks that could not be read (missing,
+  corrupt, other layout) are reported through ``get_block_ids_with_load_errors()`` in the
+  same pass, so vLLM's ``kv_load_failure_policy`` recomputes or fails them.
+
+Block bytes are addressed through :func:`~vllm_pd_ext.connectors.common.layout.layout_from_caches`,
+so any attention backend whose blocks are a fixed set of byte pieces works.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from vllm_pd_ext.connectors.common.layout import CacheLayout, layout_from_caches
+from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
+from vllm_pd_ext.connectors.flexkv.metadata import (
+    CPU,
+    SHARED,
+    SSD,
+    FlexKVMetadata,
+    LoadItem,
+    LoadJob,
+    SaveItem,
+)
+from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
+from vllm_pd_ext.connectors.flexkv.store import BlockFileError, FileStore
+
+logger = logging.getLogger(__name__)
+
+
+class FlexKVWorker:
+    """Worker-side state; public methods run on vLLM's worker thread."""
+
+    def __init__(
+        self,
+        cfg: FlexKVConfig,
+        *,
+        namespace: str,
+        num_blocks: int,
+        block_size: int,
+        model: Mapping[str, Any],
+        cpu_slots: int,
+        tp_rank: int = 0,
+    ) -> None:
+        self.cfg = cfg
+        self.namespace = namespace
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.model = dict(model)
+        self.cpu_slots = cpu_slots
+        self.tp_rank = tp_rank
+        self.stats = FlexKVRecorder()
+        self.layout: CacheLayout | None = None
+        self.fingerprint = ""
+        self.block_bytes = 0
+        self.pool: torch.Tensor | None = None
+        self._views: list[tuple[torch.Tensor, int, int]] = []  # (view [blocks, len], col, len)
+        self._device = torch.device("cpu")
+        self.stores: dict[str, FileStore] = {}
+        if cfg.ssd_dir:
+            self.stores[SSD] = FileStore(cfg.ssd_dir, namespace, fsync=cfg.fsync)
+        if cfg.shared_dir:
+            self.stores[SHARED] = FileStore(cfg.shared_dir, namespace, fsync=cfg.fsync)
+        self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="flexkv-io")
+        self._loader = ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="flexkv-load")
+        self._pending_writes = 0
+        self._meta: FlexKVMetadata | None = None
+        self._loads: dict[str, Future] = {}
+        self._load_errors: set[int] = set()
+        self._lock = threading.Lock()
+
+    # ---- setup ----
+    def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
+        """Map every block's bytes and allocate the CPU tier."""
+        self.layout, tensors = layout_from_caches(
+            kv_caches, num_blocks=self.num_blocks, block_size=self.block_size, model=self.model
+        )
+        self.fingerprint = self.layout.fingerprint()
+        col = 0
+        for region in self.layout.regions:
+            t = tensors[region.name]
+            self._device = t.device
+            u8 = t.view(torch.uint8)
+            for off in region.piece_offsets:
+                view = torch.as_strided(
+                    u8,
+                    (region.num_blocks, region.piece_len),
+                    (region.block_stride, 1),
+                    u8.storage_offset() + off,
+                )
+                self._views.append((view, col, region.piece_len))
+                col += region.piece_len
+        self.block_bytes = col
+        pin = torch.cuda.is_available()
+        self.pool = torch.empty(
+            (self.cpu_slots, self.block_bytes), dtype=torch.uint8, pin_memory=pin
+        )
+        logger.info(
+            "tiered KV cache worker: %d KiB per block, CPU tier %d blocks (%.1f MiB), layout %s",
+            self.block_bytes // 1024,
+            self.cpu_slots,
+            self.cpu_slots * self.block_bytes / (1 << 20),
+            self.fingerprint,
+        )
+
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """Copy device blocks into a new CPU tensor ``[len(block_ids), block_bytes]``."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+        out = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
+        for view, col, n in self._views:
+            out[:, col : col + n].copy_(view.index_select(0, idx))
+        return out
+
+    def scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Copy ``rows`` (CPU, ``[len(block_ids), block_bytes]``) into device blocks."""
+        idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+        for view, col, n in self._views:
+            view.index_copy_(0, idx, rows[:, col : col + n].to(self._device))
+
+    # ---- per step ----
+    def bind(self, meta: FlexKVMetadata) -> None:
+        self._meta = meta
+
+    def start_load_kv(self) -> None:
+        """Start this step's loads (asynchronous; reported by :meth:`get_finished`)."""
+        meta = self._meta
+        if meta is None:
+            return
+        for job in meta.loads:
+            self._loads[job.req_id] = self._loader.submit(self._run_load, job)
+
+    def wait_for_save(self) -> None:
+        """Copy the step's completed blocks into the CPU tier; queue their file writes."""
+        meta, self._meta = self._meta, None
+        if meta is None:
+            return
+        if meta.clear_ssd and SSD in self.stores:
+            self._io.submit(self.stores[SSD].clear)
+        if SSD in self.stores:
+            for key in meta.ssd_deletes:
+                self._io.submit(self.stores[SSD].delete, key)
+        if not meta.saves:
+            return
+        t0 = time.perf_counter()
+        rows = self.gather([s.block_id for s in meta.saves])
+        to_cpu = [(j, s) for j, s in enumerate(meta.saves) if s.slot >= 0]
+        if to_cpu:
+            sel = torch.tensor([j for j, _ in to_cpu], dtype=torch.long)
+            slots = torch.tensor([s.slot for _, s in to_cpu], dtype=torch.long)
+            self.pool.index_copy_(0, slots, rows.index_select(0, sel))
+            self.stats.add("save_bytes", len(to_cpu) * self.block_bytes, CPU)
+            self.stats.add("save_seconds", time.perf_counter() - t0, CPU)
+        for j, s in enumerate(meta.saves):
+            for tier, wanted in ((SSD, s.ssd), (SHARED, s.shared)):
+                if wanted and tier in self.stores:
+                    self._queue_write(tier, s, rows[j])
+
+    def _queue_write(self, tier: str, item: SaveItem, row: torch.Tensor) -> None:
+        with self._lock:
+            if self._pending_writes >= self.cfg.max_pending_writes:
+                self.stats.add("dropped_writes")
+                return
+            self._pending_writes += 1
+        self._io.submit(self._write, tier, item.key, row)
+
+    def _write(self, tier: str, key: str, row: torch.Tensor) -> None:
+        try:
+            t0 = time.perf_counter()
+            n = self.stores[tier].write(key, row.numpy(), self.fingerprint, self.tp_rank)
+            self.stats.add("save_bytes", n, tier)
+            self.stats.add("save_seconds", time.perf_counter() - t0, tier)
+        except OSError as e:
+            logger.warning(
+                "tiered KV cache: writing block %s to the %s tier failed: %s", key, tier, e
+            )
+        finally:
+            with self._lock:
+                self._pending_writes -= 1
+
+    def _read(self, tier: str, key: str, out: torch.Tensor) -> str | None:
+        """Read one block file into ``out``; None on success, else why it failed."""
+        try:
+            self.stores[tier].read_into(key, out.numpy(), self.fingerprint, self.tp_rank)
+            return None
+        except BlockFileError as e:
+            self.stats.add("corrupt_blocks")
+            return str(e)
+        except OSError as e:
+            return f"{type(e).__name__}: {e}"
+
+    def _run_load(self, job: LoadJob) -> set[int]:
+        """Load one request's blocks; returns the device block ids that failed."""
+        failed: set[int] = set()
+        try:
+            cpu = [it for it in job.items if it.tier == CPU]
+            files = [it for it in job.items if it.tier in self.stores]
+            failed |= {it.block_id for it in job.items if it not in cpu and it not in files}
+            if cpu:
+                t0 = time.perf_counter()
+                slots = torch.tensor([it.slot for it in cpu], dtype=torch.long)
+                self.scatter([it.block_id for it in cpu], self.pool.index_select(0, slots))
+                self.stats.add("load_bytes", len(cpu) * self.block_bytes, CPU)
+                self.stats.add("load_seconds", time.perf_counter() - t0, CPU)
+            if files:
+                failed |= self._load_files(job.req_id, files)
+        except Exception:
+            logger.exception("tiered KV cache: load of request %s failed", job.req_id)
+            failed = {it.block_id for it in job.items}
+        if failed:
+            self.stats.add("failed_blocks", len(failed))
+        return failed
+
+    def _load_files(self, req_id: str, items: list[LoadItem]) -> set[int]:
+        t0 = time.perf_counter()
+        buf = torch.empty((len(items), self.block_bytes), dtype=torch.uint8)
+        futures = [
+            self._io.submit(self._read, it.tier, it.key, buf[j]) for j, it in enumerate(items)
+        ]
+        errors = [f.result() for f in futures]
+        ok = [j for j, err in enumerate(errors) if err is None]
+        for j, err in enumerate(errors):
+            if err is not None:
+                logger.warning(
+                    "tiered KV cache: request %s block %s (%s tier) not loaded: %s",
+                    req_id,
+                    items[j].key,
+                    items[j].tier,
+                    err,
+                )
+        if ok:
+            sel = torch.tensor(ok, dtype=torch.long)
+            rows = buf.index_select(0, sel)
+            self.scatter([items[j].block_id for j in ok], rows)
+            promote = [
+                (k, items[j].promote_slot) for k, j in enumerate(ok) if items[j].promote_slot >= 0
+            ]
+            if promote:
+                self.pool.index_copy_(
+                    0,
+                    torch.tensor([s for _, s in promote], dtype=torch.long),
+                    rows.index_select(0, torch.tensor([k for k, _ in promote], dtype=torch.long)),
+                )
+        seconds = time.perf_counter() - t0
+        for tier in {it.tier for it in items}:
+            n = sum(1 for j in ok if items[j].tier == tier)
+            if n:
+                self.stats.add("load_bytes", n * self.block_bytes, tier)
+                self.stats.add("load_seconds", seconds * n / max(len(ok), 1), tier)
+        return {items[j].block_id for j, err in enumerate(errors) if err is not None}
+
+    def get_finished(self) -> set[str]:
+        """Requests whose load ended (successfully or not) since the last call."""
+        done: set[str] = set()
+        for rid, fut in list(self._loads.items()):
+            if fut.done():
+                del self._loads[rid]
+                self._load_errors |= fut.result()
+                done.add(rid)
+        return done
+
+    def take_load_errors(self) -> set[int]:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def wait_idle(self, timeout: float = 30.0) -> None:
+        """Block until queued loads and file writes are done (tests, shutdown)."""
+        deadline = time.monotonic() + timeout
+        for fut in list(self._loads.values()):
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        self._io.submit(lambda: None).result(timeout=max(0.0, deadline - time.monotonic()))
+        while self._pending_writes:
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.005)
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True, cancel_futures=True)
+        self._io.shutdown(wait=True)
