@@ -96,7 +96,7 @@ def test_placeholders_fail_clearly_at_construction():
     from vllm_pd_ext.connectors.common.placeholder import ConnectorNotImplementedError
 
     plugin.register()
-    issues = {"PdExtFlexKVConnector": 6, "PdExtMambaStateConnector": 7}
+    issues = {"PdExtMambaStateConnector": 7}
     for name, issue in issues.items():
         cls = KVConnectorFactory.get_connector_class_by_name(name)
         with pytest.raises(ConnectorNotImplementedError, match=f"{name} .* issue #{issue}"):

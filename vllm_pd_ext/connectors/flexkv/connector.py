@@ -18,7 +18,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_pd_ext.connectors.common.shell import block_size_of, model_facts
+from vllm_pd_ext.connectors.flexkv.blocks import model_facts
 from vllm_pd_ext.connectors.flexkv.config import parse_flexkv_config
 from vllm_pd_ext.connectors.flexkv.keys import cache_namespace
 from vllm_pd_ext.connectors.flexkv.metadata import FlexKVMetadata
@@ -35,6 +35,13 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+def block_size_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
+    """The scheduler's block size (of the first KV cache group when known)."""
+    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
+        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
+    return int(vllm_config.cache_config.block_size)
 
 
 def block_bytes_of(kv_cache_config: KVCacheConfig | None) -> int:

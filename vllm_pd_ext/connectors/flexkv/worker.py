@@ -12,7 +12,7 @@ and moves blocks between vLLM's KV cache tensors, that pool and block files:
   corrupt, other layout) are reported through ``get_block_ids_with_load_errors()`` in the
   same pass, so vLLM's ``kv_load_failure_policy`` recomputes or fails them.
 
-Block bytes are addressed through :func:`~vllm_pd_ext.connectors.common.layout.layout_from_caches`,
+Block bytes are addressed through :func:`~vllm_pd_ext.connectors.flexkv.blocks.block_views`,
 so any attention backend whose blocks are a fixed set of byte pieces works.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vllm_pd_ext.connectors.common.layout import CacheLayout, layout_from_caches
+from vllm_pd_ext.connectors.flexkv.blocks import BlockView, block_views, layout_fingerprint
 from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
 from vllm_pd_ext.connectors.flexkv.metadata import (
     CPU,
@@ -65,11 +65,10 @@ class FlexKVWorker:
         self.cpu_slots = cpu_slots
         self.tp_rank = tp_rank
         self.stats = FlexKVRecorder()
-        self.layout: CacheLayout | None = None
         self.fingerprint = ""
         self.block_bytes = 0
         self.pool: torch.Tensor | None = None
-        self._views: list[tuple[torch.Tensor, int, int]] = []  # (view [blocks, len], col, len)
+        self._views: list[BlockView] = []
         self._device = torch.device("cpu")
         self.stores: dict[str, FileStore] = {}
         if cfg.ssd_dir:
@@ -87,25 +86,10 @@ class FlexKVWorker:
     # ---- setup ----
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Map every block's bytes and allocate the CPU tier."""
-        self.layout, tensors = layout_from_caches(
-            kv_caches, num_blocks=self.num_blocks, block_size=self.block_size, model=self.model
-        )
-        self.fingerprint = self.layout.fingerprint()
-        col = 0
-        for region in self.layout.regions:
-            t = tensors[region.name]
-            self._device = t.device
-            u8 = t.view(torch.uint8)
-            for off in region.piece_offsets:
-                view = torch.as_strided(
-                    u8,
-                    (region.num_blocks, region.piece_len),
-                    (region.block_stride, 1),
-                    u8.storage_offset() + off,
-                )
-                self._views.append((view, col, region.piece_len))
-                col += region.piece_len
-        self.block_bytes = col
+        self._views = block_views(kv_caches, self.num_blocks)
+        self.fingerprint = layout_fingerprint(self._views, self.model)
+        self._device = self._views[0].view.device
+        self.block_bytes = sum(v.length for v in self._views)
         pin = torch.cuda.is_available()
         self.pool = torch.empty(
             (self.cpu_slots, self.block_bytes), dtype=torch.uint8, pin_memory=pin
@@ -122,15 +106,15 @@ class FlexKVWorker:
         """Copy device blocks into a new CPU tensor ``[len(block_ids), block_bytes]``."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         out = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
-        for view, col, n in self._views:
-            out[:, col : col + n].copy_(view.index_select(0, idx))
+        for v in self._views:
+            out[:, v.column : v.column + v.length].copy_(v.view.index_select(0, idx))
         return out
 
     def scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
         """Copy ``rows`` (CPU, ``[len(block_ids), block_bytes]``) into device blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
-        for view, col, n in self._views:
-            view.index_copy_(0, idx, rows[:, col : col + n].to(self._device))
+        for v in self._views:
+            v.view.index_copy_(0, idx, rows[:, v.column : v.column + v.length].to(self._device))
 
     # ---- per step ----
     def bind(self, meta: FlexKVMetadata) -> None:

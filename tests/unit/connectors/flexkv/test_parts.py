@@ -138,7 +138,7 @@ def test_keys_chain_and_salt():
     ns = cache_namespace({"layers": 2}, 16)
     tokens = list(range(64))
     a = chain_keys(root_hash(ns, None, None), tokens, 16, 4)
-    b = chain_keys(root_hash(ns, None, None), tokens[:32] + [999] + tokens[33:], 16, 4)
+    b = chain_keys(root_hash(ns, None, None), [*tokens[:32], 999, *tokens[33:]], 16, 4)
     assert len(a) == 4 and a[:2] == b[:2] and a[2] != b[2] and a[3] != b[3]
     salted = chain_keys(root_hash(ns, "tenant-1", None), tokens, 16, 4)
     assert not set(salted) & set(a)
