@@ -128,5 +128,6 @@ def main(args: argparse.Namespace) -> int:
         port=config.port,
         log_level=args.log_level.lower(),
         access_log=False,
+        proxy_headers=False,  # the proxy never reads the client's address
     )
     return 0

@@ -134,10 +134,12 @@ class UpstreamResponse:
 class Upstream:
     """One engine's base URL and its pooled connections (one aiohttp session).
 
-    Create and close it on the proxy's event loop.
+    Idle connections are dropped after ``keepalive_s``, under the engines' own keep-alive
+    (uvicorn's and vLLM's default is 5 s), so a pooled connection is not reused just as the
+    engine closes it. Create and close it on the proxy's event loop.
     """
 
-    def __init__(self, base_url: str, *, max_connections: int, keepalive_s: float = 30.0):
+    def __init__(self, base_url: str, *, max_connections: int, keepalive_s: float = 4.0):
         self.base_url = base_url
         connector = aiohttp.TCPConnector(
             limit=max_connections, keepalive_timeout=keepalive_s, ttl_dns_cache=60
@@ -147,7 +149,7 @@ class Upstream:
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),
             # The relay forwards bytes as the engine sent them: ask for no compression.
-            skip_auto_headers=("Accept-Encoding",),
+            skip_auto_headers=("Accept-Encoding", "User-Agent"),
             trust_env=False,
         )
 
