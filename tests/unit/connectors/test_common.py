@@ -49,24 +49,24 @@ def kv(num_blocks=8, heads=2, shape="cpu", dtype=torch.float16):
 
 
 def test_layout_of_cpu_and_kv_first_caches():
-    layout, tensors = layout_from_caches(kv(), num_blocks=8, block_size=16, model={"m": 1})
-    r = layout.regions[0]
-    assert list(tensors) == ["kv0", "kv1"] and r.layers == ("l0",)
+    layout, tensors = layout_from_caches(kv(), num_blocks=8, block_sizes=(16,), model={"m": 1})
+    r = layout.views[0]
+    assert list(tensors) == ["kv0", "kv1"] and r.layers == ("l0",) and r.region == "kv0"
     assert (r.piece_offsets, r.piece_len, r.block_stride) == (
         (0,),
         2 * 16 * 64 * 2,
         2 * 16 * 64 * 2,
     )
-    assert r.size == 8 * r.block_stride
-    layout2, _ = layout_from_caches(kv(shape="kv"), num_blocks=8, block_size=16, model={"m": 1})
-    r2 = layout2.regions[0]
+    assert layout.regions[0].size == 8 * r.block_stride and r.offset == 0
+    layout2, _ = layout_from_caches(kv(shape="kv"), num_blocks=8, block_sizes=(16,), model={"m": 1})
+    r2 = layout2.views[0]
     assert r2.piece_offsets == (0, 8 * 16 * 2 * 32 * 2) and r2.piece_len == 16 * 2 * 32 * 2
 
 
 def test_block_spans_map_pairs_and_refuse_out_of_range():
-    a, _ = layout_from_caches(kv(8, shape="kv"), num_blocks=8, block_size=16, model={})
-    b, _ = layout_from_caches(kv(12, shape="kv"), num_blocks=12, block_size=16, model={})
-    ra, rb = a.regions[0], b.regions[0]
+    a, _ = layout_from_caches(kv(8, shape="kv"), num_blocks=8, block_sizes=(16,), model={})
+    b, _ = layout_from_caches(kv(12, shape="kv"), num_blocks=12, block_sizes=(16,), model={})
+    ra, rb = a.views[0], b.views[0]
     spans = block_spans(ra, rb, [(1, 11)])
     np.testing.assert_array_equal(
         spans,
@@ -93,20 +93,22 @@ def test_block_spans_map_pairs_and_refuse_out_of_range():
     ],
 )
 def test_layout_mismatch_names_the_difference(other, message):
-    mine, _ = layout_from_caches(kv(), num_blocks=8, block_size=16, model={"m": 1})
-    theirs, _ = layout_from_caches(kv(**other), num_blocks=8, block_size=16, model={"m": 1})
+    mine, _ = layout_from_caches(kv(), num_blocks=8, block_sizes=(16,), model={"m": 1})
+    theirs, _ = layout_from_caches(kv(**other), num_blocks=8, block_sizes=(16,), model={"m": 1})
     with pytest.raises(LayoutMismatch, match=message):
         mine.check_compatible(theirs)
     assert mine.fingerprint() != theirs.fingerprint()
 
 
 def test_layout_mismatch_on_model_and_block_size():
-    mine, _ = layout_from_caches(kv(), num_blocks=8, block_size=16, model={"layers": 2})
-    other_model, _ = layout_from_caches(kv(), num_blocks=8, block_size=16, model={"layers": 3})
+    mine, _ = layout_from_caches(kv(), num_blocks=8, block_sizes=(16,), model={"layers": 2})
+    other_model, _ = layout_from_caches(kv(), num_blocks=8, block_sizes=(16,), model={"layers": 3})
     with pytest.raises(LayoutMismatch, match="model layers: 2 here, 3 remote"):
         mine.check_compatible(other_model)
-    other_bs, _ = layout_from_caches(kv(), num_blocks=8, block_size=32, model={"layers": 2})
-    with pytest.raises(LayoutMismatch, match="block size 16 here, 32 remote"):
+    other_bs, _ = layout_from_caches(kv(), num_blocks=8, block_sizes=(32,), model={"layers": 2})
+    with pytest.raises(
+        LayoutMismatch, match=r"block sizes per KV cache group \[16\] here, \[32\] remote"
+    ):
         mine.check_compatible(other_bs)
 
 

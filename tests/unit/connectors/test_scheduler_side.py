@@ -67,8 +67,8 @@ def test_prefill_holds_blocks_until_decode_is_done(producer_config):
     meta, _ = step(sched)
     meta = meta.kv_connector_metadata
     assert isinstance(meta, PdTransferMetadata)
-    assert [(s.req_id, s.mode, list(s.block_ids)) for s in meta.send] == [
-        (req.request_id, "read", params["remote_block_ids"])
+    assert [(s.req_id, s.mode, s.block_ids) for s in meta.send] == [
+        (req.request_id, "read", (tuple(params["remote_block_ids"]),))
     ]
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() < 63
     # ...until the worker reports the send finished.
@@ -94,7 +94,7 @@ def test_write_mode_prefill_pushes_in_the_last_prompt_step(producer_config):
     out, eng = step(sched)
     (push,) = out.kv_connector_metadata.push
     assert push.req_id == req.request_id and push.transfer_id == "t-1"
-    assert list(push.block_ids) == sched.kv_cache_manager.get_block_ids(req.request_id)[0][:3]
+    assert push.block_ids == (tuple(sched.kv_cache_manager.get_block_ids(req.request_id)[0][:3]),)
     assert eng[0].outputs[0].kv_transfer_params["transfer_mode"] == "write"
     out, _ = step(sched)
     assert [(s.mode, s.transfer_id) for s in out.kv_connector_metadata.send] == [("write", "t-1")]
@@ -113,7 +113,7 @@ def test_decode_loads_remote_prompt_then_runs(producer_config, consumer_config):
     (spec,) = out.kv_connector_metadata.recv
     local = sched.kv_cache_manager.get_block_ids(req.request_id)[0][:3]
     assert spec.mode == "read"
-    assert list(spec.pairs) == list(zip(local, params["remote_block_ids"], strict=True))
+    assert spec.pairs == (tuple(zip(local, params["remote_block_ids"], strict=True)),)
     assert spec.remote == RemoteRef(
         "engine-kv_producer", "127.0.0.1", SIDE_PORT, params["remote_request_id"]
     )
@@ -134,7 +134,7 @@ def test_decode_load_error_recomputes_or_fails(tiny_qwen, producer_config, polic
     req = make_request(PROMPT, dict(params), max_tokens=2)
     sched.add_request(req)
     out, _ = step(sched)
-    local = [a for a, _ in out.kv_connector_metadata.recv[0].pairs]
+    local = [a for a, _ in out.kv_connector_metadata.recv[0].pairs[0]]
     _, eng = step(sched, recving={req.request_id}, invalid=set(local))
     if policy == "fail":
         (output,) = eng[0].outputs
@@ -237,6 +237,6 @@ def test_write_mode_decode_plans_an_offer(producer_config, consumer_config):
     (spec,) = out.kv_connector_metadata.recv
     local = sched.kv_cache_manager.get_block_ids(req.request_id)[0][:3]
     assert spec.mode == "write" and spec.transfer_id == "t-9"
-    assert list(spec.local_block_ids) == list(local)
-    assert [r for _, r in spec.pairs] == [0, 1, 2]  # offered in prompt order
+    assert spec.local_block_ids == (tuple(local),)
+    assert [r for _, r in spec.pairs[0]] == [0, 1, 2]  # offered in prompt order
     assert len(local) * BLOCK_SIZE >= PROMPT

@@ -72,7 +72,7 @@ def worker(role: str, port: int, clock=None, **cfg) -> TransferWorker:
         side_port=port,
         kv_ip="127.0.0.1",
         num_blocks=NUM_BLOCKS,
-        block_size=BLOCK,
+        block_sizes=(BLOCK,),
         model={"layers": LAYERS},
         **({"clock": clock} if clock else {}),
     )
@@ -127,11 +127,11 @@ def recv(d: TransferWorker, spec: RecvSpec) -> None:
 )
 def test_read_mode_copies_blocks_and_frees_prefill(pair):
     p, pc, d, dc, port = pair
-    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1, 2, 3))]))
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2, 3),))]))
     assert p.get_finished({"p-req"}) == (None, None)  # held for the decode side
     pairs = ((5, 1), (9, 2), (6, 3))
     ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
-    recv(d, RecvSpec("d-req", "read", ref, pairs, (5, 9, 6)))
+    recv(d, RecvSpec("d-req", "read", ref, (pairs,), ((5, 9, 6),)))
     done = poll(lambda: d.get_finished(set())[1], "the load")
     assert done == {"d-req"}
     assert d.get_block_ids_with_load_errors() == set()
@@ -146,7 +146,7 @@ def test_read_mode_copies_blocks_and_frees_prefill(pair):
 
 def test_lease_expires_without_renewal(pair):
     p, *_ = pair
-    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1, 2))]))
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
     assert p.get_finished({"p-req"}) == (None, None)
     assert p.stats.take().data["blocks_held"] == 2
     p.clock.now += p.cfg.lease_s - 1
@@ -158,7 +158,7 @@ def test_lease_expires_without_renewal(pair):
 
 def test_renewal_extends_the_lease(pair):
     p, _, d, _, port = pair
-    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1,))]))
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1,),))]))
     p.get_finished({"p-req"})
     p.clock.now += 0.8 * p.cfg.lease_s
     d.bind(PdTransferMetadata(renew=[RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")]))
@@ -178,7 +178,7 @@ def test_renewal_extends_the_lease(pair):
 
 def test_release_frees_prefill_blocks(pair):
     p, _, d, _, port = pair
-    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1,))]))
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1,),))]))
     p.get_finished({"p-req"})
     d.bind(PdTransferMetadata(release=[RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")]))
     d.start_load_kv()
@@ -189,26 +189,26 @@ def test_release_frees_prefill_blocks(pair):
 def write_offer(d, port, transfer_id, pairs):
     ref = RemoteRef("", "127.0.0.1", port, None)
     local = tuple(loc for loc, _ in pairs)
-    recv(d, RecvSpec("d-req", "write", ref, pairs, local, transfer_id=transfer_id))
+    recv(d, RecvSpec("d-req", "write", ref, (pairs,), (local,), transfer_id=transfer_id))
 
 
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_write_mode_pushes_into_decode_blocks(pair, layerwise):
     p, pc, d, dc, port = pair
-    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", (1, 2, 3))]))
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2, 3),))]))
     if layerwise:  # the offer arrives before the prefill step saves its layers
         write_offer(d, port, "t-1", ((4, 0), (8, 1), (10, 2)))
         poll(lambda: "t-1" in p._targets, "the decode offer")
         for layer in pc:
             p.save_kv_layer(layer)
-        assert len(p._pushes["p-req"].regions_done) == LAYERS
+        assert len(p._pushes["p-req"].views_done) == LAYERS
         p.wait_for_save()
     else:  # the prefill step ends first; the push waits for the offer
         for layer in pc:
             p.save_kv_layer(layer)
         p.wait_for_save()
         write_offer(d, port, "t-1", ((4, 0), (8, 1), (10, 2)))
-    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", (1, 2, 3), "t-1")]))
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2, 3),), "t-1")]))
     done = poll(lambda: d.get_finished(set())[1], "the push")
     assert done == {"d-req"} and d.get_block_ids_with_load_errors() == set()
     assert_copied(pc, dc, [(1, 4), (2, 8), (3, 10)])
@@ -218,7 +218,7 @@ def test_write_mode_pushes_into_decode_blocks(pair, layerwise):
 
 def test_write_mode_prefill_that_lost_its_blocks_reports_failure(pair):
     p, _pc, d, _, port = pair
-    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-2", (1, 2))]))
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-2", ((1, 2),))]))
     write_offer(d, port, "t-2", ((4, 0), (8, 1)))
     p.wait_for_save()
     p.bind(PdTransferMetadata())
@@ -231,11 +231,15 @@ def test_write_mode_prefill_that_lost_its_blocks_reports_failure(pair):
 @pytest.mark.parametrize("pair", [{"dcache": {"heads": 4}}], indirect=True)
 def test_layout_mismatch_fails_closed(pair):
     p, _, d, dc, port = pair
-    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", (1,))]))
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1,),))]))
     recv(
         d,
         RecvSpec(
-            "d-req", "read", RemoteRef(p.engine_id, "127.0.0.1", port, "p-req"), ((5, 1),), (5,)
+            "d-req",
+            "read",
+            RemoteRef(p.engine_id, "127.0.0.1", port, "p-req"),
+            (((5, 1),),),
+            ((5,),),
         ),
     )
     done = poll(lambda: d.get_finished(set())[1], "the failed load")
@@ -248,7 +252,7 @@ def test_layout_mismatch_fails_closed(pair):
 def test_unreachable_prefill_is_a_load_error(pair):
     _, _, d, _, _ = pair
     ref = RemoteRef("nobody", "127.0.0.1", free_port(), "p-req")
-    recv(d, RecvSpec("d-req", "read", ref, ((3, 1), (4, 2)), (3, 4)))
+    recv(d, RecvSpec("d-req", "read", ref, (((3, 1), (4, 2)),), ((3, 4),)))
     done = poll(lambda: d.get_finished(set())[1], "the failed load")
     assert done == {"d-req"}
     assert d.get_block_ids_with_load_errors() == {3, 4}
@@ -257,6 +261,6 @@ def test_unreachable_prefill_is_a_load_error(pair):
 def test_wrong_engine_behind_the_side_channel_is_refused(pair):
     _p, _, d, _, port = pair
     ref = RemoteRef("some-other-engine", "127.0.0.1", port, "p-req")
-    recv(d, RecvSpec("d-req", "read", ref, ((3, 1),), (3,)))
+    recv(d, RecvSpec("d-req", "read", ref, (((3, 1),),), ((3,),)))
     poll(lambda: d.get_finished(set())[1], "the refused load")
     assert d.get_block_ids_with_load_errors() == {3}

@@ -1,15 +1,19 @@
 """Where each KV block lives in a worker's registered caches, and spans between two workers.
 
-A worker's KV caches arrive as ``{layer name: tensor}``. Each distinct tensor becomes one
-transport region. Inside it, scheduler block ``b`` is ``len(piece_offsets)`` equal pieces of
-``piece_len`` bytes at ``piece_offsets[i] + b * block_stride`` (one piece when the block
-dimension comes first, as on vLLM's CPU backend ``[blocks, heads, block_size, 2*head]``; two
-for ``[2, blocks, ...]`` K/V layouts). Copying block ``b`` of one worker into block ``c`` of
-another is then a fixed set of ``(local offset, remote offset, length)`` spans per region.
+A worker's KV caches arrive as ``{layer name: tensor}`` (or a list of tensors per layer). Each
+distinct underlying storage becomes one transport **region**; several layers, and under vLLM's
+hybrid allocator layers of different KV cache groups, may share one. Each distinct tensor is a
+**view**: it belongs to one KV cache group, and inside its region block ``b`` of that group is
+``len(piece_offsets)`` equal pieces of ``piece_len`` bytes at
+``offset + piece_offsets[i] + b * block_stride`` (one piece when the block dimension comes first,
+as on vLLM's CPU backend ``[blocks, heads, block_size, 2*head]`` or a Mamba state page; two for
+``[2, blocks, ...]`` K/V layouts).
 
-:func:`layout_from_caches` runs in the worker; :class:`CacheLayout` travels in the handshake
-and :meth:`CacheLayout.check_compatible` fails closed on any difference that would put bytes
-in the wrong place.
+Copying block ``b`` of a group on one worker into block ``c`` on another is then a fixed set of
+``(local offset, remote offset, length)`` spans per view. :func:`layout_from_caches` runs in
+the worker; :class:`CacheLayout` travels in the handshake and
+:meth:`CacheLayout.check_compatible` fails closed on any difference that would put bytes in
+the wrong place.
 """
 
 from __future__ import annotations
@@ -31,13 +35,22 @@ class LayoutMismatch(ValueError):
 
 
 @dataclass(frozen=True)
-class CacheRegion:
-    """One registered cache tensor: its memory extent and where each block's bytes are."""
+class MemoryRegion:
+    """One registered storage: ``size`` bytes at ``addr``."""
 
     name: str
-    layers: tuple[str, ...]
     addr: int
     size: int
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """One cache tensor inside a region: where each block of its group lies."""
+
+    layers: tuple[str, ...]
+    group: int
+    region: str
+    offset: int
     num_blocks: int
     block_stride: int
     piece_offsets: tuple[int, ...]
@@ -49,6 +62,7 @@ class CacheRegion:
         """What must match on both sides (addresses and block counts may differ)."""
         return {
             "layers": list(self.layers),
+            "group": self.group,
             "dtype": self.dtype,
             "block_shape": list(self.block_shape),
             "pieces": len(self.piece_offsets),
@@ -57,25 +71,21 @@ class CacheRegion:
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "name": self.name,
-            "layers": list(self.layers),
-            "addr": self.addr,
-            "size": self.size,
+            **self.shape_key(),
+            "region": self.region,
+            "offset": self.offset,
             "num_blocks": self.num_blocks,
             "block_stride": self.block_stride,
             "piece_offsets": list(self.piece_offsets),
-            "piece_len": self.piece_len,
-            "dtype": self.dtype,
-            "block_shape": list(self.block_shape),
         }
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> CacheRegion:
+    def from_dict(cls, d: Mapping[str, Any]) -> CacheView:
         return cls(
-            name=str(d["name"]),
             layers=tuple(str(x) for x in d["layers"]),
-            addr=int(d["addr"]),
-            size=int(d["size"]),
+            group=int(d["group"]),
+            region=str(d["region"]),
+            offset=int(d["offset"]),
             num_blocks=int(d["num_blocks"]),
             block_stride=int(d["block_stride"]),
             piece_offsets=tuple(int(x) for x in d["piece_offsets"]),
@@ -87,136 +97,164 @@ class CacheRegion:
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """All regions of one worker plus what the model and engine must agree on."""
+    """All regions and views of one worker, the groups' block sizes, and model facts."""
 
-    regions: tuple[CacheRegion, ...]
-    block_size: int
+    regions: tuple[MemoryRegion, ...]
+    views: tuple[CacheView, ...]
+    block_sizes: tuple[int, ...]
     model: Mapping[str, Any]
 
     def fingerprint(self) -> str:
         """A short hash of everything :meth:`check_compatible` compares."""
         key = {
-            "block_size": self.block_size,
+            "block_sizes": list(self.block_sizes),
             "model": dict(self.model),
-            "regions": [r.shape_key() for r in self.regions],
+            "views": [v.shape_key() for v in self.views],
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def check_compatible(self, remote: CacheLayout) -> None:
         """Raise :class:`LayoutMismatch` naming the first difference from ``remote``."""
-        if self.block_size != remote.block_size:
-            raise LayoutMismatch(f"block size {self.block_size} here, {remote.block_size} remote")
+        if list(self.block_sizes) != list(remote.block_sizes):
+            raise LayoutMismatch(
+                f"block sizes per KV cache group {list(self.block_sizes)} here, "
+                f"{list(remote.block_sizes)} remote"
+            )
         for key in sorted(set(self.model) | set(remote.model)):
             if self.model.get(key) != remote.model.get(key):
                 raise LayoutMismatch(
                     f"model {key}: {self.model.get(key)!r} here, {remote.model.get(key)!r} remote"
                 )
-        if len(self.regions) != len(remote.regions):
+        if len(self.views) != len(remote.views):
             raise LayoutMismatch(
-                f"{len(self.regions)} KV cache tensors here, {len(remote.regions)} remote"
+                f"{len(self.views)} KV cache tensors here, {len(remote.views)} remote"
             )
-        for mine, theirs in zip(self.regions, remote.regions, strict=True):
+        for mine, theirs in zip(self.views, remote.views, strict=True):
             a, b = mine.shape_key(), theirs.shape_key()
             for key in a:
                 if a[key] != b[key]:
                     raise LayoutMismatch(
-                        f"KV cache {mine.name} ({mine.layers[0]}...) {key}: {a[key]!r} here, "
-                        f"{b[key]!r} remote"
+                        f"KV cache of {mine.layers[0]} {key}: {a[key]!r} here, {b[key]!r} remote"
                     )
 
     def to_dict(self) -> dict[str, Any]:
         return {
-            "block_size": self.block_size,
+            "block_sizes": list(self.block_sizes),
             "model": dict(self.model),
-            "regions": [r.to_dict() for r in self.regions],
+            "regions": [[r.name, r.addr, r.size] for r in self.regions],
+            "views": [v.to_dict() for v in self.views],
         }
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> CacheLayout:
         try:
             return cls(
-                regions=tuple(CacheRegion.from_dict(r) for r in d["regions"]),
-                block_size=int(d["block_size"]),
+                regions=tuple(MemoryRegion(str(n), int(a), int(s)) for n, a, s in d["regions"]),
+                views=tuple(CacheView.from_dict(v) for v in d["views"]),
+                block_sizes=tuple(int(b) for b in d["block_sizes"]),
                 model=dict(d["model"]),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LayoutMismatch(f"malformed KV layout from peer: {e}") from e
 
 
-def _region_of(name: str, layers: tuple[str, ...], t: torch.Tensor, num_blocks: int) -> CacheRegion:
+def _view_of(
+    layers: tuple[str, ...], group: int, region: str, base: int, t: torch.Tensor, num_blocks: int
+) -> CacheView:
     shape, stride = tuple(t.shape), tuple(t.stride())
     candidates = [d for d, n in enumerate(shape) if n == num_blocks]
     if not candidates:
         raise LayoutMismatch(
             f"KV cache of {layers[0]} has shape {shape}: no dimension of {num_blocks} blocks"
         )
-    # [blocks, ...] (CPU backend) or [2, blocks, ...] (K/V split first)
+    # [blocks, ...] (CPU backend, Mamba pages) or [2, blocks, ...] (K/V split first)
     d = 1 if len(candidates) > 1 and shape[0] == 2 and 1 in candidates else candidates[0]
     elem = t.element_size()
-    inner_shape, inner_stride = shape[d + 1 :], stride[d + 1 :]
     expected = 1
-    for n, s in reversed(list(zip(inner_shape, inner_stride, strict=True))):
+    for n, s in reversed(list(zip(shape[d + 1 :], stride[d + 1 :], strict=True))):
         if n != 1 and s != expected:
             raise LayoutMismatch(
                 f"KV cache of {layers[0]} (shape {shape}, stride {stride}) is not contiguous "
                 f"inside a block"
             )
         expected *= n
-    piece_len = expected * elem
     offsets = [0]
     for n, s in zip(shape[:d], stride[:d], strict=True):
         offsets = [o + i * s * elem for o in offsets for i in range(n)]
-    extent = (sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) + 1) * elem
-    return CacheRegion(
-        name=name,
+    return CacheView(
         layers=layers,
-        addr=int(t.data_ptr()),
-        size=int(extent),
+        group=group,
+        region=region,
+        offset=int(t.data_ptr()) - base,
         num_blocks=num_blocks,
         block_stride=stride[d] * elem,
         piece_offsets=tuple(offsets),
-        piece_len=piece_len,
+        piece_len=expected * elem,
         dtype=str(t.dtype).removeprefix("torch."),
         block_shape=shape[:d] + shape[d + 1 :],
     )
 
 
 def layout_from_caches(
-    kv_caches: Mapping[str, torch.Tensor],
+    kv_caches: Mapping[str, Any],
     *,
     num_blocks: int,
-    block_size: int,
+    block_sizes: Sequence[int] = (),
     model: Mapping[str, Any],
+    group_of: Mapping[str, int] | None = None,
+    block_size: int | None = None,
 ) -> tuple[CacheLayout, dict[str, torch.Tensor]]:
-    """The layout of a worker's caches and the tensors to register, one per region.
+    """The layout of a worker's caches and, per region name, a byte tensor over its storage.
 
-    Layers sharing one tensor (same address, shape and strides) share a region. Regions are
-    named ``kv0``, ``kv1``... in layer-name order, so both sides name them alike.
+    ``kv_caches`` values are tensors or lists of tensors; ``group_of`` maps layer names to KV
+    cache groups (all group 0 when omitted; ``block_size`` is shorthand for one group's
+    ``block_sizes``). Regions are named ``kv0``, ``kv1``... and views ordered by layer name, so
+    both sides name them alike.
     """
-    groups: dict[tuple[int, tuple[int, ...], tuple[int, ...]], list[str]] = {}
-    tensors: dict[tuple[int, tuple[int, ...], tuple[int, ...]], torch.Tensor] = {}
+    import torch
+
+    if block_size is not None:
+        block_sizes = (block_size,)
+
+    regions: dict[tuple[int, int], MemoryRegion] = {}
+    storages: dict[str, torch.Tensor] = {}
+    views: dict[tuple, list[str]] = {}
+    tensors: dict[tuple, tuple[torch.Tensor, str, int]] = {}
     for layer in sorted(kv_caches):
-        t = kv_caches[layer]
-        key = (int(t.data_ptr()), tuple(t.shape), tuple(t.stride()))
-        groups.setdefault(key, []).append(layer)
-        tensors[key] = t
-    regions, by_name = [], {}
-    for i, key in enumerate(groups):
-        name = f"kv{i}"
-        regions.append(_region_of(name, tuple(groups[key]), tensors[key], num_blocks))
-        by_name[name] = tensors[key]
-    layout = CacheLayout(regions=tuple(regions), block_size=block_size, model=dict(model))
-    return layout, by_name
+        value = kv_caches[layer]
+        group = (group_of or {}).get(layer, 0)
+        for t in value if isinstance(value, list | tuple) else [value]:
+            storage = t.untyped_storage()
+            skey = (int(storage.data_ptr()), int(storage.nbytes()))
+            if skey not in regions:
+                name = f"kv{len(regions)}"
+                regions[skey] = MemoryRegion(name, *skey)
+                byte_view = torch.empty(0, dtype=torch.uint8, device=t.device)
+                storages[name] = byte_view.set_(storage, 0, (skey[1],))
+            vkey = (int(t.data_ptr()), tuple(t.shape), tuple(t.stride()), group)
+            views.setdefault(vkey, []).append(layer)
+            tensors[vkey] = (t, regions[skey].name, skey[0])
+    out = [
+        _view_of(
+            tuple(layers), vkey[3], tensors[vkey][1], tensors[vkey][2], tensors[vkey][0], num_blocks
+        )
+        for vkey, layers in views.items()
+    ]
+    layout = CacheLayout(
+        regions=tuple(regions.values()),
+        views=tuple(out),
+        block_sizes=tuple(int(b) for b in block_sizes),
+        model=dict(model),
+    )
+    return layout, storages
 
 
 def block_spans(
-    local: CacheRegion, remote: CacheRegion, pairs: Sequence[tuple[int, int]]
+    local: CacheView, remote: CacheView, pairs: Sequence[tuple[int, int]]
 ) -> np.ndarray:
-    """``(local offset, remote offset, length)`` rows moving block ``pairs[i] = (l, r)``.
-
-    Offsets are relative to each region's start. Block ids outside either region raise
-    :class:`LayoutMismatch` (never a span into another block's memory).
-    """
+    """``(local offset, remote offset, length)`` rows moving block ``pairs[i] = (l, r)`` of the
+    views' group; offsets are relative to each view's region. Block ids outside either view
+    raise :class:`LayoutMismatch` (never a span into another block's memory)."""
     p = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     if p.size and (
         p.min() < 0 or p[:, 0].max() >= local.num_blocks or p[:, 1].max() >= remote.num_blocks
@@ -224,8 +262,8 @@ def block_spans(
         raise LayoutMismatch(
             f"block ids out of range (local < {local.num_blocks}, remote < {remote.num_blocks})"
         )
-    lo = np.asarray(local.piece_offsets, dtype=np.int64)
-    ro = np.asarray(remote.piece_offsets, dtype=np.int64)
+    lo = local.offset + np.asarray(local.piece_offsets, dtype=np.int64)
+    ro = remote.offset + np.asarray(remote.piece_offsets, dtype=np.int64)
     out = np.empty((len(p) * len(lo), 3), dtype=np.int64)
     out[:, 0] = (p[:, 0:1] * local.block_stride + lo[None, :]).reshape(-1)
     out[:, 1] = (p[:, 1:2] * remote.block_stride + ro[None, :]).reshape(-1)

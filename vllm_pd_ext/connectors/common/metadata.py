@@ -1,6 +1,8 @@
 """What our P/D connectors' scheduler side tells the worker side each step (plain dataclasses).
 
 Both sides run in different processes; vLLM pickles the metadata object into each worker.
+Block ids come per KV cache group (one tuple per group; a single group without vLLM's hybrid
+allocator).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ class RemoteRef:
 
 @dataclass(frozen=True)
 class RecvSpec:
-    """Decode side: load ``pairs`` (local block, remote block) of ``req_id`` from ``remote``.
+    """Decode side: load ``pairs[g]`` (local block, remote block) of group ``g`` of ``req_id``.
 
     READ: pull from the remote's blocks, then tell it it may free them. WRITE: offer our
     blocks to the remote under ``transfer_id`` and wait for its "written" notice.
@@ -33,8 +35,8 @@ class RecvSpec:
     req_id: str
     mode: str
     remote: RemoteRef
-    pairs: tuple[tuple[int, int], ...]
-    local_block_ids: tuple[int, ...]
+    pairs: tuple[tuple[tuple[int, int], ...], ...]
+    local_block_ids: tuple[tuple[int, ...], ...]
     transfer_id: str | None = None
 
 
@@ -48,7 +50,7 @@ class SendSpec:
 
     req_id: str
     mode: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
     transfer_id: str | None = None
 
 
@@ -59,7 +61,7 @@ class PushSpec:
 
     req_id: str
     transfer_id: str
-    block_ids: tuple[int, ...]
+    block_ids: tuple[tuple[int, ...], ...]
 
 
 @dataclass

@@ -12,15 +12,24 @@ Reads each request's ``kv_transfer_params`` and turns them into per-step instruc
   renew the prefill side's lease while the request waits; if the request ends before
   loading, tell the prefill side to free its blocks.
 
+Hybrid models (a KV cache group holding Mamba / linear-attention state): the prefill side
+drops the last prompt token before computing, so its state pages hold the state after N-1
+tokens; the decode side loads exactly those N-1 tokens (attention blocks and whole state pages
+per group) and computes token N itself. A load whose token count is not exactly that is
+refused, since a state at the wrong position would corrupt every following token.
+
 Loads are refused (the prompt is recomputed locally instead) when the params are incomplete,
 name too few blocks, or carry a prompt hash that differs from this request's prompt.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -40,6 +49,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -73,13 +83,46 @@ def default_host(vllm_config: VllmConfig) -> str:
     return get_ip()
 
 
+@dataclass(frozen=True)
+class GroupInfo:
+    """What the scheduler side needs to know about one KV cache group."""
+
+    block_size: int
+    whole: bool  # state pages (Mamba): every block the request holds moves, not per token
+
+
+def groups_of(
+    kv_cache_config: KVCacheConfig | None, default_block_size: int
+) -> tuple[GroupInfo, ...]:
+    """One :class:`GroupInfo` per KV cache group (one group when the config is unknown)."""
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        return (GroupInfo(default_block_size, False),)
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    return tuple(
+        GroupInfo(int(g.kv_cache_spec.block_size), isinstance(g.kv_cache_spec, MambaSpec))
+        for g in kv_cache_config.kv_cache_groups
+    )
+
+
+def _per_group(block_ids: Any) -> tuple[tuple[int, ...], ...]:
+    """Block ids as one tuple per group (a flat list is one group)."""
+    if block_ids and isinstance(block_ids[0], list | tuple):
+        return tuple(tuple(int(b) for b in g) for g in block_ids)
+    return (tuple(int(b) for b in block_ids or ()),)
+
+
 class TransferScheduler:
     """Scheduler-side state of one engine (both roles; a ``kv_both`` engine uses both)."""
 
-    def __init__(self, vllm_config: VllmConfig, cfg: TransferConfig, block_size: int) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, cfg: TransferConfig, groups: tuple[GroupInfo, ...]
+    ) -> None:
         self.cfg = cfg
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
-        self.block_size = block_size
+        self.groups = groups
+        #: Trailing prompt tokens the prefill side leaves to the decode side (hybrid: 1).
+        self.backoff = 1 if any(g.whole for g in groups) else 0
         self.host, self.port = side_channel_address(vllm_config, cfg)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self.kv_cache_manager: KVCacheManager | None = None
@@ -91,12 +134,22 @@ class TransferScheduler:
         self._waiting_remote: dict[str, RemoteRef] = {}
         self._last_renew = time.monotonic()
 
+    def _blocks_for(
+        self, group_blocks: Sequence[Sequence[int]], n_tokens: int
+    ) -> tuple[tuple[int, ...], ...]:
+        """The blocks of each group that hold the first ``n_tokens`` (state groups: all)."""
+        out = []
+        for g, ids in zip(self.groups, group_blocks, strict=True):
+            out.append(tuple(ids) if g.whole else tuple(ids[: -(-n_tokens // g.block_size)]))
+        return tuple(out)
+
     # ---- decode side ----
     def _load_plan(self, request: Request) -> tuple[int, RemoteRef, str] | None:
-        """(tokens the remote holds for this prompt, where, mode), or None if not loadable."""
+        """(prompt tokens to load, where, mode), or None if the load must not happen."""
         p = request.kv_transfer_params or {}
         mode = p.get("transfer_mode") or READ
         prompt = request.prompt_token_ids or []
+        want = len(prompt) - self.backoff
         try:
             remote = RemoteRef(
                 engine_id=str(p.get("remote_engine_id") or ""),
@@ -104,17 +157,28 @@ class TransferScheduler:
                 port=int(p["remote_port"]),
                 request_id=(str(p["remote_request_id"]) if mode == READ else None),
             )
+            if want <= 0:
+                raise ValueError("prompt too short to split")
             if mode == READ:
                 n = int(p.get("remote_num_tokens") or len(prompt))
-                blocks = p["remote_block_ids"]
-                if not isinstance(blocks, list) or len(blocks) * self.block_size < min(
-                    n, len(prompt)
-                ):
-                    raise ValueError(f"{len(blocks)} remote blocks for {n} tokens")
+                if self.backoff and n != want:
+                    raise ValueError(
+                        f"the prefill side computed {n} tokens; this hybrid model needs "
+                        f"exactly {want} (its state must stop one token short)"
+                    )
+                n = min(n, want)
+                blocks = _per_group(p["remote_block_ids"])
+                if len(blocks) != len(self.groups):
+                    raise ValueError(f"{len(blocks)} block groups, {len(self.groups)} here")
+                for g, ids in zip(self.groups, blocks, strict=True):
+                    if not g.whole and len(ids) * g.block_size < n:
+                        raise ValueError(f"{len(ids)} remote blocks for {n} tokens")
+                    if g.whole and not ids:
+                        raise ValueError("no remote state block")
                 if not remote.engine_id:
                     raise ValueError("no remote_engine_id")
             elif mode == WRITE:
-                n = len(prompt)
+                n = want
                 if not p.get("transfer_id"):
                     raise ValueError("no transfer_id")
             else:
@@ -126,36 +190,48 @@ class TransferScheduler:
                 e,
             )
             return None
-        n = min(n, len(prompt))
-        want = p.get("prompt_hash")
-        if want is not None and want != prompt_hash(prompt, n):
+        expected = p.get("prompt_hash")
+        if expected is not None and expected != prompt_hash(prompt, n):
             logger.warning(
                 "request %s: the prefill instance computed a different prompt (hash %s, "
                 "ours %s); computing the prompt locally",
                 request.request_id,
-                want,
+                expected,
                 prompt_hash(prompt, n),
             )
             return None
         return n, remote, mode
 
     def on_new_request(self, request: Request) -> None:
-        """Track a decode request's prefill side (for lease renewals) and WRITE pushes."""
+        """Track a decode request's prefill side (for lease renewals) and WRITE pushes; on a
+        hybrid model's prefill side, leave the last prompt token to the decode side."""
         p = request.kv_transfer_params
         if not p:
             return
         if p.get("do_remote_prefill") and (p.get("transfer_mode") or READ) == READ:
-            try:
+            # Without these there is nowhere to send renewals; _load_plan refuses the load.
+            with contextlib.suppress(KeyError, TypeError, ValueError):
                 self._waiting_remote[request.request_id] = RemoteRef(
                     engine_id=str(p.get("remote_engine_id") or ""),
                     host=str(p["remote_host"]),
                     port=int(p["remote_port"]),
                     request_id=str(p["remote_request_id"]),
                 )
-            except (KeyError, TypeError, ValueError):
-                pass  # nowhere to send renewals; _load_plan refuses the load
-        if p.get("do_remote_decode") and self._mode(p) == WRITE and p.get("transfer_id"):
-            self._write_reqs[request.request_id] = request
+        if p.get("do_remote_decode"):
+            self._truncate_for_prefill(request)
+            if self._mode(p) == WRITE and p.get("transfer_id"):
+                self._write_reqs[request.request_id] = request
+
+    def _truncate_for_prefill(self, request: Request) -> None:
+        p = request.kv_transfer_params
+        if not self.backoff or p.get("_pdext_truncated") or request.prompt_token_ids is None:
+            return
+        if request.num_prompt_tokens <= self.backoff:
+            return
+        del request.prompt_token_ids[-self.backoff :]
+        del request._all_token_ids[-self.backoff :]
+        request.num_prompt_tokens -= self.backoff
+        p["_pdext_truncated"] = True
 
     def _mode(self, p: dict[str, Any]) -> str:
         return p.get("transfer_mode") or self.cfg.transfer_mode
@@ -192,23 +268,29 @@ class TransferScheduler:
             if mode == READ:
                 self._release.append(remote)  # nothing to pull (local hit): free P now
             return
-        group = blocks.blocks[0]
-        local = [b.block_id for b in group]
-        skip = 0
-        while skip < len(group) and group[skip].block_hash is not None:
-            skip += 1
-        n_blocks = -(-n // self.block_size)
+        local = self._blocks_for([[b.block_id for b in grp] for grp in blocks.blocks], n)
+        cached = [
+            sum(1 for b in grp if b.block_hash is not None and not b.is_null)
+            for grp in blocks.blocks
+        ]
         if mode == READ:
-            remote_ids = [int(b) for b in p["remote_block_ids"]]
-            pairs = tuple((local[i], remote_ids[i]) for i in range(skip, n_blocks))
+            remote_ids = self._blocks_for(_per_group(p["remote_block_ids"]), n)
         else:
-            pairs = tuple((local[i], i) for i in range(skip, n_blocks))
+            remote_ids = tuple(tuple(range(len(ids))) for ids in local)  # offered by position
+        pairs = tuple(
+            tuple(
+                (a, b)
+                for i, (a, b) in enumerate(zip(mine, theirs, strict=False))
+                if i >= skip and a != 0 and b >= 0 and (mode == WRITE or b != 0)
+            )
+            for mine, theirs, skip in zip(local, remote_ids, cached, strict=True)
+        )
         self._recv[request.request_id] = RecvSpec(
             req_id=request.request_id,
             mode=mode,
             remote=remote,
             pairs=pairs,
-            local_block_ids=tuple(local[:n_blocks]),
+            local_block_ids=local,
             transfer_id=p.get("transfer_id"),
         )
 
@@ -227,13 +309,10 @@ class TransferScheduler:
                 and (req.num_computed_tokens + n >= req.num_prompt_tokens)
             ):
                 assert self.kv_cache_manager is not None
-                ids = self.kv_cache_manager.get_block_ids(req_id)[0]
-                n_blocks = -(-req.num_prompt_tokens // self.block_size)
-                meta.push.append(
-                    PushSpec(
-                        req_id, str(req.kv_transfer_params["transfer_id"]), tuple(ids[:n_blocks])
-                    )
+                ids = self._blocks_for(
+                    self.kv_cache_manager.get_block_ids(req_id), req.num_prompt_tokens
                 )
+                meta.push.append(PushSpec(req_id, str(req.kv_transfer_params["transfer_id"]), ids))
                 self._pushed.add(req_id)
         now = time.monotonic()
         if self._waiting_remote and now - self._last_renew >= self.cfg.lease_s / 3:
@@ -242,9 +321,12 @@ class TransferScheduler:
         return meta
 
     def request_finished(
-        self, request: Request, block_ids: list[int]
+        self, request: Request, block_ids: Any
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Prefill: hold the blocks and answer where they are. Decode: release an unused hold."""
+        """Prefill: hold the blocks and answer where they are. Decode: release an unused hold.
+
+        ``block_ids`` is a flat list (one group) or one list per group.
+        """
         from vllm.v1.request import RequestStatus
 
         req_id = request.request_id
@@ -264,18 +346,15 @@ class TransferScheduler:
         self._waiting_remote.pop(req_id, None)
         if not p.get("do_remote_decode"):
             return False, None
-        if (
-            request.status
-            not in (
-                RequestStatus.FINISHED_LENGTH_CAPPED,
-                RequestStatus.FINISHED_STOPPED,
-            )
-            or not block_ids
-        ):
+        groups = _per_group(block_ids)
+        if request.status not in (
+            RequestStatus.FINISHED_LENGTH_CAPPED,
+            RequestStatus.FINISHED_STOPPED,
+        ) or not any(groups):
             return False, None  # aborted or errored: free now, nothing to hand over
         mode = self._mode(p)
-        n = request.num_computed_tokens
-        ids = tuple(int(b) for b in block_ids[: -(-n // self.block_size)])
+        n = min(request.num_computed_tokens, request.num_prompt_tokens)
+        ids = self._blocks_for(groups, n)
         self._send.append(SendSpec(req_id, mode, ids, p.get("transfer_id")))
         return True, {
             "do_remote_prefill": True,
@@ -285,7 +364,7 @@ class TransferScheduler:
             "remote_request_id": req_id,
             "remote_host": self.host,
             "remote_port": self.port,
-            "remote_block_ids": list(ids),
+            "remote_block_ids": list(ids[0]) if len(ids) == 1 else [list(g) for g in ids],
             "remote_num_tokens": n,
             "prompt_hash": prompt_hash(request.prompt_token_ids or [], n),
             "tp_size": self.tp_size,

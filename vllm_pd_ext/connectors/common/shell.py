@@ -9,6 +9,7 @@ from vllm_pd_ext.connectors.common.config import TransferConfig, parse_transfer_
 from vllm_pd_ext.connectors.common.scheduler import (
     TransferScheduler,
     default_host,
+    groups_of,
     side_channel_address,
 )
 from vllm_pd_ext.connectors.common.worker import TransferWorker
@@ -18,31 +19,55 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
-def model_facts(vllm_config: VllmConfig) -> dict[str, Any]:
+def model_facts(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None = None
+) -> dict[str, Any]:
     """What two engines must agree on to exchange KV blocks (goes into the fingerprint)."""
     mc, pc = vllm_config.model_config, vllm_config.parallel_config
-    return {
+    facts: dict[str, Any] = {
         "architectures": list(getattr(mc.hf_config, "architectures", None) or []),
         "layers": mc.get_num_layers(pc),
-        "kv_heads": mc.get_num_kv_heads(pc),
-        "head_size": mc.get_head_size(),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "tp_size": pc.tensor_parallel_size,
     }
+    if kv_cache_config is not None:
+        facts["groups"] = [_spec_facts(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+    if kv_cache_config is not None and kv_cache_config.has_mamba_layers:
+        from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
+
+        facts["conv_state_layout"] = str(get_conv_state_layout())
+    return facts
+
+
+def _spec_facts(spec: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"kind": type(spec).__name__, "block_size": int(spec.block_size)}
+    for name in ("num_kv_heads", "head_size", "sliding_window", "mamba_cache_mode"):
+        value = getattr(spec, name, None)
+        if value is not None:
+            out[name] = value if isinstance(value, int | str) else str(value)
+    for name in ("shapes", "dtypes"):
+        value = getattr(spec, name, None)
+        if value is not None:
+            out[name] = [str(v) for v in value]
+    if getattr(spec, "dtype", None) is not None:
+        out["dtype"] = str(spec.dtype)
+    return out
+
+
+def _block_size(vllm_config: VllmConfig) -> int:
+    return int(vllm_config.cache_config.block_size)
 
 
 def block_size_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None) -> int:
-    """The scheduler's block size (of the first KV cache group when known)."""
-    if kv_cache_config is not None and kv_cache_config.kv_cache_groups:
-        return int(kv_cache_config.kv_cache_groups[0].kv_cache_spec.block_size)
-    return int(vllm_config.cache_config.block_size)
+    """The block size of the first KV cache group (the engine's, when the config is unknown)."""
+    return groups_of(kv_cache_config, _block_size(vllm_config))[0].block_size
 
 
 def make_scheduler(
     name: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
 ) -> TransferScheduler:
     cfg = parse_transfer_config(name, vllm_config.kv_transfer_config.kv_connector_extra_config)
-    return TransferScheduler(vllm_config, cfg, block_size_of(vllm_config, kv_cache_config))
+    return TransferScheduler(vllm_config, cfg, groups_of(kv_cache_config, _block_size(vllm_config)))
 
 
 def make_worker(
@@ -57,6 +82,11 @@ def make_worker(
     except (AssertionError, ImportError, RuntimeError):  # no TP group (tests)
         tp_rank = 0
     host, port = side_channel_address(vllm_config, cfg)
+    groups = groups_of(kv_cache_config, _block_size(vllm_config))
+    group_of = {}
+    if kv_cache_config is not None:
+        for i, g in enumerate(kv_cache_config.kv_cache_groups):
+            group_of.update(dict.fromkeys(g.layer_names, i))
     return TransferWorker(
         cfg,
         engine_id=str(kv.engine_id),
@@ -67,6 +97,7 @@ def make_worker(
         side_port=port,
         kv_ip=default_host(vllm_config),
         num_blocks=int(kv_cache_config.num_blocks) if kv_cache_config is not None else 0,
-        block_size=block_size_of(vllm_config, kv_cache_config),
-        model=model_facts(vllm_config),
+        block_sizes=tuple(g.block_size for g in groups),
+        model=model_facts(vllm_config, kv_cache_config),
+        group_of=group_of,
     )

@@ -82,7 +82,7 @@ class _Push:
 
     spec: PushSpec
     started: float = field(default_factory=time.monotonic)
-    regions_done: set[str] = field(default_factory=set)
+    views_done: set[int] = field(default_factory=set)
     handles: list[Any] = field(default_factory=list)
     nbytes: int = 0
 
@@ -93,8 +93,7 @@ class _Target:
 
     peer_id: str
     layout: CacheLayout
-    block_ids: list[int]
-    skip: int
+    pairs: list[list[tuple[int, int]]]  # per group: (decode block, prompt block position)
     reply_to: str
     received: float = field(default_factory=time.monotonic)
 
@@ -114,8 +113,9 @@ class TransferWorker:
         side_port: int,
         kv_ip: str,
         num_blocks: int,
-        block_size: int,
+        block_sizes: tuple[int, ...],
         model: Mapping[str, Any],
+        group_of: Mapping[str, int] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
@@ -124,8 +124,9 @@ class TransferWorker:
         self.tp_rank, self.tp_size = tp_rank, tp_size
         self.side_host, self.side_port = side_host, side_port + tp_rank
         self.kv_ip = kv_ip
-        self.num_blocks, self.block_size = num_blocks, block_size
+        self.num_blocks, self.block_sizes = num_blocks, tuple(block_sizes)
         self.model = dict(model)
+        self.group_of = dict(group_of or {})
         self.stats = StatsRecorder()
         self.transport: Transport | None = None
         self.layout: CacheLayout | None = None
@@ -161,7 +162,11 @@ class TransferWorker:
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Register every cache tensor with a new transport; start the handshake server."""
         self.layout, tensors = layout_from_caches(
-            kv_caches, num_blocks=self.num_blocks, block_size=self.block_size, model=self.model
+            kv_caches,
+            num_blocks=self.num_blocks,
+            block_sizes=self.block_sizes,
+            model=self.model,
+            group_of=self.group_of,
         )
         settings = dict(self.cfg.backend_settings)
         settings.setdefault("host", self.kv_ip)
@@ -173,10 +178,11 @@ class TransferWorker:
                 self.side_host, self.side_port, self.handshake, self._on_write_target
             )
         logger.info(
-            "KV transfer ready: %s backend %s, %d cache tensors, layout %s%s",
+            "KV transfer ready: %s backend %s, %d regions, %d cache views, layout %s%s",
             self.engine_id,
             self.cfg.backend,
             len(tensors),
+            len(self.layout.views),
             self.layout.fingerprint(),
             f", side channel {self.side_host}:{self.side_port}" if self._server else "",
         )
@@ -255,7 +261,7 @@ class TransferWorker:
         for spec in meta.send:
             if spec.mode == READ:
                 self._leases.grant(spec.req_id)
-                self._held[spec.req_id] = len(spec.block_ids)
+                self._held[spec.req_id] = sum(len(g) for g in spec.block_ids)
             else:
                 self._push_confirmed.add(spec.req_id)
         for spec in meta.push:
@@ -267,7 +273,7 @@ class TransferWorker:
         if meta is None:
             return
         for spec in meta.recv:
-            self._load_blocks[spec.req_id] = spec.local_block_ids
+            self._load_blocks[spec.req_id] = tuple(b for g in spec.local_block_ids for b in g)
             self._loads[spec.req_id] = self._pool.submit(self._load, spec)
         for ref in meta.renew:
             self._pool.submit(self._send_quietly, ref, {"op": "renew"})
@@ -307,8 +313,7 @@ class TransferWorker:
                         "engine_id": self.engine_id,
                         "transport": self.transport.descriptor().to_dict(),
                         "layout": self.layout.to_dict(),
-                        "block_ids": list(spec.local_block_ids),
-                        "skip": len(spec.local_block_ids) - len(spec.pairs),
+                        "pairs": [[list(pair) for pair in group] for group in spec.pairs],
                         "v": HANDSHAKE_VERSION,
                         "tp_size": self.tp_size,
                     },
@@ -325,15 +330,16 @@ class TransferWorker:
         self.stats.transfer(time.perf_counter() - t0, nbytes)
 
     def _move(self, peer: _Peer, pairs: Any, deadline: float, *, read: bool) -> int:
-        """Copy block ``pairs`` (local, remote) for every region; return bytes moved."""
+        """Copy ``pairs[g]`` (local, remote) blocks of each group ``g`` for every cache view;
+        return bytes moved."""
         assert self.transport is not None and self.layout is not None
         handles, nbytes = [], 0
-        for mine, theirs in zip(self.layout.regions, peer.layout.regions, strict=True):
-            spans = block_spans(mine, theirs, pairs)
+        for mine, theirs in zip(self.layout.views, peer.layout.views, strict=True):
+            spans = block_spans(mine, theirs, pairs[mine.group])
             if not len(spans):
                 continue
             op = self.transport.read if read else self.transport.write
-            handles.append(op(peer.peer_id, mine.name, theirs.name, spans))
+            handles.append(op(peer.peer_id, mine.region, theirs.region, spans))
             nbytes += int(spans[:, 2].sum())
         self.transport.wait_all(handles, max(0.0, deadline - time.monotonic()))
         return nbytes
@@ -359,49 +365,54 @@ class TransferWorker:
         target = _Target(
             peer_id=peer_id,
             layout=layout,
-            block_ids=[int(b) for b in body["block_ids"]],
-            skip=int(body.get("skip", 0)),
+            pairs=[[(int(d), int(i)) for d, i in group] for group in body["pairs"]],
             reply_to=str(body["engine_id"]),
         )
         with self._lock:
             self._targets[str(body["transfer_id"])] = target
 
-    def _push_pairs(self, push: _Push, target: _Target) -> np.ndarray:
-        n = min(len(push.spec.block_ids), len(target.block_ids))
-        return np.asarray(
-            [(push.spec.block_ids[i], target.block_ids[i]) for i in range(target.skip, n)],
-            dtype=np.int64,
-        ).reshape(-1, 2)
+    def _push_pairs(self, push: _Push, target: _Target) -> list[np.ndarray]:
+        """Per group: (our block, decode block) for each position the decode side offered."""
+        out = []
+        for ours, offered in zip(push.spec.block_ids, target.pairs, strict=True):
+            rows = [(ours[i], d) for d, i in offered if i < len(ours) and ours[i] != 0]
+            out.append(np.asarray(rows, dtype=np.int64).reshape(-1, 2))
+        return out
 
     def save_kv_layer(self, layer_name: str) -> None:
-        """Write ``layer_name``'s region to every decode target already known (non-blocking)."""
+        """Write ``layer_name``'s views to every decode target already known (non-blocking)."""
         if not self._pushes or self.layout is None or self.transport is None:
             return
-        region = next((r for r in self.layout.regions if layer_name in r.layers), None)
-        if region is None or region.layers[-1] != layer_name:
-            return  # write a shared region once, after its last layer
-        idx = self.layout.regions.index(region)
+        # a view shared by several layers is written once, after its last layer
+        views = [i for i, v in enumerate(self.layout.views) if v.layers[-1] == layer_name]
         for push in self._pushes.values():
-            if push.spec.req_id in self._push_futures or region.name in push.regions_done:
+            if push.spec.req_id in self._push_futures:
                 continue
             with self._lock:
                 target = self._targets.get(push.spec.transfer_id)
             if target is None:
                 continue
             try:
-                spans = block_spans(
-                    region, target.layout.regions[idx], self._push_pairs(push, target)
-                )
-                if len(spans):
-                    push.handles.append(
-                        self.transport.write(target.peer_id, region.name, region.name, spans)
-                    )
-                    push.nbytes += int(spans[:, 2].sum())
-                push.regions_done.add(region.name)
+                pairs = self._push_pairs(push, target)
+                for i in views:
+                    if i not in push.views_done:
+                        self._write_view(push, target, i, pairs)
             except (TransportError, LayoutMismatch) as e:
                 logger.warning(
                     "layer push of %s failed, retrying after the step: %s", push.spec.req_id, e
                 )
+
+    def _write_view(self, push: _Push, target: _Target, i: int, pairs: list[np.ndarray]) -> None:
+        """Submit the write of cache view ``i`` of ``push`` (non-blocking)."""
+        assert self.transport is not None and self.layout is not None
+        mine, theirs = self.layout.views[i], target.layout.views[i]
+        spans = block_spans(mine, theirs, pairs[mine.group])
+        if len(spans):
+            push.handles.append(
+                self.transport.write(target.peer_id, mine.region, theirs.region, spans)
+            )
+            push.nbytes += int(spans[:, 2].sum())
+        push.views_done.add(i)
 
     def wait_for_save(self) -> None:
         """Hand each push of this step to a transfer thread that completes it."""
@@ -427,19 +438,11 @@ class TransferWorker:
         ok, error = True, ""
         t0 = time.perf_counter()
         try:
-            self.transport.wait_all(push.handles, max(0.0, deadline - time.monotonic()))
-            rest = [i for i, r in enumerate(self.layout.regions) if r.name not in push.regions_done]
             pairs = self._push_pairs(push, target)
-            handles = []
-            for i in rest:
-                mine = self.layout.regions[i]
-                spans = block_spans(mine, target.layout.regions[i], pairs)
-                if len(spans):
-                    handles.append(
-                        self.transport.write(target.peer_id, mine.name, mine.name, spans)
-                    )
-                    push.nbytes += int(spans[:, 2].sum())
-            self.transport.wait_all(handles, max(0.0, deadline - time.monotonic()))
+            for i in range(len(self.layout.views)):
+                if i not in push.views_done:
+                    self._write_view(push, target, i, pairs)
+            self.transport.wait_all(push.handles, max(0.0, deadline - time.monotonic()))
             # Only vouch for the bytes once the scheduler confirmed it kept the blocks.
             while push.spec.req_id not in self._push_confirmed:
                 if push.spec.req_id in self._finished_reqs or time.monotonic() > deadline:

@@ -1,18 +1,30 @@
-"""PdExtMambaStateConnector: placeholder until the hybrid-model issue (#7) lands.
+"""PdExtMambaStateConnector: prefill/decode disaggregation for hybrid attention + SSM models.
 
-It declares ``SupportsHMA`` already, so vLLM's hybrid-allocator check accepts the name, and
-fails at construction with a message naming the tracking issue.
+The same transfer machinery as ``PdExtMoRIIOConnector`` (shared shell, scheduler and worker in
+:mod:`vllm_pd_ext.connectors.common`), with vLLM's hybrid KV cache manager on (``SupportsHMA``):
+every KV cache group moves, attention blocks per token and Mamba / linear-attention state pages
+whole. The prefill side stops one prompt token short so its state pages hold the state after
+N-1 tokens; the decode side loads exactly those and computes token N itself (see
+:mod:`vllm_pd_ext.connectors.common.scheduler`). Pure SSM models (no attention group) work too.
 """
 
 from __future__ import annotations
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1, SupportsHMA
+from typing import TYPE_CHECKING, Any
 
-from vllm_pd_ext.connectors.common.placeholder import not_implemented
+from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+
+from vllm_pd_ext.connectors.common.connector import PdTransferConnector
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 
-class PdExtMambaStateConnector(KVConnectorBase_V1, SupportsHMA):
-    """Hybrid attention + SSM P/D connector (not implemented yet)."""
+class PdExtMambaStateConnector(PdTransferConnector, SupportsHMA):
+    """P/D KV and SSM-state transfer for hybrid models (READ and WRITE modes)."""
 
-    def __new__(cls, *args, **kwargs):
-        raise not_implemented(cls.__name__, issue=7)
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, [list(g) for g in block_ids])
