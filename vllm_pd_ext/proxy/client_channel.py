@@ -17,6 +17,9 @@ from starlette.requests import Request
 
 T = TypeVar("T")
 
+#: The last event of an OpenAI-style stream.
+STREAM_END = b"data: [DONE]\n\n"
+
 
 class ClientGone(Exception):
     """The client disconnected while the proxy was waiting on an engine."""
@@ -135,6 +138,7 @@ class RelayResponse:
 
     async def __call__(self, scope, receive, send) -> None:
         watch = self._watch
+        done = False
         try:
             with watch._cancel_on_gone():
                 try:
@@ -142,13 +146,22 @@ class RelayResponse:
                         {"type": "http.response.start", "status": 200, "headers": self._headers}
                     )
                     async for chunk in self._body:
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                        if done:
+                            continue  # nothing follows the end of an OpenAI stream
+                        if chunk.endswith(STREAM_END):
+                            # The last event and the end of the response in one write.
+                            watch.stop()  # the server now reads as disconnected to the watch
+                            done = True
+                        await send(
+                            {"type": "http.response.body", "body": chunk, "more_body": not done}
+                        )
                 except asyncio.CancelledError:
                     if watch._ours():
                         return
                     raise
-            watch.stop()  # before the last message, which reads as a disconnect to the watch
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not done:
+                watch.stop()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watch.stop()
             await self._body.aclose()  # type: ignore[attr-defined]
