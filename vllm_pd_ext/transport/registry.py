@@ -16,6 +16,7 @@ from vllm_pd_ext.transport.errors import TransportError
 _BACKENDS: dict[str, str] = {
     "mooncake": "vllm_pd_ext.transport.mooncake:MooncakeTransport",
     "mori": "vllm_pd_ext.transport.mori:MoriTransport",
+    "tcp": "vllm_pd_ext.transport.tcp:TcpTransport",
 }
 
 

@@ -9,7 +9,7 @@ from vllm_pd_ext.transport import Transport, get_backend
 HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 
 #: Backends the contract suite runs over.
-BACKENDS = ["mooncake", "mori"]
+BACKENDS = ["mooncake", "mori", "tcp"]
 
 
 def make_transport(name: str) -> Transport:
@@ -20,4 +20,6 @@ def make_transport(name: str) -> Transport:
         from tests.unit.transport import fake_mori
 
         return get_backend("mori", host="127.0.0.1", backend="rdma", module=fake_mori)
+    if name == "tcp":
+        return get_backend("tcp", host="127.0.0.1")
     raise ValueError(name)
