@@ -107,14 +107,17 @@ class FlexKVWorker:
         idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         out = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
         for v in self._views:
-            out[:, v.column : v.column + v.length].copy_(v.view.index_select(0, idx))
+            out[:, v.column : v.column + v.length].view(v.view.dtype).copy_(
+                v.view.index_select(0, idx)
+            )
         return out
 
     def scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
         """Copy ``rows`` (CPU, ``[len(block_ids), block_bytes]``) into device blocks."""
         idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
         for v in self._views:
-            v.view.index_copy_(0, idx, rows[:, v.column : v.column + v.length].to(self._device))
+            src = rows[:, v.column : v.column + v.length].view(v.view.dtype)
+            v.view.index_copy_(0, idx, src.to(self._device))
 
     # ---- per step ----
     def bind(self, meta: FlexKVMetadata) -> None:
