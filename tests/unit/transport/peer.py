@@ -70,6 +70,10 @@ def _handle(transport: Any, buffers: dict[str, np.ndarray], cmd: str, args: tupl
         return None
     if cmd == "drain":
         return [(n.sender, n.payload) for n in transport.drain_notifications()]
+    if cmd == "unregister":
+        transport.unregister(args[0])
+        buffers.pop(args[0], None)
+        return None
     if cmd == "close":
         transport.close()
         return None

@@ -1,0 +1,221 @@
+"""The ``tcp`` backend beyond the contract: big and many-span transfers byte for byte, the
+receiver's own checks, a peer that dies or stalls mid-transfer (an error, never a hang)."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import socket
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pydantic
+import pytest
+
+from tests.unit.transport.peer import PeerProcess, pattern
+from vllm_pd_ext.transport import (
+    RegistrationError,
+    TransferError,
+    TransferState,
+    TransferTimeout,
+    Transport,
+    TransportDescriptor,
+    TransportError,
+    get_backend,
+)
+
+WAIT_S = 60.0
+BIG = 64 << 20
+
+
+@pytest.fixture(scope="module")
+def peer() -> Iterator[PeerProcess]:
+    proc = PeerProcess("tcp")
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def _local(**settings: object) -> Transport:
+    return get_backend("tcp", host="127.0.0.1", **settings)
+
+
+def _pair(peer: PeerProcess, name: str, size: int, seed: int, **settings: object):
+    """A local tcp transport with region ``name`` (pattern ``seed + 1``) connected both ways
+    to ``peer``'s region ``name`` (pattern ``seed``)."""
+    desc = peer.call("register", name, size, seed)
+    t = _local(**settings)
+    buf = pattern(seed + 1, size)
+    t.register_buffer(name, buf.ctypes.data, buf.nbytes, owner=buf)
+    pid = t.connect(desc)
+    peer.call("connect", t.descriptor().to_bytes())
+    return t, buf, pid
+
+
+def _peer_bytes(peer: PeerProcess, name: str, size: int) -> np.ndarray:
+    return np.frombuffer(peer.call("bytes", name, 0, size), dtype=np.uint8)
+
+
+def test_large_write_and_read_byte_for_byte(peer: PeerProcess) -> None:
+    t, buf, pid = _pair(peer, "large", BIG, 20)
+    try:
+        half = BIG // 2
+        # the first half of ours -> the second half of theirs, in three spans of odd sizes
+        cuts = [0, 7 << 20, (19 << 20) + 3, half]
+        spans = [(a, half + a, b - a) for a, b in itertools.pairwise(cuts)]
+        t.write(pid, "large", "large", spans).wait(WAIT_S)
+        got = _peer_bytes(peer, "large", BIG)
+        assert np.array_equal(got[half:], buf[:half])
+        assert np.array_equal(got[:half], pattern(20, BIG)[:half])
+        # read all of theirs back into ours
+        t.read(pid, "large", "large", [(0, 0, BIG)]).wait(WAIT_S)
+        assert np.array_equal(buf, got)
+        totals = t.stats.totals()
+        assert (totals.transfers, totals.bytes, totals.failures) == (2, half + BIG, 0)
+    finally:
+        t.close()
+        peer.call("unregister", "large")
+
+
+def test_many_small_scattered_spans(peer: PeerProcess) -> None:
+    size, n, length = 8 << 20, 20_000, 96  # many sendmsg/recvmsg batches, odd lengths
+    t, buf, pid = _pair(peer, "small", size, 30)
+    try:
+        rng = np.random.default_rng(3)
+        slots = size // 128
+        src = rng.permutation(slots)[:n] * 128
+        dst = rng.permutation(slots)[:n] * 128 + 5  # unaligned destinations
+        spans = np.stack([src, dst, np.full(n, length)], axis=1)
+        before = _peer_bytes(peer, "small", size)
+        h = t.write(pid, "small", "small", spans)
+        h.wait(WAIT_S)
+        assert h.posted_spans == n
+        want = before.copy()
+        for s, d in zip(src.tolist(), dst.tolist(), strict=True):
+            want[d : d + length] = buf[s : s + length]
+        assert np.array_equal(_peer_bytes(peer, "small", size), want)
+        # and back: read their spans into fresh local offsets
+        back = np.stack([dst - 5, dst, np.full(n, length)], axis=1)
+        t.read(pid, "small", "small", back).wait(WAIT_S)
+        for d in dst[:200].tolist():
+            assert np.array_equal(buf[d - 5 : d - 5 + length], want[d : d + length])
+    finally:
+        t.close()
+        peer.call("unregister", "small")
+
+
+def test_receiver_refuses_a_region_it_no_longer_has(peer: PeerProcess) -> None:
+    t, buf, pid = _pair(peer, "gone", 1 << 20, 40)
+    desc = peer.call("register", "stays", 1 << 20, 41)
+    t.connect(desc)  # same peer, newer descriptor: the connection is kept
+    try:
+        peer.call("unregister", "gone")  # our descriptor of the peer is now stale
+        w = t.write(pid, "gone", "gone", [(0, 0, 1 << 20)])
+        with pytest.raises(TransferError, match="refused"):
+            w.wait(WAIT_S)
+        r = t.read(pid, "gone", "gone", [(0, 0, 4096)])
+        with pytest.raises(TransferError, match="refused"):
+            r.wait(WAIT_S)
+        # the stream stayed in step: the same connection still moves bytes
+        t.write(pid, "gone", "stays", [(0, 4096, 8192)]).wait(WAIT_S)
+        got = np.frombuffer(peer.call("bytes", "stays", 4096, 4096 + 8192), dtype=np.uint8)
+        assert np.array_equal(got, buf[:8192])
+        assert t.stats.totals().failures == 2
+    finally:
+        t.close()
+        peer.call("unregister", "stays")
+
+
+def test_disconnect_lets_pending_transfers_finish(peer: PeerProcess) -> None:
+    t, buf, pid = _pair(peer, "disc", 16 << 20, 50)
+    try:
+        h = t.write(pid, "disc", "disc", [(0, 0, 16 << 20)])
+        t.disconnect(pid)
+        h.wait(WAIT_S)
+        assert h.state is TransferState.DONE
+        assert np.array_equal(_peer_bytes(peer, "disc", 16 << 20), buf)
+    finally:
+        t.close()
+        peer.call("unregister", "disc")
+
+
+def test_peer_killed_mid_transfer_fails_not_hangs() -> None:
+    proc = PeerProcess("tcp")
+    t = _local()
+    try:
+        src = np.ones(BIG, dtype=np.uint8)
+        t.register_buffer("kv", src.ctypes.data, BIG, owner=src)
+        pid = t.connect(proc.call("register", "kv", BIG, 6))
+        proc.pause()  # it cannot finish: we are mid-transfer when the peer dies
+        h = t.write(pid, "kv", "kv", [(0, 0, BIG)])
+        with pytest.raises(TransferTimeout):
+            h.wait(0.3)
+        proc.process.kill()
+        t0 = time.monotonic()
+        with pytest.raises(TransferError) as err:
+            h.wait(WAIT_S)
+        assert not isinstance(err.value, TransferTimeout)
+        assert time.monotonic() - t0 < 10
+        assert h.state is TransferState.FAILED and "lost" in (h.error or "")
+        # later transfers fail at once too (reconnecting is refused), never hang
+        h2 = t.write(pid, "kv", "kv", [(0, 0, 4096)])
+        with pytest.raises(TransferError):
+            h2.wait(10)
+    finally:
+        proc.stop()
+        t.close()
+
+
+def test_a_stalled_peer_fails_within_io_timeout(peer: PeerProcess) -> None:
+    t, _, pid = _pair(peer, "stall", BIG, 60, io_timeout_s=1.0)
+    peer.pause()
+    try:
+        with pytest.raises(TransferTimeout):
+            t.notify(pid, b"x", timeout=0.3)  # bounded by its own timeout
+        h = t.write(pid, "stall", "stall", [(0, 0, BIG)])
+        t0 = time.monotonic()
+        with pytest.raises(TransferError) as err:
+            h.wait(WAIT_S)
+        assert not isinstance(err.value, TransferTimeout)
+        assert time.monotonic() - t0 < 15
+        assert "no data" in (h.error or "")
+    finally:
+        peer.resume()
+        t.close()
+        peer.call("unregister", "stall")
+
+
+def test_garbage_on_the_data_port_is_dropped(peer: PeerProcess) -> None:
+    t, buf, pid = _pair(peer, "junk", 1 << 20, 70)
+    try:
+        host, _, port = TransportDescriptor.from_bytes(peer.call("descriptor")).address.rpartition(
+            ":"
+        )
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(b"GET / HTTP/1.1\r\n\r\n")
+            s.settimeout(5)
+            # the server hangs up on a stranger (a reset when our junk was left unread)
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(64) == b""
+        t.write(pid, "junk", "junk", [(0, 0, 4096)]).wait(WAIT_S)
+        assert np.array_equal(_peer_bytes(peer, "junk", 4096), buf[:4096])
+    finally:
+        t.close()
+        peer.call("unregister", "junk")
+
+
+def test_settings_and_host_memory_only() -> None:
+    with pytest.raises(pydantic.ValidationError, match="bogus"):
+        get_backend("tcp", bogus=1)
+    t = _local()
+    try:
+        port = int(t.descriptor().address.rpartition(":")[2])
+        with pytest.raises(TransportError, match="bind"):
+            _local(port=port)
+        torch = pytest.importorskip("torch")
+        with pytest.raises(RegistrationError, match="host memory"):
+            t.register_tensor("meta", torch.empty(16, device="meta"))
+    finally:
+        t.close()
