@@ -17,8 +17,10 @@ class TransferConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["mooncake", "mori"] = Field(
-        "mooncake", description="Transport backend: mooncake (TCP/RDMA) or mori (MoRI-IO, ROCm)."
+    backend: Literal["mooncake", "mori", "tcp"] = Field(
+        "mooncake",
+        description="Transport backend: mooncake (TCP/RDMA), mori (MoRI-IO, ROCm) or tcp "
+        "(our own data path over plain TCP sockets, host memory).",
     )
     backend_settings: dict[str, Any] = Field(
         default_factory=dict,
