@@ -12,7 +12,9 @@ h.wait(timeout=5.0)
 t.notify(peer, b'{"done": "req-1"}')
 ```
 
-See :mod:`vllm_pd_ext.transport.base` for the contract.
+Backends by name: ``mooncake`` (Mooncake's transfer engine, TCP or RDMA), ``mori`` (AMD
+MoRI-IO, ROCm) and ``tcp`` (our own data path over plain TCP sockets, host memory; see
+:mod:`vllm_pd_ext.transport.tcp`). See :mod:`vllm_pd_ext.transport.base` for the contract.
 """
 
 from __future__ import annotations
