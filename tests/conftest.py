@@ -59,6 +59,29 @@ def tiny_qwen(model_cache: Path) -> Path:
     return ensure_model("tiny-qwen", model_cache)
 
 
+def _hybrid_model(name: str, model_cache: Path) -> Path:
+    if not HAVE_MODEL_DEPS:
+        pytest.skip(f"torch, transformers and tokenizers are needed to build {name}")
+    from vllm_pd_ext.tools.tiny_model import ensure_model
+
+    return ensure_model(name, model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_granite_hybrid(model_cache: Path) -> Path:
+    return _hybrid_model("tiny-granite-hybrid", model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_mamba2(model_cache: Path) -> Path:
+    return _hybrid_model("tiny-mamba2", model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next(model_cache: Path) -> Path:
+    return _hybrid_model("tiny-qwen3-next", model_cache)
+
+
 class ServerFactory:
     """Starts ``vllm serve`` processes and remembers them so they can all be stopped."""
 

@@ -22,7 +22,12 @@ from vllm.config import (
     VllmConfig,
 )
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    KVCacheConfig,
+    KVCacheGroupSpec,
+    MambaSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.structured_output import StructuredOutputManager
@@ -64,29 +69,35 @@ def make_vllm_config(
     )
 
 
-def make_scheduler(vllm_config: VllmConfig) -> Scheduler:
+def make_scheduler(vllm_config: VllmConfig, hybrid: bool = False) -> Scheduler:
+    """A Scheduler with one full-attention group, or (``hybrid``) a Mamba2 state group and a
+    full-attention group as vLLM's hybrid allocator builds them for GraniteMoeHybrid."""
     mc = vllm_config.model_config
+    attention = FullAttentionSpec(
+        block_size=BLOCK_SIZE,
+        num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
+        head_size=mc.get_head_size(),
+        dtype=torch.float32,
+    )
+    groups = [KVCacheGroupSpec(["layer1"], attention)]
+    if hybrid:
+        mamba = MambaSpec(
+            block_size=vllm_config.model_config.max_model_len,
+            shapes=((3, 544), (8, 64, 16)),
+            dtypes=(torch.bfloat16, torch.float32),
+            page_size_padded=attention.page_size_bytes,
+        )
+        groups.insert(0, KVCacheGroupSpec(["layer0"], mamba))
     kv_cache_config = KVCacheConfig(
-        num_blocks=NUM_BLOCKS,
-        kv_cache_tensors=[],
-        kv_cache_groups=[
-            KVCacheGroupSpec(
-                ["layer0"],
-                FullAttentionSpec(
-                    block_size=BLOCK_SIZE,
-                    num_kv_heads=mc.get_num_kv_heads(vllm_config.parallel_config),
-                    head_size=mc.get_head_size(),
-                    dtype=torch.float32,
-                ),
-            )
-        ],
+        num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=groups
     )
     vllm_config.cache_config.num_gpu_blocks = NUM_BLOCKS
     return Scheduler(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK_SIZE,
+        block_size=vllm_config.model_config.max_model_len if hybrid else BLOCK_SIZE,
+        hash_block_size=BLOCK_SIZE,
         log_stats=True,
     )
 
@@ -118,15 +129,17 @@ def runner_output(
     sending: set[str] | None = None,
     recving: set[str] | None = None,
     invalid: set[int] | None = None,
+    failed: set[str] | None = None,
 ) -> ModelRunnerOutput:
     """What the worker would return for ``scheduler_output`` (one token per scheduled request)."""
     req_ids = list(scheduler_output.num_scheduled_tokens)
     kv_out = None
-    if sending or recving or invalid:
+    if sending or recving or invalid or failed:
         kv_out = KVConnectorOutput(
             finished_sending=sending or None,
             finished_recving=recving or None,
             invalid_block_ids=invalid or set(),
+            failed_recving=failed or set(),
         )
     return ModelRunnerOutput(
         req_ids=req_ids,

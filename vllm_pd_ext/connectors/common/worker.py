@@ -14,8 +14,9 @@ the transfers:
   step; then "written" is sent and the blocks are freed.
 
 Every failure ends in the same place: the decode request is reported finished with its blocks
-in ``get_block_ids_with_load_errors()``, so vLLM's ``kv_load_failure_policy`` recomputes or
-fails it; nothing half-loaded is ever used as valid.
+in ``get_block_ids_with_load_errors()`` (or, for hybrid models whose block ids repeat across KV
+cache groups, in the transfer results' ``failed_recving``), so vLLM's ``kv_load_failure_policy``
+recomputes or fails it; nothing half-loaded is ever used as valid.
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ class TransferWorker:
         self._load_blocks: dict[str, tuple[int, ...]] = {}
         self._written: dict[str, tuple[bool, str]] = {}  # transfer id -> (ok, error)
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()
         # prefill side
         self._leases = LeaseTable(cfg.lease_s, clock=clock)
         self._held: dict[str, int] = {}  # req id -> blocks held (read mode)
@@ -520,7 +522,11 @@ class TransferWorker:
             blocks = self._load_blocks.pop(req_id, ())
             if fut.exception() is not None:
                 logger.warning("%s", fut.exception())
-                self._load_errors.update(blocks)
+                if len(self.block_sizes) > 1:
+                    # block ids repeat across groups: vLLM takes hybrid failures by request
+                    self._failed_loads.add(req_id)
+                else:
+                    self._load_errors.update(blocks)
             recving.add(req_id)
         sending = self._finished_sending & self._finished_reqs
         self._finished_sending -= sending
@@ -530,9 +536,16 @@ class TransferWorker:
         return (sending or None), (recving or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        """Blocks of loads reported finished that did not complete (then cleared)."""
+        """Blocks of loads reported finished that did not complete (then cleared); one KV
+        cache group only."""
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests (hybrid models: several KV cache groups) whose load reported finished
+        did not complete (then cleared)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def shutdown(self) -> None:
         """Stop the handshake server, the transfer threads and the transport."""
