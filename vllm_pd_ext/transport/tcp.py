@@ -28,6 +28,10 @@ Wire (little-endian): HELLO ``"PDXT", u16 version, u16 id length, id`` both ways
 ``u8 kind, u32 name length, u64 transfer id, u64 spans, u64 payload bytes``, name, spans as
 int64 ``(offset, length)`` pairs, payload; answer ``u8 kind, u32 message length, u64 transfer
 id, u64 payload bytes``, message, payload. Host memory only (CPU tensors or buffers).
+
+Like Mooncake's and MoRI's engines, the data server does not authenticate peers: anyone who
+can reach ``host:port`` can read and write the registered regions (within their bounds).
+Bind it to a private interface.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ _WRITE, _READ, _NOTIFY = 1, 2, 3
 _OK, _DATA, _FAIL = 1, 2, 3
 _MAX_NAME = 4096
 _MAX_MESSAGE = 64 * 1024
+_MAX_SPANS = 1 << 24  # per request: 256 MiB of span table at most
 #: Largest notification payload.
 MAX_NOTIFY_PAYLOAD = 64 * 1024
 #: Receive timeout of one blocking call: how often idle threads look at their stop flag.
@@ -352,7 +357,7 @@ class _Server:
             while True:
                 head = link.recv(_REQ.size, idle=_always)
                 kind, name_len, xid, nspans, nbytes = _REQ.unpack(head)
-                if name_len > _MAX_NAME or nspans > (1 << 32):
+                if name_len > _MAX_NAME or nspans > _MAX_SPANS:
                     raise ValueError("malformed request header")
                 name = link.recv(name_len).decode()
                 if kind == _NOTIFY:
@@ -597,9 +602,12 @@ class _PeerConn:
             job.finish(f"local region {job.local!r} was unregistered")
             return
         try:
-            link.send(head + _pairs(spans, REMOTE))
             offs, lens = spans[:, LOCAL].tolist(), spans[:, LENGTH].tolist()
+            first = True
             for views in _span_views(view, offs, lens, self.cfg.iov_max):
+                if first:  # the header rides in the payload's first sendmsg
+                    views.insert(0, memoryview(head + _pairs(spans, REMOTE)))
+                    first = False
                 link.send_views(views)
         finally:
             self.memory.release(job.local)
@@ -749,6 +757,9 @@ class TcpTransport(Transport):
     ) -> _Job:
         kind = _WRITE if op is TransferOp.WRITE else _READ
         job = _Job(kind, next(self._xids), local=local.name, remote=remote.name, spans=spans)
+        if len(spans) > _MAX_SPANS:
+            job.finish(f"{len(spans)} spans in one transfer; the tcp backend takes {_MAX_SPANS}")
+            return job
         try:
             conn = self._conn(desc)
         except (PeerUnreachable, PeerMismatch) as e:
