@@ -12,20 +12,23 @@ does. Prefill blocks are 0..n-1 (a fresh engine); three cache layouts:
 * ``cross-layer-scattered``: a ``[block][layer][K|V]`` cache (vLLM's cross-layer layout),
   random decode blocks: one 896 KiB span per block.
 
-Each side registers its whole cache as one region. Two phases, each with its own decode
-process: our transport, then the NIXL variants (so that no engine's threads compete with
-another's on the two cores). In a phase every configuration runs ``--runs`` interleaved
-rounds of the floors and the transports; medians are reported, ``ours/tcp`` is the median of
-per-round ratios; a transport slower than ``--budget-s`` runs fewer rounds or skips a size it
-would need over twice that for. The first round of each is checked byte for byte on 32
-random spans.
+Each side registers its whole cache as one region. One phase per transport family, each with
+its own decode process: our transport over Mooncake, our transport over its own TCP data
+path, then the NIXL variants (so that no engine's threads compete with another's on the two
+cores). In a phase every configuration runs ``--runs`` interleaved rounds of the floors and
+the transports; medians are reported, ``x/tcp`` is the median of per-round ratios; a
+transport slower than ``--budget-s`` runs fewer rounds or skips a size it would need over
+twice that for. The first round of each is checked byte for byte on 32 random spans.
 
 Printed side by side, in one run, on this machine:
 
 * memcpy: ``numpy.copyto`` of a large buffer in one process (a floor: no copy is faster);
 * loopback TCP: one socket between the two processes, 4 MiB ``sendall``/``recv_into``;
-* ours: ``vllm_pd_ext.transport`` ``mooncake`` backend over TCP (one batched write per layer,
-  or one for the cross-layer cache, then ``wait_all``);
+* ours-mc: ``vllm_pd_ext.transport`` ``mooncake`` backend over TCP (one batched write per
+  layer, or one for the cross-layer cache, then ``wait_all``);
+* ours-tcp: ``vllm_pd_ext.transport`` ``tcp`` backend (our own data path: one persistent
+  socket, ``sendmsg``/``recvmsg_into`` straight from and into the registered caches), same
+  calls;
 * NIXL 1.5.1, UCX backend, one ``initialize_xfer`` + ``transfer`` of all spans: once with
   UCX's default transports (shared memory / CMA between local processes: not a network
   path) and once restricted to TCP (``UCX_TLS=tcp``), the like-for-like comparison.
@@ -57,6 +60,11 @@ RESULTS = Path(__file__).parent / "results" / "transport_bandwidth.json"
 REPLY_TIMEOUT_S = 300.0
 WAIT_S = 120.0
 TCP_CHUNK = 4 << 20
+#: Our transport's rows: name -> (backend, settings).
+OURS: dict[str, tuple[str, dict[str, Any]]] = {
+    "ours-mc": ("mooncake", {"host": "127.0.0.1", "protocol": "tcp"}),
+    "ours-tcp": ("tcp", {"host": "127.0.0.1"}),
+}
 #: NIXL variants: UCX_TLS for each (None = UCX default).
 NIXL_TLS: dict[str, str | None] = {"nixl": None, "nixl-tcp": "tcp"}
 
@@ -140,8 +148,8 @@ def _decode_side(conn: Any, num_blocks: int, nixl_variants: list[str]) -> None:
             except Exception as e:
                 conn.send(("err", f"{type(e).__name__}: {e}"))
     finally:
-        if "t" in state:
-            state["t"].close()
+        for t in state.get("ours", {}).values():
+            t.close()
 
 
 def _decode_cmd(cmd: str, args: tuple, cache: np.ndarray, state: dict[str, Any]) -> Any:
@@ -150,15 +158,16 @@ def _decode_cmd(cmd: str, args: tuple, cache: np.ndarray, state: dict[str, Any])
     if cmd == "clear":
         cache.fill(0)
         return None
-    if cmd == "up":  # our transport (args[0]) or the NIXL agents, over the same cache
-        descriptor = None
-        if args[0]:
-            from vllm_pd_ext.transport import get_backend
+    if cmd == "up":  # our transports (args[0]) or the NIXL agents, over the same cache
+        from vllm_pd_ext.transport import get_backend
 
-            t = get_backend("mooncake", host="127.0.0.1", protocol="tcp")
+        descriptors, state["ours"] = {}, {}
+        for name in args[0]:
+            backend, settings = OURS[name]
+            t = get_backend(backend, **settings)
             t.register_buffer("kv", cache.ctypes.data, cache.nbytes)
-            state["t"] = t
-            descriptor = t.descriptor().to_bytes()
+            state["ours"][name] = t
+            descriptors[name] = t.descriptor().to_bytes()
         metas = {}
         regs = [(cache.ctypes.data, cache.nbytes, 0, "")]
         for variant in state["variants"]:
@@ -166,7 +175,7 @@ def _decode_cmd(cmd: str, args: tuple, cache: np.ndarray, state: dict[str, Any])
             agent.register_memory(regs, "DRAM")
             state[variant] = agent
             metas[variant] = agent.get_agent_metadata()
-        return descriptor, metas, cache.ctypes.data
+        return descriptors, metas, cache.ctypes.data
     if cmd == "tcp_listen":
         srv = socket.create_server(("127.0.0.1", 0))
         state["srv"] = srv
@@ -263,12 +272,13 @@ class TcpFloor:
 
 # -------------------------------------------------------------------- transfers
 class Ours:
-    """``vllm_pd_ext.transport`` mooncake backend: one batched write per group, then wait_all."""
+    """``vllm_pd_ext.transport`` (a backend of OURS): one batched write per group, wait_all."""
 
-    def __init__(self, src: np.ndarray, descriptor: bytes) -> None:
+    def __init__(self, name: str, src: np.ndarray, descriptor: bytes) -> None:
         from vllm_pd_ext.transport import get_backend
 
-        self.t = get_backend("mooncake", host="127.0.0.1", protocol="tcp")
+        backend, settings = OURS[name]
+        self.t = get_backend(backend, **settings)
         self.t.register_buffer("kv", src.ctypes.data, src.nbytes)
         self.peer = self.t.connect(descriptor)
 
@@ -369,9 +379,9 @@ def make_plans(token_sizes: list[int], layouts: list[str], num_blocks: int) -> l
 
 
 def measure(
-    args: argparse.Namespace, peers: list[str], *, ours: bool
+    args: argparse.Namespace, peers: list[str], ours: list[str]
 ) -> tuple[list[dict], dict[str, str]]:
-    """One phase: our transport alone, or the NIXL peers alone, next to the floors.
+    """One phase: some of our transports, or the NIXL peers, next to the floors.
 
     Phases keep the engines apart (NIXL's UCX progress threads must not share the two cores
     with our engine's threads while we are measured, nor the reverse); within a phase the
@@ -389,9 +399,9 @@ def measure(
     decode = DecodeProcess(num_blocks, peers)
     tcp = None
     try:
-        descriptor, metas, remote_base = decode.call("up", ours)
-        if ours:
-            movers["ours"] = Ours(src, descriptor)
+        descriptors, metas, remote_base = decode.call("up", ours)
+        for name in ours:
+            movers[name] = Ours(name, src, descriptors[name])
         for variant in peers:
             try:
                 movers[variant] = Nixl(variant, src, metas[variant], remote_base)
@@ -464,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="timed rounds per configuration")
     ap.add_argument("--budget-s", type=float, default=10.0, help="stop re-running a slow one")
     ap.add_argument("--floor-mb", type=int, default=256, help="MiB per floor measurement")
+    ap.add_argument("--ours", default=",".join(OURS), help="our backends' rows, one phase each")
     ap.add_argument("--peers", default="nixl,nixl-tcp", help="NIXL variants ('' = none)")
     ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args(argv)
@@ -471,15 +482,23 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(peers) - set(NIXL_TLS)
     if unknown:
         ap.error(f"unknown peers: {sorted(unknown)}")
+    ours = [o for o in args.ours.split(",") if o]
+    if set(ours) - set(OURS):
+        ap.error(f"unknown --ours: {sorted(set(ours) - set(OURS))}")
 
     t_start = time.perf_counter()
     load_start = os.getloadavg()
     print(f"machine: {os.cpu_count()} cores, {_cpu_model()}; load {load_start[0]:.1f}")
-    rows, errors = measure(args, [], ours=True)
-    if peers:
-        peer_rows, peer_errors = measure(args, peers, ours=False)
-        errors.update(peer_errors)
-        for row, extra in zip(rows, peer_rows, strict=True):
+    phases = [([], [name]) for name in ours] + ([(peers, [])] if peers else [])
+    rows: list[dict] = []
+    errors: dict[str, str] = {}
+    for phase_peers, phase_ours in phases:
+        phase_rows, phase_errors = measure(args, phase_peers, phase_ours)
+        errors.update(phase_errors)
+        if not rows:
+            rows = phase_rows
+            continue
+        for row, extra in zip(rows, phase_rows, strict=True):
             for name, runs in extra["runs"].items():
                 row["runs"].setdefault(name, []).extend(runs)
             row["vs_tcp"].update(extra["vs_tcp"])
@@ -487,10 +506,13 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.perf_counter() - t_start
     med = statistics.median
 
-    names = ["ours", *[p for p in peers if p not in errors]]
+    names = [n for n in [*ours, *peers] if n not in errors]
     print(f"\nGB/s, median of up to {args.runs} rounds; x/tcp: median ratio to the TCP floor")
     print("measured in the same round (phases ran at different machine loads: compare ratios)")
-    print("ours = vllm_pd_ext.transport 'mooncake' backend over TCP; floors: memcpy, TCP loopback")
+    print(
+        "ours-mc / ours-tcp = vllm_pd_ext.transport, 'mooncake' backend over TCP / 'tcp' "
+        "backend; floors: memcpy, TCP loopback"
+    )
     head = f"{'layout':>21} {'tokens':>6} {'MB':>6} {'spans':>7} {'memcpy':>6} {'tcp':>5}"
     head += "".join(f" {n:>8}" for n in names) + "".join(f" {n + '/tcp':>12}" for n in names)
     print(head)
@@ -498,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = r["runs"]
         r["median_gbps"] = {k: med(v) for k, v in runs.items() if v}
         r["median_vs_tcp"] = {k: med(v) for k, v in r["vs_tcp"].items() if v}
-        r["ours_vs_tcp"] = r["median_vs_tcp"].get("ours")
+        r["ours_vs_tcp"] = {n: r["median_vs_tcp"][n] for n in ours if n in r["median_vs_tcp"]}
         line = (
             f"{r['layout']:>21} {r['tokens']:>6} {r['bytes'] / 1e6:>6.0f} {r['spans']:>7} "
             f"{med(runs['memcpy']):>6.2f} {med(runs['tcp']):>5.2f}"
@@ -556,7 +578,9 @@ def main(argv: list[str] | None = None) -> int:
             },
         },
         "transports": {
-            "ours": "vllm_pd_ext.transport mooncake backend, protocol tcp, 127.0.0.1",
+            "ours-mc": "vllm_pd_ext.transport mooncake backend, protocol tcp, 127.0.0.1",
+            "ours-tcp": "vllm_pd_ext.transport tcp backend (own data path: sendmsg/recvmsg_into "
+            "between the registered caches over one socket), 127.0.0.1",
             "nixl": "NIXL UCX backend, UCX default transports (shm/CMA between local processes)",
             "nixl-tcp": "NIXL UCX backend with UCX_TLS=tcp",
             "tcp": "one Python socket, 4 MiB sendall/recv_into (floor)",
@@ -564,7 +588,7 @@ def main(argv: list[str] | None = None) -> int:
         },
         "errors": errors,
         "results": rows,
-        "goal": "ours >= 50% of the TCP loopback floor",
+        "goal": "ours >= 50% of the TCP loopback floor in every layout",
         "elapsed_s": elapsed,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
