@@ -5,7 +5,8 @@ Failure semantics (all timeouts come from ``TimeoutConfig``):
 * prefill leg fails (unreachable, 5xx, timeout, no ``kv_transfer_params``): try up to
   ``prefill_retries`` other prefill instances, then serve colocated on the decode instance
   (``retry-then-colocated``, default) or answer 502 (``retry-then-fail``). Never a partial answer.
-* decode leg fails before its first byte: try up to ``decode_retries`` other decode instances.
+* decode leg fails before its first byte: try up to ``decode_retries`` other decode instances
+  (colocated there when the protocol pushed the KV to the first one: ``binds_decode``).
 * decode fails mid-stream: one SSE error event, then the stream closes.
 * a 4xx from an engine is the client's mistake: passed through unchanged.
 * the client disconnects: waiting for the prefill leg -> that request is cancelled (the engine
