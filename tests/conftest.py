@@ -82,6 +82,21 @@ def tiny_qwen3_next(model_cache: Path) -> Path:
     return _hybrid_model("tiny-qwen3-next", model_cache)
 
 
+@pytest.fixture(scope="session")
+def tiny_nemotron_h(model_cache: Path) -> Path:
+    return _hybrid_model("tiny-nemotron-h", model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_zamba2(model_cache: Path) -> Path:
+    return _hybrid_model("tiny-zamba2", model_cache)
+
+
+@pytest.fixture(scope="session")
+def tiny_falcon_h1(model_cache: Path) -> Path:
+    return _hybrid_model("tiny-falcon-h1", model_cache)
+
+
 class ServerFactory:
     """Starts ``vllm serve`` processes and remembers them so they can all be stopped."""
 

