@@ -2,10 +2,12 @@
 
 Why: Mooncake's TCP transport pays a lot per entry, so vLLM's usual per-layer layout with
 scattered 16 KiB blocks moved at ~10% of this machine's loopback-TCP floor. Here the kernel
-does the gathering and scattering: spans go out with one ``sendmsg`` of up to ``iov_max``
-memoryviews of the registered region and land with ``recvmsg_into`` straight into the
-receiver's region, so every byte is copied exactly as often as by a plain socket copy
-(user -> kernel -> user) and Python pays well under a microsecond per span.
+does the gathering and scattering: spans go out with ``sendmsg`` calls of up to ``iov_max``
+memoryviews of the registered region (about ``batch_bytes`` each: 512 KiB moved 16 KiB spans
+~1.2x faster than 2 MiB and ~1.3x faster than 8 MiB in interleaved A/B runs here) and land
+with ``recvmsg_into`` straight into the receiver's region, so every byte is copied exactly
+as often as by a plain socket copy (user -> kernel -> user) and Python pays well under a
+microsecond per span.
 
 Shape:
 
@@ -102,6 +104,9 @@ class TcpConfig(BaseModel):
         30.0, gt=0, description="A peer that moves no byte for this long counts as gone."
     )
     iov_max: int = Field(512, ge=1, le=1024, description="Spans per sendmsg/recvmsg call.")
+    batch_bytes: int = Field(
+        512 << 10, ge=4096, description="Bytes per sendmsg/recvmsg call (a longer span: one call)."
+    )
     socket_buffer_bytes: int | None = Field(
         None, ge=65536, description="SO_SNDBUF/SO_RCVBUF; None keeps the kernel's autotuning."
     )
@@ -234,14 +239,20 @@ def _advance(views: list[memoryview], k: int, n: int) -> int:
 
 
 def _span_views(
-    mem: memoryview, offsets: list[int], lengths: list[int], step: int
+    mem: memoryview, offsets: list[int], lengths: list[int], cfg: TcpConfig
 ) -> Iterator[list[memoryview]]:
-    """Memoryviews of ``mem`` for the spans, in lists of at most ``step``."""
-    for i in range(0, len(offsets), step):
-        yield [
-            mem[o : o + n]
-            for o, n in zip(offsets[i : i + step], lengths[i : i + step], strict=True)
-        ]
+    """Memoryviews of ``mem`` for the spans, in lists of at most ``cfg.iov_max`` views that
+    end once they hold ``cfg.batch_bytes`` (a longer span stays whole)."""
+    views: list[memoryview] = []
+    size, max_views, max_bytes = 0, cfg.iov_max, cfg.batch_bytes
+    for o, n in zip(offsets, lengths, strict=True):
+        views.append(mem[o : o + n])
+        size += n
+        if size >= max_bytes or len(views) >= max_views:
+            yield views
+            views, size = [], 0
+    if views:
+        yield views
 
 
 def _always() -> bool:
@@ -407,7 +418,7 @@ class _Server:
                 link.drain(nbytes)
                 return self._fail(link, xid, f"region {name!r}: {problem}")
             offs, lens = pairs[:, 0].tolist(), pairs[:, 1].tolist()
-            for views in _span_views(view, offs, lens, self.cfg.iov_max):
+            for views in _span_views(view, offs, lens, self.cfg):
                 link.recv_views(views)
         finally:
             self.memory.release(name)
@@ -424,7 +435,7 @@ class _Server:
             nbytes = int(pairs[:, 1].sum())
             link.send(_RSP.pack(_DATA, 0, xid, nbytes))
             offs, lens = pairs[:, 0].tolist(), pairs[:, 1].tolist()
-            for views in _span_views(view, offs, lens, self.cfg.iov_max):
+            for views in _span_views(view, offs, lens, self.cfg):
                 link.send_views(views)
         finally:
             self.memory.release(name)
@@ -604,7 +615,7 @@ class _PeerConn:
         try:
             offs, lens = spans[:, LOCAL].tolist(), spans[:, LENGTH].tolist()
             first = True
-            for views in _span_views(view, offs, lens, self.cfg.iov_max):
+            for views in _span_views(view, offs, lens, self.cfg):
                 if first:  # the header rides in the payload's first sendmsg
                     views.insert(0, memoryview(head + _pairs(spans, REMOTE)))
                     first = False
@@ -659,7 +670,7 @@ class _PeerConn:
             return f"local region {job.local!r} was unregistered"
         try:
             offs, lens = spans[:, LOCAL].tolist(), spans[:, LENGTH].tolist()
-            for views in _span_views(view, offs, lens, self.cfg.iov_max):
+            for views in _span_views(view, offs, lens, self.cfg):
                 self.link.recv_views(views)
         finally:
             self.memory.release(job.local)
