@@ -6,13 +6,15 @@ from __future__ import annotations
 import contextlib
 import subprocess
 import sys
+import threading
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
-from vllm_pd_ext.tools.pd_demo import NIXL_CPU
+from vllm_pd_ext.tools.pd_demo import NIXL_CPU, completion_body, stream_completion
 from vllm_pd_ext.tools.vllm_process import VllmServer, free_port
 
 
@@ -88,3 +90,42 @@ def running_proxy(args: list[str], log: Path, ready_timeout: float = 60) -> Iter
     # uvicorn re-raises SIGTERM once it has shut down cleanly.
     assert proc.returncode in (0, -15), log.read_text()[-4000:]
     assert "Application shutdown complete" in log.read_text()
+
+
+def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
+    """Both legs at once, as the proxy's pdext-write protocol sends them."""
+    tid = uuid.uuid4().hex
+    p_body = {
+        **completion_body(prefill, prompt_ids, 1),
+        "stream": False,
+        "kv_transfer_params": {
+            "do_remote_decode": True,
+            "do_remote_prefill": False,
+            "transfer_mode": "write",
+            "transfer_id": tid,
+        },
+    }
+    p_body.pop("stream_options", None)
+    d_body = {
+        **completion_body(decode, prompt_ids, max_tokens),
+        "kv_transfer_params": {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "transfer_mode": "write",
+            "transfer_id": tid,
+            "remote_engine_id": None,
+            "remote_host": "127.0.0.1",
+            "remote_port": side,
+        },
+    }
+    result = {}
+    leg = threading.Thread(
+        target=lambda: result.setdefault(
+            "p", client.post(f"{prefill.base_url}/v1/completions", json=p_body)
+        )
+    )
+    leg.start()
+    ids, _ = stream_completion(client, decode, d_body)
+    leg.join(timeout=120)
+    assert result["p"].status_code == 200, result["p"].text
+    return ids

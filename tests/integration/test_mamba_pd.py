@@ -15,7 +15,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import wait_idle
+from tests.integration.fleet_helpers import split_write, wait_idle
 from vllm_pd_ext.tools.pd_demo import (
     EXTERNAL,
     PROMPT_TOKENS_BY_SOURCE,
@@ -73,7 +73,7 @@ def hybrid(request, vllm_servers):
     ]
     for server in servers:
         server.wait_healthy()
-    yield model, servers[0], servers[1], exact
+    yield model, servers[0], servers[1], exact, side
     for server in servers:
         server.stop()
 
@@ -111,7 +111,7 @@ def assert_same_tokens(colocated: dict, split: dict, exact: bool) -> None:
 
 @pytest.mark.parametrize("prompt_tokens", [100, 250, 450])
 def test_split_equals_colocated_and_state_is_loaded(hybrid, prompt_tokens):
-    model, prefill, decode, exact = hybrid
+    model, prefill, decode, exact, _ = hybrid
     prompt_ids = make_prompt_ids(model, prompt_tokens)
     with httpx.Client(timeout=httpx.Timeout(180.0, connect=5.0)) as client:
         colocated = completion(client, decode, prompt_ids)
@@ -123,4 +123,20 @@ def test_split_equals_colocated_and_state_is_loaded(hybrid, prompt_tokens):
         split = completion(client, decode, prompt_ids, kv_transfer_params=params)
     assert_same_tokens(colocated, split, exact)
     assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before == prompt_tokens - 1
+    wait_idle(prefill)
+
+
+def test_write_mode(hybrid):
+    """Both legs at once: the prefill side pushes every group into the decode side's offer."""
+    model, prefill, decode, exact, side = hybrid
+    prompt_ids = make_prompt_ids(model, 333)
+    with httpx.Client(timeout=httpx.Timeout(180.0, connect=5.0)) as client:
+        colocated = completion(client, decode, prompt_ids)
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        split = split_write(client, prefill, decode, side, prompt_ids, MAX_TOKENS)
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before == 332
+    if exact:
+        assert split == colocated["token_ids"]
+    else:
+        assert_same_tokens(colocated, {"token_ids": split}, exact=False)
     wait_idle(prefill)

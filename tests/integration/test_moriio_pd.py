@@ -11,14 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
-import uuid
 
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import running_proxy, wait_idle
+from tests.integration.fleet_helpers import running_proxy, split_write, wait_idle
 from vllm_pd_ext.tools.pd_demo import (
     EXTERNAL,
     PROMPT_TOKENS_BY_SOURCE,
@@ -82,45 +80,6 @@ def split_read(client, prefill, decode, prompt_ids, max_tokens):
         decode,
         {**completion_body(decode, prompt_ids, max_tokens), "kv_transfer_params": params},
     )
-    return ids
-
-
-def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
-    """Both legs at once, as the proxy's pdext-write protocol sends them."""
-    tid = uuid.uuid4().hex
-    p_body = {
-        **completion_body(prefill, prompt_ids, 1),
-        "stream": False,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "transfer_mode": "write",
-            "transfer_id": tid,
-        },
-    }
-    p_body.pop("stream_options", None)
-    d_body = {
-        **completion_body(decode, prompt_ids, max_tokens),
-        "kv_transfer_params": {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_mode": "write",
-            "transfer_id": tid,
-            "remote_engine_id": None,
-            "remote_host": "127.0.0.1",
-            "remote_port": side,
-        },
-    }
-    result = {}
-    leg = threading.Thread(
-        target=lambda: result.setdefault(
-            "p", client.post(f"{prefill.base_url}/v1/completions", json=p_body)
-        )
-    )
-    leg.start()
-    ids, _ = stream_completion(client, decode, d_body)
-    leg.join(timeout=120)
-    assert result["p"].status_code == 200, result["p"].text
     return ids
 
 
