@@ -50,6 +50,14 @@ def add_parser(subparsers: Any) -> None:
         help="an instance serving both roles (repeatable)",
     )
     p.add_argument(
+        "--render",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="a render server (repeatable); any given turns on token mode: engines get token "
+        "ids on /inference/v1/generate (vllm serve --enable-scale-out or --tokens-only)",
+    )
+    p.add_argument(
         "--instances-file",
         type=Path,
         default=None,
@@ -92,6 +100,8 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
     ]
     if flags:
         data["instances"] = [*data.get("instances", []), *flags]
+    if args.render:
+        data["render"] = [*data.get("render", []), *args.render]
     decision = dict(data.get("decision", {}))
     if args.min_split_prompt_tokens is not None:
         decision["min_split_prompt_tokens"] = args.min_split_prompt_tokens

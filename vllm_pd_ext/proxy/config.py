@@ -26,6 +26,13 @@ def split_host_port(addr: str) -> tuple[str, int]:
     return host.removeprefix("[").removesuffix("]"), int(port)
 
 
+def _http_url(value: str, what: str) -> str:
+    value = value.rstrip("/")
+    if not value.startswith(("http://", "https://")):
+        raise ValueError(f"{what} must start with http:// or https://: {value!r}")
+    return value
+
+
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -58,10 +65,7 @@ class InstanceConfig(_Strict):
     @field_validator("url")
     @classmethod
     def _url(cls, value: str) -> str:
-        value = value.rstrip("/")
-        if not value.startswith(("http://", "https://")):
-            raise ValueError(f"instance url must start with http:// or https://: {value!r}")
-        return value
+        return _http_url(value, "instance url")
 
     @property
     def label(self) -> str:
@@ -117,6 +121,7 @@ class TimeoutConfig(_Strict):
     decode_idle_s: float = Field(120.0, gt=0, description="longest gap between decode chunks")
     health_s: float = Field(5.0, gt=0)
     drain_s: float = Field(60.0, gt=0, description="background drain of an abandoned split")
+    render_s: float = Field(30.0, gt=0, description="one render or derender call (token mode)")
 
 
 class ProxyConfig(_Strict):
@@ -130,6 +135,12 @@ class ProxyConfig(_Strict):
         None, description="JSON/YAML file with an `instances` list, re-read when it changes"
     )
     kubernetes: KubernetesConfig | None = None
+    render: tuple[str, ...] = Field(
+        (),
+        description="token mode: render server URLs (`vllm-pd render`, `vllm launch render`); "
+        "engines then get token ids on /inference/v1/generate (`vllm serve --enable-scale-out` "
+        "or `--tokens-only`). Empty: text mode (OpenAI requests forwarded as they are)",
+    )
     prefill_policy: str = "least-loaded"
     decode_policy: str = "least-loaded"
     client_kv_transfer_params: Literal["drop", "reject"] = "drop"
@@ -150,6 +161,15 @@ class ProxyConfig(_Strict):
     affinity_prefix_chars: int = Field(1024, ge=16, description="prefix-affinity key length")
     decision: DecisionConfig = DecisionConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
+
+    @field_validator("render")
+    @classmethod
+    def _render_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
+        return tuple(_http_url(u, "render url") for u in value)
+
+    @property
+    def token_mode(self) -> bool:
+        return bool(self.render)
 
     @model_validator(mode="after")
     def _fleet(self) -> ProxyConfig:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 from fastapi.responses import JSONResponse
 
 _TYPES = {
@@ -65,6 +67,17 @@ def error_response(exc: ProxyError) -> JSONResponse:
 
 def sse_error(status: int, message: str) -> bytes:
     """One SSE event carrying an error, for streams that fail after their headers."""
-    import json
-
     return b"data: " + json.dumps(error_body(status, message)).encode() + b"\n\n"
+
+
+def passthrough(status: int, raw: bytes) -> ProxyError:
+    """An upstream's 4xx (engine or render server), forwarded with its own message."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        data = None
+    data = data if isinstance(data, dict) else {}
+    err = data.get("error") if isinstance(data.get("error"), dict) else data
+    text = raw[:2000].decode("utf-8", "replace")
+    message = err.get("message") or err.get("detail") or text or f"HTTP {status}"
+    return ProxyError(status, str(message), param=err.get("param"), code=err.get("code"))

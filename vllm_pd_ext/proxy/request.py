@@ -10,12 +10,15 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
 
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError
+
+if TYPE_CHECKING:
+    from vllm_pd_ext.proxy.token_mode import TokenRequest
 
 Route = Literal["chat", "completions"]
 PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -31,10 +34,24 @@ class RequestContext:
     affinity_key: str
     splittable: bool
     received: float = field(default_factory=time.perf_counter)
+    #: Token mode: the rendered request; the engines see it instead of ``body``.
+    tokens: TokenRequest | None = None
+    #: Token mode: the engines this request was sent to (for aborts).
+    engines: list[Any] = field(default_factory=list)
 
     @property
     def path(self) -> str:
+        """The engines' route for this request."""
+        if self.tokens is not None:
+            from vllm_pd_ext.proxy.token_mode import GENERATE_PATH
+
+            return GENERATE_PATH
         return PATHS[self.route]
+
+    @property
+    def engine_body(self) -> dict[str, Any]:
+        """What the engines get (before each leg's ``kv_transfer_params``)."""
+        return self.tokens.generate if self.tokens is not None else self.body
 
 
 async def read_body(request: Request, limit: int) -> dict[str, Any]:

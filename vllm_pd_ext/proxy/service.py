@@ -1,5 +1,10 @@
 """Serving one request: admission, decision, the prefill leg, the decode leg, the relay.
 
+Text mode forwards OpenAI requests to the engines' OpenAI routes. Token mode (a render tier
+configured, ``token_mode.py``) renders the request first, runs both legs on the engines'
+``/inference/v1/generate`` and derenders the answer (per event when streaming); a client that
+goes away also gets an explicit ``/inference/v1/abort_requests`` to the engines it reached.
+
 Failure semantics (all timeouts come from ``TimeoutConfig``):
 
 * prefill leg fails (unreachable, 5xx, timeout, no ``kv_transfer_params``): try up to
@@ -33,12 +38,20 @@ from vllm_pd_ext.proxy.admission import Admission
 from vllm_pd_ext.proxy.client_channel import ClientGone, DisconnectWatch, RelayResponse
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.decision import Decider, Decision
-from vllm_pd_ext.proxy.errors import ProxyError, sse_error
+from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
 from vllm_pd_ext.proxy.fleet import Fleet, Instance
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.policies import make_policy
 from vllm_pd_ext.proxy.protocols import MissingCoordinates, make_protocol
 from vllm_pd_ext.proxy.request import RequestContext, Route, parse_request, read_body
+from vllm_pd_ext.proxy.token_mode import (
+    ABORT_PATH,
+    DerenderStream,
+    RenderTier,
+    TokenRequest,
+    engine_request_id,
+    generate_leg,
+)
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse
 
 logger = logging.getLogger(__name__)
@@ -71,7 +84,8 @@ class _Slot:
 
 
 def prefill_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg: one token, not streamed, carrying the protocol's ``params``."""
+    """The prefill leg (text mode): one token, not streamed, carrying the protocol's
+    ``params``."""
     out = {k: v for k, v in body.items() if k not in PREFILL_DROPPED}
     out["max_tokens"] = 1
     if "max_completion_tokens" in out:
@@ -129,8 +143,19 @@ class ProxyService:
             connect=t.connect_s, read=max(t.decode_first_byte_s, t.decode_idle_s)
         ).client()
         self._drain_timeout = Timeouts(total=t.drain_s, connect=t.connect_s).client()
+        self._abort_timeout = Timeouts(total=t.health_s, connect=t.connect_s).client()
+        #: Token mode's render tier (created on the event loop in ``start``).
+        self.render: RenderTier | None = None
 
     async def start(self) -> None:
+        if self.config.render:
+            t = self.config.timeouts
+            self.render = RenderTier(
+                self.config.render,
+                timeout_s=t.render_s,
+                connect_s=t.connect_s,
+                max_connections=self.config.max_in_flight,
+            )
         await self.fleet.start()
 
     async def close(self) -> None:
@@ -138,6 +163,8 @@ class ProxyService:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         await self.fleet.close()
+        if self.render is not None:
+            await self.render.close()
 
     def _spawn(self, coro: Awaitable[None], name: str) -> None:
         task = asyncio.ensure_future(coro)
@@ -169,6 +196,8 @@ class ProxyService:
             return response
         except ClientGone as gone:
             self.metrics.aborts.labels(gone.phase).inc()
+            if ctx.tokens is not None and gone.phase != "between_legs":
+                self._abort_engines(ctx)
             self._finished(ctx, "-", f"client_gone_{gone.phase}", "client_gone")
             return Response(status_code=499)
         finally:
@@ -186,6 +215,8 @@ class ProxyService:
                 code="no_upstream",
                 retry_after=self.config.health_interval_s,
             )
+        if self.render is not None:
+            ctx.tokens = await watch.race(self._render(ctx), "render")
         decode = self.decode_policy.select(ctx.affinity_key, decode_pool)
         prefill_pool = [p for p in self.fleet.healthy("prefill") if p is not decode]
         decision = self.decider.decide(ctx, prefill_pool, decode)
@@ -249,12 +280,13 @@ class ProxyService:
         """
         inst.in_flight += 1
         try:
+            if ctx.tokens is not None:
+                ctx.engines.append(inst)
+                body = generate_leg(ctx.tokens.generate, params, max_tokens=1)
+            else:
+                body = prefill_body(ctx.body, params)
             status, raw = await inst.client.fetch(
-                "POST",
-                ctx.path,
-                self._prefill_timeout,
-                prefill_body(ctx.body, params),
-                {"X-Request-Id": ctx.request_id},
+                "POST", ctx.path, self._prefill_timeout, body, {"X-Request-Id": ctx.request_id}
             )
         except UpstreamError as exc:
             self._upstream_failed(inst, exc)
@@ -262,7 +294,7 @@ class ProxyService:
         finally:
             inst.in_flight -= 1
         if 400 <= status < 500:
-            raise _passthrough(status, raw)
+            raise passthrough(status, raw)
         if status != 200:
             raise _LegError(f"{inst.label}: HTTP {status}")
         data = _json_or_none(raw) or {}
@@ -352,9 +384,11 @@ class ProxyService:
         self, inst: Instance, ctx: RequestContext, params: dict[str, Any] | None
     ) -> UpstreamResponse:
         """Send the decode leg to ``inst``; return the response with its body unread."""
-        body = ctx.body
+        body = ctx.engine_body
         if params is not None:
             body = {**body, "kv_transfer_params": params}
+        if ctx.tokens is not None:
+            ctx.engines.append(inst)
         return await inst.client.send(
             "POST", ctx.path, self._decode_timeout, body, {"X-Request-Id": ctx.request_id}
         )
@@ -411,7 +445,7 @@ class ProxyService:
                     self._finished(
                         ctx, decision.label, f"client_error_{resp.status}", "client_error"
                     )
-                    raise _passthrough(resp.status, raw)
+                    raise passthrough(resp.status, raw)
                 if ctx.stream:
                     keep = True
                     return RelayResponse(
@@ -430,6 +464,8 @@ class ProxyService:
                     resp.close()
                 data = json.loads(raw)
                 if isinstance(data, dict):
+                    if ctx.tokens is not None:
+                        data = await watch.race(self._derender(ctx, data), "decode")
                     patch_payload(data, cached)
                 self._finished(ctx, decision.label, f"ok via {inst.label}", "ok")
                 return JSONResponse(data, headers={"X-Request-Id": ctx.request_id})
@@ -461,6 +497,10 @@ class ProxyService:
         first: float | None = None
         last = 0.0
         itl = self.metrics.itl.labels(decision.label)
+        derender = None
+        if ctx.tokens is not None:
+            assert self.render is not None
+            derender = DerenderStream(self.render, ctx.route, ctx.body, ctx.tokens, ctx.request_id)
         try:
             async for chunk in resp.chunks():
                 now = time.perf_counter()
@@ -469,7 +509,9 @@ class ProxyService:
                 if end < 2:
                     continue
                 ready, buffer = buffer[:end], buffer[end:]
-                if b'"kv_transfer_params"' in ready or (
+                if derender is not None:
+                    ready = await derender.feed(ready)
+                elif b'"kv_transfer_params"' in ready or (
                     cached is not None and b'"prompt_tokens_details"' in ready
                 ):
                     ready = b"".join(
@@ -496,6 +538,8 @@ class ProxyService:
             outcome = "client_gone"
             self.metrics.aborts.labels("decode_stream").inc()
             logger.info("request %s: client disconnected while streaming", ctx.request_id)
+            if ctx.tokens is not None:
+                self._abort_engines(ctx)
             raise
         finally:
             resp.close()
@@ -535,10 +579,13 @@ class ProxyService:
 
     async def _drain(self, ctx: RequestContext, params: dict[str, Any], decode: Instance) -> None:
         """Let a decode instance pull an abandoned prefill's KV so the prefill frees it now."""
-        body = {**ctx.body, "kv_transfer_params": params, "max_tokens": 1, "stream": False}
-        body.pop("stream_options", None)
-        if "max_completion_tokens" in body:
-            body["max_completion_tokens"] = 1
+        if ctx.tokens is not None:
+            body = generate_leg(ctx.tokens.generate, params, max_tokens=1)
+        else:
+            body = {**ctx.body, "kv_transfer_params": params, "max_tokens": 1, "stream": False}
+            body.pop("stream_options", None)
+            if "max_completion_tokens" in body:
+                body["max_completion_tokens"] = 1
         outcome = "ok"
         try:
             status, _ = await decode.client.fetch(
@@ -554,6 +601,41 @@ class ProxyService:
             outcome = exc.kind
         self.metrics.drains.labels(outcome).inc()
         logger.info("request %s: drained abandoned prefill KV (%s)", ctx.request_id, outcome)
+
+    # -- token mode ----------------------------------------------------------------------
+
+    async def _render(self, ctx: RequestContext) -> TokenRequest:
+        """Render the client's request; the prompt's exact length replaces the estimate."""
+        assert self.render is not None
+        started = time.perf_counter()
+        tokens = await self.render.render(ctx.route, ctx.body, ctx.request_id, ctx.stream)
+        ctx.est_prompt_tokens = len(tokens.prompt_ids)
+        logger.debug(
+            "request %s: rendered %d prompt tokens in %.1f ms",
+            ctx.request_id,
+            len(tokens.prompt_ids),
+            (time.perf_counter() - started) * 1e3,
+        )
+        return tokens
+
+    async def _derender(self, ctx: RequestContext, data: dict[str, Any]) -> dict[str, Any]:
+        assert self.render is not None and ctx.tokens is not None
+        return await self.render.derender(ctx.route, ctx.body, ctx.tokens, data, ctx.request_id)
+
+    def _abort_engines(self, ctx: RequestContext) -> None:
+        """Token mode: tell every engine the request reached to abort it (closing the
+        connection aborts it too; this also reaches an engine whose answer is buffered)."""
+        for inst in dict.fromkeys(ctx.engines):
+            self._spawn(self._abort(inst, ctx.request_id), f"abort-{ctx.request_id}")
+
+    async def _abort(self, inst: Instance, request_id: str) -> None:
+        body = {"request_ids": [engine_request_id(request_id)]}
+        try:
+            status, _ = await inst.client.fetch("POST", ABORT_PATH, self._abort_timeout, body)
+            outcome = str(status)
+        except UpstreamError as exc:
+            outcome = exc.kind
+        logger.info("request %s: abort sent to %s (%s)", request_id, inst.label, outcome)
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -578,15 +660,6 @@ def _json_or_none(raw: bytes) -> dict | None:
     except ValueError:
         return None
     return data if isinstance(data, dict) else None
-
-
-def _passthrough(status: int, raw: bytes) -> ProxyError:
-    """An engine's 4xx, forwarded with its own message."""
-    data = _json_or_none(raw) or {}
-    err = data.get("error") if isinstance(data.get("error"), dict) else data
-    text = raw[:2000].decode("utf-8", "replace")
-    message = str(err.get("message") or text or f"HTTP {status}")
-    return ProxyError(status, message, param=err.get("param"), code=err.get("code"))
 
 
 def _patch_event(event: bytes, cached: int | None) -> bytes:

@@ -26,3 +26,4 @@ def reset(engines):
         e.disconnects = 0
         e.pulls = 0
         e.param_errors.clear()
+        e.aborted.clear()

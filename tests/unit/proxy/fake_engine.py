@@ -25,6 +25,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_pd_ext.tools.vllm_process import free_port
 
+#: The generate route's output ids: ``GEN_BASE + (sum(prompt ids) + i) % GEN_SPAN``.
+GEN_BASE, GEN_SPAN = 300, 500
+
 
 @dataclass
 class Behavior:
@@ -48,6 +51,7 @@ class FakeEngine:
     running: int = 0
     port: int = 0
     param_errors: list[str] = field(default_factory=list)
+    aborted: list[str] = field(default_factory=list)  # request ids sent to abort_requests
 
     @property
     def url(self) -> str:
@@ -221,6 +225,83 @@ class FakeEngine:
                     "kv_transfer_params": out_params,
                 }
             )
+
+        @app.post("/inference/v1/abort_requests")
+        async def abort(request: Request) -> Response:
+            self.aborted.extend((await request.json())["request_ids"])
+            return Response(status_code=200)
+
+        @app.post("/inference/v1/generate")
+        async def generate(request: Request) -> Response:
+            """Token in, token out, NIXL-style P/D: output ids are a function of the prompt's."""
+            body = await request.json()
+            self.requests.append({"body": body, "headers": dict(request.headers)})
+            b = self.behavior
+            if b.status != 200:
+                return JSONResponse({"error": {"message": "x", "code": b.status}}, b.status)
+            rid = "generate-tokens-" + request.headers.get("x-request-id", body["request_id"])
+            params = body.get("kv_transfer_params") or {}
+            if params.get("do_remote_prefill") and params.get("remote_port"):
+                async with httpx.AsyncClient() as client:
+                    await client.post(
+                        f"http://{params['remote_host']}:{params['remote_port']}/_fake/pull",
+                        json={"remote_request_id": params["remote_request_id"]},
+                    )
+            ids = body["token_ids"]
+            n = body["sampling_params"]["max_tokens"]
+            out = [GEN_BASE + (sum(ids) + i) % GEN_SPAN for i in range(n)]
+            out_params = None
+            if params.get("do_remote_decode"):
+                self.held_blocks[rid] = 4
+                out_params = {
+                    "do_remote_prefill": True,
+                    "do_remote_decode": False,
+                    "remote_block_ids": [[1, 2, 3, 4]],
+                    "remote_engine_id": self.name,
+                    "remote_request_id": rid,
+                    "remote_host": "127.0.0.1",
+                    "remote_port": self.port,
+                }
+            usage = {
+                "prompt_tokens": len(ids),
+                "completion_tokens": n,
+                "total_tokens": len(ids) + n,
+            }
+            if not body.get("stream"):
+                choice = {"index": 0, "token_ids": out, "finish_reason": "length"}
+                return JSONResponse(
+                    {
+                        "request_id": rid,
+                        "choices": [choice],
+                        "usage": usage,
+                        "kv_transfer_params": out_params,
+                    }
+                )
+
+            async def events():
+                self.running += 1
+                try:
+                    for i, tok in enumerate(out):
+                        last = i == len(out) - 1
+                        choice = {
+                            "index": 0,
+                            "token_ids": [tok],
+                            "finish_reason": "length" if last else None,
+                        }
+                        yield f"data: {json.dumps({'request_id': rid, 'choices': [choice]})}\n\n"
+                        if b.token_delay_s:
+                            await asyncio.sleep(b.token_delay_s)
+                    if (body.get("stream_options") or {}).get("include_usage"):
+                        final = {"request_id": rid, "choices": [], "usage": usage}
+                        yield f"data: {json.dumps(final)}\n\n"
+                    yield "data: [DONE]\n\n"
+                except asyncio.CancelledError:
+                    self.disconnects += 1
+                    raise
+                finally:
+                    self.running -= 1
+
+            return StreamingResponse(events(), media_type="text/event-stream")
 
         @app.post("/v1/completions")
         async def completions(request: Request) -> Response:

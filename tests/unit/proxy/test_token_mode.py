@@ -1,0 +1,157 @@
+"""Token mode: the proxy renders through a real render server (ours, in-process) and sends
+token ids to fake engines' ``/inference/v1/generate``; answers come back through derender."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.unit.proxy.fake_engine import GEN_BASE, GEN_SPAN, ServerThread
+from tests.unit.proxy.helpers import LONG, SHORT, proxy, sent, wait_until
+from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
+from vllm_pd_ext.render_server.app import create_app as create_render_app
+from vllm_pd_ext.render_server.settings import RenderSettings
+from vllm_pd_ext.tools.vllm_process import free_port
+
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def render_url(tiny_llama) -> str:
+    settings = RenderSettings(model=str(tiny_llama), served_model_name=MODEL)
+    with ServerThread(create_render_app(settings)) as server:
+        yield f"http://127.0.0.1:{server.port}"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_llama):
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(tiny_llama) / "tokenizer.json"))
+
+
+def _render(render_url: str, route: str, body: dict) -> list[int]:
+    path = "/v1/chat/completions/render" if route == "chat" else "/v1/completions/render"
+    out = httpx.post(render_url + path, json=body, timeout=30).json()
+    return (out[0] if isinstance(out, list) else out)["token_ids"]
+
+
+def _expected(prompt_ids: list[int], n: int) -> list[int]:
+    return [GEN_BASE + (sum(prompt_ids) + i) % GEN_SPAN for i in range(n)]
+
+
+def _events(text: str) -> list[dict]:
+    assert text.endswith("data: [DONE]\n\n"), text[-200:]
+    return [json.loads(e[6:]) for e in text.split("\n\n") if e.startswith("data: {")]
+
+
+def test_completion_split_runs_both_legs_on_generate(engines, render_url, tokenizer):
+    body = {"model": MODEL, "prompt": LONG, "max_tokens": 6, "return_token_ids": True}
+    prompt_ids = _render(render_url, "completions", body)
+    with proxy(engines, render=[render_url]) as (base, _):
+        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    data = resp.json()
+    expected = _expected(prompt_ids, 6)
+    assert data["object"] == "text_completion"
+    assert data["id"].startswith("cmpl-")
+    assert data["choices"][0]["token_ids"] == expected
+    assert data["choices"][0]["text"] == tokenizer.decode(expected)
+    assert data["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert data["usage"]["completion_tokens"] == 6
+    assert "kv_transfer_params" not in data or data["kv_transfer_params"] is None
+
+    (pre,) = [r for n in ("p1", "p2") for r in sent(engines[n])]
+    assert pre["token_ids"] == prompt_ids
+    assert pre["sampling_params"]["max_tokens"] == 1
+    assert pre["stream"] is False
+    assert pre["kv_transfer_params"] == NIXL_PREFILL_PARAMS
+    (dec,) = [r for n in ("d1", "d2") for r in sent(engines[n])]
+    assert dec["sampling_params"]["max_tokens"] == 6
+    assert dec["kv_transfer_params"]["do_remote_prefill"] is True
+    assert dec["kv_transfer_params"]["remote_request_id"].startswith("generate-tokens-")
+    assert sum(e.pulls for e in engines.values()) == 1  # the decode side pulled P's blocks
+
+
+def test_chat_stream_equals_chat_batch(engines, render_url, tokenizer):
+    messages = [{"role": "user", "content": LONG}]
+    batch = {"model": MODEL, "messages": messages, "max_tokens": 9}
+    stream = {**batch, "stream": True, "stream_options": {"include_usage": True}}
+    prompt_ids = _render(render_url, "chat", batch)
+    with proxy(engines, render=[render_url]) as (base, _):
+        whole = httpx.post(f"{base}/v1/chat/completions", json=batch, timeout=30).json()
+        with httpx.stream("POST", f"{base}/v1/chat/completions", json=stream, timeout=30) as r:
+            assert r.status_code == 200
+            assert r.headers["content-type"].startswith("text/event-stream")
+            events = _events(r.read().decode())
+    expected_text = tokenizer.decode(_expected(prompt_ids, 9))
+    assert whole["object"] == "chat.completion"
+    assert whole["choices"][0]["message"]["content"] == expected_text
+    assert whole["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(e["object"] == "chat.completion.chunk" for e in events)
+    assert len({e["id"] for e in events}) == 1 and events[0]["id"].startswith("chatcmpl-")
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"])
+    assert text == expected_text
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1] == "length"
+    assert events[-1]["choices"] == []
+    assert events[-1]["usage"]["completion_tokens"] == 9
+    assert events[-1]["usage"]["prompt_tokens"] == len(prompt_ids)
+    # Both answers were split: two prefill legs, two decode legs.
+    assert len([r for n in ("p1", "p2") for r in sent(engines[n])]) == 2
+
+
+def test_short_prompt_is_one_generate_on_decode(engines, render_url, tokenizer):
+    body = {"model": MODEL, "prompt": SHORT, "max_tokens": 4}
+    prompt_ids = _render(render_url, "completions", body)
+    with proxy(engines, render=[render_url]) as (base, _):
+        data = httpx.post(f"{base}/v1/completions", json=body, timeout=30).json()
+    assert data["choices"][0]["text"] == tokenizer.decode(_expected(prompt_ids, 4))
+    assert not sent(engines["p1"]) and not sent(engines["p2"])
+    (dec,) = [r for n in ("d1", "d2") for r in sent(engines[n])]
+    assert dec["kv_transfer_params"] is None and dec["token_ids"] == prompt_ids
+
+
+def test_render_400_passes_through(engines, render_url):
+    body = {"model": MODEL, "prompt": LONG, "suffix": "x"}
+    with proxy(engines, render=[render_url]) as (base, _):
+        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        wrong = httpx.post(
+            f"{base}/v1/chat/completions",
+            json={"model": "other", "messages": [{"role": "user", "content": "x"}]},
+            timeout=30,
+        )
+    assert resp.status_code == 400
+    assert "suffix" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["type"] == "BadRequestError"
+    assert wrong.status_code == 404 and "other" in wrong.json()["error"]["message"]
+    assert not any(sent(e) for e in engines.values())
+
+
+def test_render_tier_unreachable_is_502(engines):
+    dead = f"http://127.0.0.1:{free_port()}"
+    with proxy(engines, render=[dead]) as (base, _):
+        resp = httpx.post(f"{base}/v1/completions", json={"prompt": LONG}, timeout=30)
+    assert resp.status_code == 502
+    assert resp.json()["error"]["code"] == "render_failed"
+    assert not any(sent(e) for e in engines.values())
+
+
+def test_client_disconnect_mid_stream_aborts_on_the_engine(engines, render_url):
+    for name in ("d1", "d2"):
+        engines[name].behavior.token_delay_s = 0.2
+    body = {"model": MODEL, "prompt": SHORT, "max_tokens": 50, "stream": True}
+    with proxy(engines, render=[render_url]) as (base, _):
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json=body, headers={"X-Request-Id": "gone-1"}
+        ) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    break
+        wait_until(lambda: any(e.aborted for e in engines.values()))
+    (decode,) = [e for e in engines.values() if e.aborted]
+    assert decode.aborted == ["generate-tokens-gone-1"]
+    wait_until(lambda: decode.disconnects == 1)  # and its stream was closed

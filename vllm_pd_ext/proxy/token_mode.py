@@ -1,0 +1,258 @@
+"""Token mode: render the OpenAI request to token ids, derender the engine's tokens back.
+
+With a render tier configured (``ProxyConfig.render``: our ``vllm-pd render`` or vLLM's
+``vllm launch render``), the proxy sends the client's request to a render server
+(``/v1/chat/completions/render`` or ``/v1/completions/render``), which answers a ready-to-send
+GenerateRequest; both legs then go to the engines' ``POST /inference/v1/generate`` (``vllm serve
+--enable-scale-out`` or ``--tokens-only``). The decode leg's tokens come back through derender:
+one ``/derender`` call for a whole answer, or one streaming derender call per engine event with
+the ``stream_state`` carried from call to call. The client sees normal OpenAI responses.
+
+Everything here runs on the proxy's event loop; the render servers are plain upstreams with
+the same pooled client and error kinds as the engines.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
+from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
+
+logger = logging.getLogger(__name__)
+
+#: The engines' token-in token-out route and its abort twin.
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+
+_RENDER_PATHS = {"chat": "/v1/chat/completions/render", "completions": "/v1/completions/render"}
+_DERENDER_PATHS = {
+    "chat": "/v1/chat/completions/derender",
+    "completions": "/v1/completions/derender",
+}
+
+
+def engine_request_id(request_id: str) -> str:
+    """The id vLLM's generate route gives a request sent with ``X-Request-Id: request_id``
+    (what ``/inference/v1/abort_requests`` takes)."""
+    return f"generate-tokens-{request_id}"
+
+
+@dataclass
+class TokenRequest:
+    """One request after render: the GenerateRequest body and the prompt's token ids."""
+
+    generate: dict[str, Any]
+    prompt_ids: list[int]
+    #: The OpenAI id the client sees (``chatcmpl-...`` / ``cmpl-...``), from render.
+    response_id: str
+
+    @classmethod
+    def from_render(cls, rendered: dict[str, Any], stream: bool) -> TokenRequest:
+        generate = dict(rendered)
+        generate["stream"] = stream
+        generate["kv_transfer_params"] = None
+        ids = generate.get("token_ids")
+        if not isinstance(ids, list) or not ids:
+            raise ProxyError(502, "render returned no token_ids", code="render_failed")
+        return cls(generate, ids, str(generate.get("request_id") or ""))
+
+
+def generate_leg(
+    generate: dict[str, Any], params: dict[str, Any] | None, *, max_tokens: int | None = None
+) -> dict[str, Any]:
+    """A generate body carrying ``params``; ``max_tokens`` set makes it a one-shot,
+    unstreamed leg (the prefill leg, or a drain)."""
+    body = dict(generate)
+    if params is not None:
+        body["kv_transfer_params"] = dict(params)
+    if max_tokens is not None:
+        sampling = dict(body.get("sampling_params") or {})
+        sampling["max_tokens"] = max_tokens
+        sampling["min_tokens"] = 0
+        body["sampling_params"] = sampling
+        body["stream"] = False
+        body["stream_options"] = None
+    return body
+
+
+class RenderTier:
+    """The render servers: round-robin, failing over to the next on a connection error.
+
+    A render server that refuses connections is skipped for ``backoff_s``. 4xx answers are the
+    client's mistakes and pass through; anything else is a 502 ``render_failed``.
+    """
+
+    def __init__(
+        self,
+        urls: tuple[str, ...],
+        *,
+        timeout_s: float,
+        connect_s: float,
+        max_connections: int,
+        backoff_s: float = 2.0,
+    ):
+        self.upstreams = [Upstream(u, max_connections=max_connections) for u in urls]
+        self._down_until = [0.0] * len(urls)
+        self._next = 0
+        self._backoff_s = backoff_s
+        self._timeout = Timeouts(total=timeout_s, connect=connect_s).client()
+
+    async def close(self) -> None:
+        for upstream in self.upstreams:
+            await upstream.close()
+
+    def _order(self) -> list[int]:
+        n = len(self.upstreams)
+        start, self._next = self._next, (self._next + 1) % n
+        order = [(start + i) % n for i in range(n)]
+        now = time.monotonic()
+        up = [i for i in order if self._down_until[i] <= now]
+        return up or order  # all down: try them anyway
+
+    async def call(self, path: str, body: dict[str, Any], request_id: str) -> Any:
+        """POST ``body`` to one render server; its JSON answer. Raises ``ProxyError``."""
+        errors: list[str] = []
+        for i in self._order():
+            upstream = self.upstreams[i]
+            try:
+                status, raw = await upstream.fetch(
+                    "POST", path, self._timeout, body, {"X-Request-Id": request_id}
+                )
+            except UpstreamError as exc:
+                if exc.down:
+                    self._down_until[i] = time.monotonic() + self._backoff_s
+                    errors.append(f"{upstream.base_url}: {exc.kind}")
+                    continue
+                raise ProxyError(
+                    502, f"render server {upstream.base_url}: {exc.kind}", code="render_failed"
+                ) from None
+            if 400 <= status < 500:
+                raise passthrough(status, raw)
+            if status != 200:
+                text = raw[:500].decode("utf-8", "replace")
+                raise ProxyError(
+                    502,
+                    f"render server {upstream.base_url}: HTTP {status}: {text}",
+                    code="render_failed",
+                )
+            try:
+                return json.loads(raw)
+            except ValueError:
+                raise ProxyError(
+                    502, f"render server {upstream.base_url}: not JSON", code="render_failed"
+                ) from None
+        raise ProxyError(
+            502, "no render server reachable: " + "; ".join(errors), code="render_failed"
+        )
+
+    async def render(
+        self, route: str, body: dict[str, Any], request_id: str, stream: bool
+    ) -> TokenRequest:
+        """The client's OpenAI request as token ids. Raises ``ProxyError``."""
+        rendered = await self.call(_RENDER_PATHS[route], body, request_id)
+        if isinstance(rendered, list):
+            if len(rendered) != 1:
+                raise ProxyError(
+                    400,
+                    f"token mode serves one prompt per completion request (got {len(rendered)})",
+                    param="prompt",
+                )
+            rendered = rendered[0]
+        if not isinstance(rendered, dict):
+            raise ProxyError(502, "render returned no GenerateRequest", code="render_failed")
+        return TokenRequest.from_render(rendered, stream)
+
+    async def derender(
+        self,
+        route: str,
+        body: dict[str, Any],
+        tokens: TokenRequest,
+        response: dict[str, Any],
+        request_id: str,
+    ) -> dict[str, Any]:
+        """A whole generate response as the OpenAI response. Raises ``ProxyError``."""
+        response = {**response, "request_id": tokens.response_id}
+        n = len(tokens.prompt_ids)
+        if route == "chat":
+            req = {
+                "model": body.get("model"),
+                "generate_response": response,
+                "prompt_tokens": n,
+                "prompt_token_ids": tokens.prompt_ids,
+                "chat_request": body,
+            }
+        else:
+            req = {
+                "model": body.get("model"),
+                "generate_responses": [response],
+                "prompt_tokens": [n],
+                "prompt_token_ids": [tokens.prompt_ids],
+                "completion_request": body,
+            }
+        out = await self.call(_DERENDER_PATHS[route], req, request_id)
+        if not isinstance(out, dict):
+            raise ProxyError(502, "derender returned no response", code="render_failed")
+        if route == "completions" and body.get("return_token_ids"):
+            # What text mode's engine adds; derender leaves it to the frontend.
+            gens = response.get("choices") or []
+            for choice, gen in zip(out.get("choices") or [], gens, strict=False):
+                choice["token_ids"] = gen.get("token_ids")
+                choice["prompt_token_ids"] = tokens.prompt_ids
+        return out
+
+
+@dataclass
+class DerenderStream:
+    """One streamed answer's derender side: engine SSE events in, OpenAI SSE events out.
+
+    Keeps the ``stream_state`` between calls. Engine events that are not token chunks (an
+    error event, ``[DONE]``) pass through unchanged.
+    """
+
+    tier: RenderTier
+    route: str
+    body: dict[str, Any]
+    tokens: TokenRequest
+    request_id: str
+    state: dict[str, Any] | None = None
+    failed: bool = field(default=False)
+
+    async def feed(self, events: bytes) -> bytes:
+        """Complete SSE events (each ending in a blank line) as the client's events."""
+        out: list[bytes] = []
+        for event in events[:-2].split(b"\n\n"):
+            out.append(await self._one(event) + b"\n\n")
+        return b"".join(out)
+
+    async def _one(self, event: bytes) -> bytes:
+        if self.failed or not event.startswith(b"data: {"):
+            return event
+        try:
+            chunk = json.loads(event[6:])
+        except ValueError:
+            return event
+        if not isinstance(chunk, dict) or "choices" not in chunk:
+            return event  # an error event: the client gets it as the engine wrote it
+        chunk["request_id"] = self.tokens.response_id
+        req: dict[str, Any] = {
+            "stream": True,
+            "model": self.body.get("model"),
+            "generate_chunk": chunk,
+            "stream_state": self.state,
+            "prompt_tokens": len(self.tokens.prompt_ids),
+            "prompt_token_ids": self.tokens.prompt_ids,
+            "chat_request" if self.route == "chat" else "completion_request": self.body,
+        }
+        try:
+            answer = await self.tier.call(_DERENDER_PATHS[self.route], req, self.request_id)
+        except ProxyError as exc:
+            self.failed = True
+            logger.warning("request %s: streaming derender failed: %s", self.request_id, exc)
+            return sse_error(exc.status, exc.message)[:-2]
+        self.state = answer.get("stream_state")
+        return b"data: " + json.dumps(answer.get("chunk"), separators=(",", ":")).encode()
