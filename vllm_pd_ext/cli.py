@@ -79,6 +79,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         "prefill": args.prefill,
         "decode": args.decode,
         "connector": args.connector,
+        "mode": args.mode,
+        "render": args.render,
         "device": args.device,
         "proxy_port": args.port,
         "max_model_len": args.max_model_len,
@@ -250,7 +252,8 @@ def build_parser() -> argparse.ArgumentParser:
         "up",
         help="start, supervise and stop a local P/D stack (engines + proxy) with one command",
         description="Start N prefill and M decode `vllm serve` instances with the connector's "
-        "--kv-transfer-config and the proxy in front of them; wait until healthy; print the "
+        "--kv-transfer-config (in token mode also render servers, engines on "
+        "--enable-scale-out) and the proxy in front of them; wait until healthy; print the "
         "endpoint; restart parts that die; Ctrl-C stops everything it started.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -267,7 +270,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--prefill", type=int, default=None, help="prefill instances (default 1)")
     up.add_argument("--decode", type=int, default=None, help="decode instances (default 1)")
-    up.add_argument("--connector", default=None, help="KV connector (default nixl)")
+    up.add_argument(
+        "--connector",
+        choices=["nixl", "pdext"],
+        default=None,
+        help="KV connector: nixl (vLLM's NixlConnector) or pdext (our PdExtMoRIIOConnector "
+        "over Mooncake, read mode) (default nixl)",
+    )
+    up.add_argument(
+        "--mode",
+        choices=["text", "token"],
+        default=None,
+        help="text: the proxy forwards OpenAI requests; token: render servers turn them into "
+        "token ids for engines on --enable-scale-out (default text)",
+    )
+    up.add_argument(
+        "--render", type=int, default=None, help="render servers in token mode (default 1)"
+    )
     up.add_argument("--device", choices=["cpu", "cuda"], default=None, help="(default cpu)")
     up.add_argument(
         "--gpus", default=None, help="CUDA_VISIBLE_DEVICES per instance, ';'-separated (e.g. '0;1')"

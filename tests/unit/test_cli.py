@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -27,3 +28,61 @@ def test_building_the_parser_imports_no_engine_code():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True
     ).stdout
     assert out.strip() == ""
+
+
+def _built_stack(tmp_path, **fields):
+    from vllm_pd_ext.tools.launcher import Stack, UpConfig
+
+    stack = Stack(UpConfig(model=str(tmp_path), log_dir=tmp_path / "logs", **fields))
+    stack.build()
+    return stack
+
+
+def test_up_token_mode_with_pdext_builds_render_tier_and_proxy_config(tmp_path):
+    from vllm_pd_ext.proxy.config import ProxyConfig
+
+    stack = _built_stack(tmp_path, mode="token", connector="pdext", render=2, decode=2)
+    names = [p.name for p in stack.parts]
+    assert names == ["render-0", "render-1", "prefill-0", "decode-0", "decode-1", "proxy"]
+    written = json.loads((tmp_path / "logs" / "proxy.json").read_text())
+    config = ProxyConfig.model_validate(written)
+    assert config.token_mode and config.render == tuple(p.url for p in stack.parts[:2])
+    assert config.protocol == "pdext-read"
+    prefill = stack.parts[2]
+    (inst,) = [i for i in config.instances if i.role == "prefill"]
+    assert inst.url == prefill.url and inst.bootstrap_addr == f"127.0.0.1:{prefill.side_port}"
+    assert [i.role for i in config.instances] == ["prefill", "decode", "decode"]
+
+
+def test_up_engine_kv_configs_per_connector():
+    from vllm_pd_ext.tools.launcher import kv_transfer_config
+
+    p = kv_transfer_config("pdext", "prefill", "cpu", 5555)
+    d = kv_transfer_config("pdext", "decode", "cpu", 5556)
+    assert p["kv_connector"] == d["kv_connector"] == "PdExtMoRIIOConnector"
+    assert (p["kv_role"], d["kv_role"]) == ("kv_producer", "kv_consumer")
+    assert p["kv_connector_extra_config"]["side_channel_port"] == 5555
+    assert p["kv_connector_extra_config"]["backend"] == "mooncake"
+    nixl = kv_transfer_config("nixl", "prefill", "cpu", 1)
+    assert nixl == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_both",
+        "kv_buffer_device": "cpu",
+    }
+
+
+def test_up_flags_reach_the_config(tmp_path, monkeypatch):
+    from vllm_pd_ext import cli
+    from vllm_pd_ext.tools import launcher
+
+    seen = {}
+    monkeypatch.setattr(launcher, "run_up", lambda config: seen.setdefault("c", config) and 0)
+    argv = ["up", "--mode", "token", "--connector", "pdext", "--render", "2", "--model", "m"]
+    assert cli.main(argv) == 0
+    config = seen["c"]
+    assert (config.mode, config.connector, config.render, config.model) == (
+        "token",
+        "pdext",
+        2,
+        "m",
+    )

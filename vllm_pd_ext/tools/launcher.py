@@ -1,12 +1,13 @@
 """``vllm-pd up``: start, supervise and stop a local P/D stack with one command.
 
 Starts N prefill and M decode ``vllm serve`` instances with the chosen connector's
-``--kv-transfer-config``, then the proxy in front of them; shows progress until every part is
+``--kv-transfer-config`` (and, in token mode, K render servers, with the engines on
+``--enable-scale-out``), then the proxy in front of them; shows progress until every part is
 healthy; prints the endpoint; restarts a part that dies (a bounded number of times); and on
 Ctrl-C (SIGINT) or SIGTERM stops everything it started, proxy first.
 
-Text mode only for now (the proxy forwards OpenAI requests); token mode with a render tier
-arrives with the proxy's token pipeline.
+Connectors: ``nixl`` (vLLM's NixlConnector, proxy protocol ``nixl-pull``) and ``pdext`` (our
+PdExtMoRIIOConnector over the Mooncake transfer engine, read mode, protocol ``pdext-read``).
 """
 
 from __future__ import annotations
@@ -38,10 +39,28 @@ from vllm_pd_ext.tools.vllm_process import (
 
 logger = logging.getLogger(__name__)
 
-#: kv-transfer-config per connector name, before the role is filled in.
-CONNECTORS: dict[str, dict] = {
-    "nixl": {"kv_connector": "NixlConnector", "kv_role": "kv_both"},
-}
+#: The proxy's P/D protocol per connector name.
+PROTOCOLS: dict[str, str] = {"nixl": "nixl-pull", "pdext": "pdext-read"}
+
+
+def kv_transfer_config(connector: str, role: str, device: str, side_port: int) -> dict:
+    """``--kv-transfer-config`` of one engine; ``side_port`` is its KV side channel."""
+    if connector == "nixl":
+        kv: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        if device == "cpu":
+            kv["kv_buffer_device"] = "cpu"
+        return kv
+    return {
+        "kv_connector": "PdExtMoRIIOConnector",
+        "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "backend": "mooncake",
+            "backend_settings": {"protocol": "tcp", "host": "127.0.0.1"},
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": side_port,
+        },
+    }
 
 
 class UpConfig(BaseModel):
@@ -52,8 +71,15 @@ class UpConfig(BaseModel):
     model: str = Field("tiny-llama", description="tiny-llama, tiny-qwen, or a model dir/name")
     prefill: int = Field(1, ge=0, le=64)
     decode: int = Field(1, ge=1, le=64)
-    connector: Literal["nixl"] = "nixl"
-    mode: Literal["text"] = "text"
+    connector: Literal["nixl", "pdext"] = Field(
+        "nixl", description="nixl: vLLM's NixlConnector; pdext: our PdExtMoRIIOConnector"
+    )
+    mode: Literal["text", "token"] = Field(
+        "text",
+        description="token: render servers in front, engines on --enable-scale-out see "
+        "token ids only",
+    )
+    render: int = Field(1, ge=1, le=16, description="render servers (token mode)")
     device: Literal["cpu", "cuda"] = "cpu"
     gpus: tuple[str, ...] = Field(
         (), description="CUDA_VISIBLE_DEVICES per instance, prefill first then decode"
@@ -88,20 +114,22 @@ class Part:
     restarts: int = 0
     healthy: bool = False
     started_at: float = field(default_factory=time.monotonic)
+    side_port: int | None = None  # engines: the KV side channel
 
     @property
     def proc(self) -> subprocess.Popen:
         return self.handle.proc
 
 
-class ProxyProcess:
-    """The proxy as a child process with the same stop() contract as VllmServer."""
+class ToolProcess:
+    """A ``vllm-pd`` subcommand (proxy, render) as a child process with the same stop()
+    contract as VllmServer."""
 
-    def __init__(self, args: list[str], log_path: Path):
+    def __init__(self, command: str, args: list[str], log_path: Path):
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "vllm_pd_ext.cli", "proxy", *args],
+                [sys.executable, "-m", "vllm_pd_ext.cli", command, *args],
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -135,11 +163,10 @@ class Stack:
 
     def _engine_part(self, role: str, index: int, port: int, slot: int) -> Part:
         cfg = self.config
-        kv = {**CONNECTORS[cfg.connector]}
-        if cfg.device == "cpu":
-            kv["kv_buffer_device"] = "cpu"
+        side_port = free_port()
+        kv = kv_transfer_config(cfg.connector, role, cfg.device, side_port)
         env = {
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         }
         cpu_core = None
@@ -149,6 +176,8 @@ class Stack:
         else:
             cpu_core = slot % max(1, os.cpu_count() or 1)
         extra = list(cfg.vllm_args)
+        if cfg.mode == "token":
+            extra.append("--enable-scale-out")
         base = ["--enforce-eager"] if cfg.device == "cpu" else []
         if cfg.max_model_len:
             base += ["--max-model-len", str(cfg.max_model_len)]
@@ -169,7 +198,45 @@ class Stack:
                 die_with_parent=True,
             )
 
-        return Part(name=name, url=f"http://127.0.0.1:{port}", start=start)
+        part = Part(name=name, url=f"http://127.0.0.1:{port}", start=start)
+        part.side_port = side_port
+        return part
+
+    def _render_part(self, index: int, port: int) -> Part:
+        cfg = self.config
+        args = [self.model_dir, "--host", "127.0.0.1", "--port", str(port)]
+        args += ["--served-model-name", self.served_name]
+        if cfg.max_model_len:
+            args += ["--max-model-len", str(cfg.max_model_len)]
+        name = f"render-{index}"
+        return Part(
+            name=name,
+            url=f"http://127.0.0.1:{port}",
+            start=lambda: ToolProcess("render", args, cfg.log_dir / f"{name}.log"),
+        )
+
+    def proxy_config(self) -> dict[str, Any]:
+        """The proxy's ProxyConfig (as written to ``<log_dir>/proxy.json``)."""
+        cfg = self.config
+        instances = []
+        for part in self.parts:
+            role = part.name.split("-")[0]
+            if role in ("prefill", "decode"):
+                inst: dict[str, Any] = {"url": part.url, "role": role, "name": part.name}
+                if cfg.connector == "pdext" and role == "prefill":
+                    inst["bootstrap_addr"] = f"127.0.0.1:{part.side_port}"
+                instances.append(inst)
+        return {
+            "host": cfg.host,
+            "port": cfg.proxy_port,
+            "protocol": PROTOCOLS[cfg.connector],
+            "instances": instances,
+            "render": [p.url for p in self.parts if p.name.startswith("render")],
+            "decision": {
+                "min_split_prompt_tokens": cfg.min_split_prompt_tokens,
+                "cost_model": cfg.cost_model,
+            },
+        }
 
     def build(self) -> None:
         cfg = self.config
@@ -177,30 +244,25 @@ class Stack:
         local = Path(self.model_dir)
         self.served_name = local.name if local.is_dir() else self.model_dir
         slot = 0
-        engines: list[Part] = []
+        parts: list[Part] = []
+        if cfg.mode == "token":
+            parts += [self._render_part(i, free_port()) for i in range(cfg.render)]
         for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             for i in range(count):
-                engines.append(self._engine_part(role, i, free_port(), slot))
+                parts.append(self._engine_part(role, i, free_port(), slot))
                 slot += 1
-        proxy_args = [
-            "--host",
-            cfg.host,
-            "--port",
-            str(cfg.proxy_port),
-            "--min-split-prompt-tokens",
-            str(cfg.min_split_prompt_tokens),
-        ]
-        if not cfg.cost_model:
-            proxy_args.append("--no-cost-model")
-        for part in engines:
-            flag = "--prefill" if part.name.startswith("prefill") else "--decode"
-            proxy_args += [flag, part.url]
+        self.parts = parts
+        config_path = cfg.log_dir / "proxy.json"
+        config_path.parent.mkdir(parents=True, exist_ok=True)
+        config_path.write_text(json.dumps(self.proxy_config(), indent=2))
         proxy = Part(
             name="proxy",
             url=f"http://127.0.0.1:{cfg.proxy_port}",
-            start=lambda: ProxyProcess(proxy_args, cfg.log_dir / "proxy.log"),
+            start=lambda: ToolProcess(
+                "proxy", ["--config", str(config_path)], cfg.log_dir / "proxy.log"
+            ),
         )
-        self.parts = [*engines, proxy]
+        self.parts = [*parts, proxy]
 
     # -- running -----------------------------------------------------------------------
 
@@ -208,10 +270,17 @@ class Stack:
         print(f"[vllm-pd up] {message}", file=self.out, flush=True)
 
     def start_engines(self) -> None:
+        """Start everything but the proxy: render servers (token mode) and engines."""
         for part in self.parts[:-1]:
             part.handle = part.start()
             part.started_at = time.monotonic()
-        self._say(f"starting {len(self.parts) - 1} engine(s); logs in {self.config.log_dir}")
+        renders = sum(p.name.startswith("render") for p in self.parts)
+        engines = len(self.parts) - 1 - renders
+        what = f"{engines} engine(s)" + (f" and {renders} render server(s)" if renders else "")
+        self._say(
+            f"starting {what} ({self.config.mode} mode, connector {self.config.connector}); "
+            f"logs in {self.config.log_dir}"
+        )
 
     def start_proxy(self) -> None:
         proxy = self.parts[-1]
@@ -301,10 +370,16 @@ class Stack:
         model = self.served_name
         sample = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 16})
         engines = "\n".join(f"  {p.name}: {p.url}" for p in self.parts[:-1])
+        chat = json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}
+        )
         return (
-            f"ready: OpenAI-compatible endpoint {url} (model {model!r})\n{engines}\n"
+            f"ready: OpenAI-compatible endpoint {url} (model {model!r}, {self.config.mode} "
+            f"mode, connector {self.config.connector})\n{engines}\n"
             f"  try: curl -s {url}/completions -H 'Content-Type: application/json' "
             f"-d '{sample}'\n"
+            f"   or: curl -s {url}/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{chat}'\n"
             f"  prompts under {self.config.min_split_prompt_tokens} tokens are served "
             f"colocated on a decode instance; Ctrl-C stops the stack"
         )
