@@ -99,7 +99,12 @@ class VllmServer:
         return parse_metrics(self.metrics_text()).total(name, **labels)
 
     def wait_healthy(self, timeout: float = 240.0) -> None:
-        """Poll ``/health`` until it answers 200; raise if the process dies or time runs out."""
+        """Poll ``/health`` until it answers 200; raise if the process dies or time runs out.
+
+        A healthy answer counts only if it comes from this server (its served model name on
+        ``/v1/models``): another process may have taken the port between ``free_port`` and
+        our bind, and this one then dies with "address already in use".
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.alive():
@@ -107,9 +112,12 @@ class VllmServer:
                     f"vllm serve on port {self.port} exited with {self.proc.returncode}; "
                     f"log tail:\n{self.log_tail(6000)}"
                 )
-            with contextlib.suppress(httpx.HTTPError):
+            with contextlib.suppress(httpx.HTTPError, ValueError, KeyError, TypeError):
                 if httpx.get(f"{self.base_url}/health", timeout=2.0).status_code == 200:
-                    return
+                    models = httpx.get(f"{self.base_url}/v1/models", timeout=5.0).json()
+                    names = {m["id"] for m in models["data"]}
+                    if self.served_name in names and self.alive():
+                        return
             time.sleep(0.5)
         raise VllmServerError(
             f"vllm serve on port {self.port} not healthy after {timeout:.0f}s; "
