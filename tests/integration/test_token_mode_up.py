@@ -1,0 +1,111 @@
+"""Token mode end to end: `vllm-pd up --mode token` brings up render + 1P + 1D + proxy; greedy
+output through it (split and colocated, completions and chat, streaming and not) equals text
+mode's (the engine's own OpenAI routes); SIGINT leaves no process behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import psutil
+import pytest
+
+from tests.conftest import requires_vllm
+from vllm_pd_ext.tools.pd_demo import make_prompt_ids
+from vllm_pd_ext.tools.vllm_process import free_port
+
+pytestmark = [pytest.mark.integration, requires_vllm]
+
+
+def _stream_text(url: str, body: dict) -> tuple[str, dict | None]:
+    text, usage = "", None
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as resp:
+        assert resp.status_code == 200, resp.read()
+        raw = resp.read().decode()
+    assert raw.endswith("data: [DONE]\n\n"), raw[-300:]
+    for event in raw.split("\n\n"):
+        if not event.startswith("data: {"):
+            continue
+        data = json.loads(event[6:])
+        assert "error" not in data, data
+        usage = data.get("usage") or usage
+        for choice in data["choices"]:
+            text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+    return text, usage
+
+
+@pytest.mark.parametrize("connector", ["nixl", "pdext"])
+def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, connector):
+    port = free_port()
+    out_path = tmp_path / "up.out"
+    env = {**os.environ, "VLLM_PD_EXT_CACHE": str(model_cache)}
+    argv = [sys.executable, "-m", "vllm_pd_ext.cli", "up", "--mode", "token"]
+    argv += ["--connector", connector, "--port", str(port), "--log-dir", str(tmp_path / "logs")]
+    argv += ["--min-split-prompt-tokens", "32", "--no-cost-model"]
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + 420
+        while "ready:" not in out_path.read_text():
+            assert proc.poll() is None, out_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text()
+            time.sleep(1)
+        banner = out_path.read_text()
+        assert "token mode" in banner and f"connector {connector}" in banner
+        decode_url = re.search(r"decode-0: (http://\S+)", banner).group(1)
+        assert re.search(r"render-0: http://\S+", banner)
+        children = psutil.Process(proc.pid).children(recursive=True)
+        assert len(children) >= 4  # render server, two engines (and their workers), proxy
+        model = re.search(r"\(model '([^']+)'", banner).group(1)
+        proxy = f"http://127.0.0.1:{port}/v1"
+
+        long_prompt = make_prompt_ids(tiny_llama, 120)
+        greedy = {"model": model, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        for prompt in (long_prompt, [long_prompt[0], long_prompt[1], long_prompt[2]]):
+            body = {**greedy, "prompt": prompt, "return_token_ids": True}
+            text_mode = httpx.post(f"{decode_url}/v1/completions", json=body, timeout=120)
+            resp = httpx.post(f"{proxy}/completions", json=body, timeout=120)
+            assert resp.status_code == 200, resp.text
+            got, want = resp.json()["choices"][0], text_mode.json()["choices"][0]
+            assert got["token_ids"] == want["token_ids"]
+            assert got["text"] == want["text"]
+            assert resp.json()["usage"]["prompt_tokens"] == len(prompt)
+            streamed, usage = _stream_text(
+                f"{proxy}/completions", {**body, "stream_options": {"include_usage": True}}
+            )
+            assert streamed == want["text"]
+            assert usage["completion_tokens"] == 12
+
+        words = " ".join(f"item{i}" for i in range(80))
+        chat = {**greedy, "messages": [{"role": "user", "content": f"List these: {words}"}]}
+        want = httpx.post(f"{decode_url}/v1/chat/completions", json=chat, timeout=120).json()
+        got = httpx.post(f"{proxy}/chat/completions", json=chat, timeout=120).json()
+        content = want["choices"][0]["message"]["content"]
+        assert got["choices"][0]["message"]["content"] == content
+        assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
+        assert _stream_text(f"{proxy}/chat/completions", chat)[0] == content
+
+        bad = httpx.post(f"{proxy}/completions", json={**body, "suffix": "x"}, timeout=60)
+        assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
+
+        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        # long completion x2, chat x2 split; the 3-token prompt x2 colocated
+        assert 'vllm_pd_decisions_total{decision="split",reason="split"} 4.0' in metrics
+        assert 'vllm_pd_decisions_total{decision="colocated"' in metrics
+
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]
+        assert "stopped everything it started" in out_path.read_text()
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.pid for p in alive]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its children get SIGTERM (PDEATHSIG)
