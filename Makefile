@@ -1,18 +1,26 @@
 # Two commands for a fresh machine (each installs what it needs into .venv/):
-#   make demo   - the main job: a real P/D request on a tiny model, end to end
+#   make up     - the main job: `vllm-pd up`, a P/D stack (tiny model, 1 prefill + 1 decode
+#                 + proxy) behind an OpenAI endpoint on PORT (8000), serving until Ctrl-C
 #   make test   - the test suite (unit + integration against real vllm serve)
+# Also: make demo (one measured P/D request, then exit); make up UP_ARGS="--mode token".
 comma   := ,
 VENV    := .venv
 EXTRAS  ?= cpu,nixl,mooncake-cpu,dev
 STAMP   := $(VENV)/.bootstrap-$(subst $(comma),-,$(EXTRAS))
 
-.PHONY: demo test unit lint venv clean
+PORT    ?= 8000
+UP_ARGS ?=
+
+.PHONY: up demo test unit lint venv clean
 
 $(STAMP): pyproject.toml scripts/bootstrap.sh
 	scripts/bootstrap.sh $(EXTRAS)
 	@rm -f $(VENV)/.bootstrap-* && touch $@
 
 venv: $(STAMP)
+
+up: $(STAMP)
+	$(VENV)/bin/vllm-pd up --config examples/up-cpu.yaml --port $(PORT) $(UP_ARGS)
 
 demo: $(STAMP)
 	$(VENV)/bin/vllm-pd demo

@@ -86,3 +86,14 @@ def test_up_flags_reach_the_config(tmp_path, monkeypatch):
         2,
         "m",
     )
+
+
+def test_up_tiered_cache_wraps_the_pd_connector_in_multiconnector():
+    from vllm_pd_ext.tools.launcher import kv_transfer_config, with_tiered_cache
+
+    kv = with_tiered_cache(kv_transfer_config("nixl", "decode", "cpu", 1), {"cpu_capacity_gb": 1})
+    assert kv["kv_connector"] == "MultiConnector"
+    first, second = kv["kv_connector_extra_config"]["connectors"]
+    assert first["kv_connector"] == "NixlConnector"
+    assert second["kv_connector"] == "PdExtFlexKVConnector"
+    assert second["kv_connector_extra_config"] == {"cpu_capacity_gb": 1}

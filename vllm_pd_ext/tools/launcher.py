@@ -63,6 +63,26 @@ def kv_transfer_config(connector: str, role: str, device: str, side_port: int) -
     }
 
 
+def with_tiered_cache(kv: dict, flexkv: dict[str, Any]) -> dict:
+    """``kv`` (a P/D connector's config) inside MultiConnector, PdExtFlexKVConnector second."""
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "connectors": [
+                kv,
+                {
+                    "kv_connector": "PdExtFlexKVConnector",
+                    "kv_role": "kv_both",
+                    "kv_load_failure_policy": "recompute",
+                    "kv_connector_extra_config": dict(flexkv),
+                },
+            ]
+        },
+    }
+
+
 class UpConfig(BaseModel):
     """What ``vllm-pd up`` brings up. Unknown keys are errors."""
 
@@ -80,6 +100,11 @@ class UpConfig(BaseModel):
         "token ids only",
     )
     render: int = Field(1, ge=1, le=16, description="render servers (token mode)")
+    flexkv: dict[str, Any] | None = Field(
+        None,
+        description="tiered KV cache next to the P/D connector: PdExtFlexKVConnector's "
+        "kv_connector_extra_config; the engines then run MultiConnector [P/D, FlexKV]",
+    )
     device: Literal["cpu", "cuda"] = "cpu"
     gpus: tuple[str, ...] = Field(
         (), description="CUDA_VISIBLE_DEVICES per instance, prefill first then decode"
@@ -96,6 +121,10 @@ class UpConfig(BaseModel):
 
     @model_validator(mode="after")
     def _gpus(self) -> UpConfig:
+        if self.flexkv is not None:
+            from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
+
+            FlexKVConfig.model_validate(self.flexkv)
         if self.device == "cuda" and self.gpus and len(self.gpus) != self.prefill + self.decode:
             raise ValueError(
                 f"gpus lists {len(self.gpus)} entries for {self.prefill + self.decode} instances"
@@ -165,6 +194,8 @@ class Stack:
         cfg = self.config
         side_port = free_port()
         kv = kv_transfer_config(cfg.connector, role, cfg.device, side_port)
+        if cfg.flexkv is not None:
+            kv = with_tiered_cache(kv, cfg.flexkv)
         env = {
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
