@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from vllm_pd_ext.connectors.flexkv.blocks import BlockView, block_views, layout_fingerprint
+from vllm_pd_ext.connectors.flexkv.blocks import BlockView, block_views
 from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
 from vllm_pd_ext.connectors.flexkv.metadata import (
     CPU,
@@ -86,10 +86,13 @@ class FlexKVWorker:
     # ---- setup ----
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Map every block's bytes and allocate the CPU tier."""
-        self._views = block_views(kv_caches, self.num_blocks)
-        self.fingerprint = layout_fingerprint(self._views, self.model)
+        views = block_views(
+            kv_caches, num_blocks=self.num_blocks, block_size=self.block_size, model=self.model
+        )
+        self._views = list(views.views)
+        self.fingerprint = views.fingerprint
         self._device = self._views[0].view.device
-        self.block_bytes = sum(v.length for v in self._views)
+        self.block_bytes = views.block_bytes
         pin = torch.cuda.is_available()
         self.pool = torch.empty(
             (self.cpu_slots, self.block_bytes), dtype=torch.uint8, pin_memory=pin

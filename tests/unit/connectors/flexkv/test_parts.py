@@ -157,3 +157,32 @@ def test_config_errors_name_the_key():
         parse_flexkv_config("PdExtFlexKVConnector", {"cpu_capacity_blocks": 0})
     cfg = parse_flexkv_config("X", {"cpu_capacity_gb": 0.5})
     assert cfg.cpu_slots(1 << 20) == 512 and cfg.ssd_blocks(1 << 30) == 16
+
+
+def test_block_views_over_the_shared_layout():
+    import torch
+
+    from vllm_pd_ext.connectors.flexkv.blocks import block_views
+
+    n = 6
+    cpu = torch.arange(n * 2 * 4 * 6, dtype=torch.float32).reshape(n, 2, 4, 6)  # [blocks, ...]
+    kv = torch.arange(2 * n * 4 * 3, dtype=torch.bfloat16).reshape(2, n, 4, 3)  # [2, blocks, ...]
+    caches = {"a": cpu, "b": kv, "c": cpu}  # c shares a's tensor: counted once
+    bv = block_views(caches, num_blocks=n, block_size=4, model={"m": 1})
+    assert [v.length for v in bv.views] == [2 * 4 * 6 * 4, 4 * 3 * 2, 4 * 3 * 2]
+    assert bv.block_bytes == sum(v.length for v in bv.views)
+    for b in range(n):
+        row = torch.cat([v.view[b].view(torch.uint8).reshape(-1) for v in bv.views])
+        want = torch.cat(
+            [cpu[b].reshape(-1).view(torch.uint8), kv[:, b].reshape(-1).view(torch.uint8)]
+        )
+        assert torch.equal(row, want)
+    # another layout (K/V split first vs last, block size, model) never shares a fingerprint
+    other = torch.zeros(n, 2, 4, 3, dtype=torch.bfloat16)
+    prints = {
+        bv.fingerprint,
+        block_views({"a": cpu, "b": other}, num_blocks=n, block_size=4, model={"m": 1}).fingerprint,
+        block_views(caches, num_blocks=n, block_size=8, model={"m": 1}).fingerprint,
+        block_views(caches, num_blocks=n, block_size=4, model={"m": 2}).fingerprint,
+    }
+    assert len(prints) == 4
