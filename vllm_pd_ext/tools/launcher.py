@@ -46,7 +46,12 @@ PROTOCOLS: dict[str, str] = {"nixl": "nixl-pull", "pdext": "pdext-read"}
 def kv_transfer_config(connector: str, role: str, device: str, side_port: int) -> dict:
     """``--kv-transfer-config`` of one engine; ``side_port`` is its KV side channel."""
     if connector == "nixl":
-        kv: dict[str, Any] = {"kv_connector": "NixlConnector", "kv_role": "kv_both"}
+        kv: dict[str, Any] = {
+            "kv_connector": "NixlConnector",
+            "kv_role": "kv_both",
+            # A failed handshake or read (a loaded host) recomputes instead of failing.
+            "kv_load_failure_policy": "recompute",
+        }
         if device == "cpu":
             kv["kv_buffer_device"] = "cpu"
         return kv
