@@ -136,7 +136,7 @@ def test_stats_take_aggregate_reduce():
 def test_side_channel_routes_and_errors(monkeypatch):
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # must be ignored
     offers = []
-    server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, offers.append)
+    server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, {"/write_target": offers.append})
     try:
         assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}
         post_json("127.0.0.1", server.port, "/write_target", {"transfer_id": "t"}, 2.0)

@@ -264,3 +264,49 @@ def test_wrong_engine_behind_the_side_channel_is_refused(pair):
     recv(d, RecvSpec("d-req", "read", ref, (((3, 1),),), ((3,),)))
     poll(lambda: d.get_finished(set())[1], "the refused load")
     assert d.get_block_ids_with_load_errors() == {3}
+
+
+def test_read_after_the_lease_ran_out_is_refused(pair):
+    """The decode side renews synchronously before reading: blocks the prefill side already
+    freed are never read."""
+    p, _, d, dc, port = pair
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+    p.get_finished({"p-req"})
+    p.clock.now += p.cfg.lease_s + 1
+    assert p.get_finished(set()) == ({"p-req"}, None)  # freed: may be reused any moment
+    ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
+    spec = RecvSpec("d-req", "read", ref, (((5, 1), (6, 2)),), ((5, 6),), lease_s=30.0)
+    recv(d, spec)
+    assert poll(lambda: d.get_finished(set())[1], "the refused load") == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == {5, 6}
+    assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
+
+
+def test_read_renews_then_reads_within_the_lease(pair):
+    p, pc, d, dc, port = pair
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1,),))]))
+    p.get_finished({"p-req"})
+    p.clock.now += p.cfg.lease_s - 1  # about to run out: the synchronous renewal saves it
+    ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
+    recv(d, RecvSpec("d-req", "read", ref, (((7, 1),),), ((7,),), lease_s=p.cfg.lease_s))
+    assert poll(lambda: d.get_finished(set())[1], "the load") == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == set()
+    assert_copied(pc, dc, [(1, 7)])
+
+
+@pytest.mark.parametrize("pair", [{"d": {"transfer_timeout_s": 1.0}}], indirect=True)
+def test_write_cancelled_by_a_decode_that_timed_out_is_never_written(pair):
+    p, pc, d, dc, port = pair
+    write_offer(d, port, "t-3", ((4, 0), (8, 1)))
+    done = poll(lambda: d.get_finished(set())[1], "the decode side's timeout")
+    assert done == {"d-req"} and d.get_block_ids_with_load_errors() == {4, 8}
+    # the prefill side gets there late: it must not touch the blocks the decode side freed
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-3", ((1, 2),))]))
+    for layer in pc:
+        p.save_kv_layer(layer)
+    p.wait_for_save()
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), "t-3")]))
+    assert poll(lambda: p.get_finished({"p-req"})[0], "the prefill side's free") == {"p-req"}
+    for layer in dc:
+        assert torch.count_nonzero(block(dc, layer, 4)) == 0
+        assert torch.count_nonzero(block(dc, layer, 8)) == 0

@@ -38,6 +38,7 @@ class RecvSpec:
     pairs: tuple[tuple[tuple[int, int], ...], ...]
     local_block_ids: tuple[tuple[int, ...], ...]
     transfer_id: str | None = None
+    lease_s: float | None = None  # READ: how long the prefill side holds after a renewal
 
 
 @dataclass(frozen=True)

@@ -292,6 +292,7 @@ class TransferScheduler:
             pairs=pairs,
             local_block_ids=local,
             transfer_id=p.get("transfer_id"),
+            lease_s=float(p["lease_s"]) if mode == READ and p.get("lease_s") else None,
         )
 
     # ---- both ----

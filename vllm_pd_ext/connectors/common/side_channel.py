@@ -1,8 +1,9 @@
 """The prefill worker's handshake server: a tiny HTTP server on the side-channel port.
 
 ``GET /handshake`` answers the worker's handshake document (engine id, transport descriptor,
-KV layout and its fingerprint). ``POST /write_target`` takes a decode worker's offer of where a
-WRITE-mode transfer should land; the server hands it to a callback. Bodies are JSON, capped at
+KV layout and its fingerprint). POST routes hand their body to a callback: ``/write_target``
+takes a decode worker's offer of where a WRITE-mode transfer should land, ``/cancel`` withdraws
+one (answered only once no write into it is in flight). Bodies are JSON, capped at
 :data:`MAX_BODY`. Clients: :func:`fetch_handshake` and :func:`post_json`.
 """
 
@@ -13,7 +14,7 @@ import logging
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -28,7 +29,7 @@ class SideChannelError(RuntimeError):
 
 
 class SideChannelServer:
-    """Serves ``handshake`` at ``GET /handshake`` and passes ``POST /write_target`` bodies on.
+    """Serves ``handshake`` at ``GET /handshake`` and passes POST bodies to ``post_routes``.
 
     Runs one daemon thread (plus one per connection); ``close()`` stops it.
     """
@@ -38,7 +39,7 @@ class SideChannelServer:
         host: str,
         port: int,
         handshake: Callable[[], dict[str, Any]],
-        on_write_target: Callable[[dict[str, Any]], None] | None = None,
+        post_routes: Mapping[str, Callable[[dict[str, Any]], None]] | None = None,
     ) -> None:
         outer = self
 
@@ -61,7 +62,8 @@ class SideChannelServer:
                 self._reply(200, outer._handshake())
 
             def do_POST(self) -> None:
-                if self.path != "/write_target" or outer._on_write_target is None:
+                route = outer._post_routes.get(self.path)
+                if route is None:
                     self._reply(404, {"error": f"no route {self.path}"})
                     return
                 try:
@@ -71,14 +73,14 @@ class SideChannelServer:
                     body = json.loads(self.rfile.read(n))
                     if not isinstance(body, dict):
                         raise ValueError("body is not a JSON object")
-                    outer._on_write_target(body)
+                    route(body)
                 except (ValueError, KeyError, TypeError) as e:
                     self._reply(400, {"error": str(e)})
                     return
                 self._reply(200, {"ok": True})
 
         self._handshake = handshake
-        self._on_write_target = on_write_target
+        self._post_routes = dict(post_routes or {})
         try:
             self._server = ThreadingHTTPServer((host, port), Handler)
         except OSError as e:

@@ -86,6 +86,8 @@ class _Push:
     views_done: set[int] = field(default_factory=set)
     handles: list[Any] = field(default_factory=list)
     nbytes: int = 0
+    cancelled: bool = False
+    lock: threading.Lock = field(default_factory=threading.Lock)  # submit vs cancel
 
 
 @dataclass
@@ -148,6 +150,8 @@ class TransferWorker:
         self._failed_loads: set[str] = set()
         # prefill side
         self._leases = LeaseTable(cfg.lease_s, clock=clock)
+        self._lease_lock = threading.Lock()  # the side channel renews from its own thread
+        self._cancelled: set[str] = set()  # WRITE transfers the decode side gave up on
         self._held: dict[str, int] = {}  # req id -> blocks held (read mode)
         self._pushes: dict[str, _Push] = {}  # req id -> push
         self._push_futures: dict[str, Future] = {}
@@ -177,7 +181,14 @@ class TransferWorker:
             self.transport.register_tensor(name, tensor)
         if self.is_producer:
             self._server = SideChannelServer(
-                self.side_host, self.side_port, self.handshake, self._on_write_target
+                self.side_host,
+                self.side_port,
+                self.handshake,
+                {
+                    "/write_target": self._on_write_target,
+                    "/cancel": self._on_cancel,
+                    "/renew": self._on_renew,
+                },
             )
         logger.info(
             "KV transfer ready: %s backend %s, %d regions, %d cache views, layout %s%s",
@@ -262,7 +273,8 @@ class TransferWorker:
         self._meta = meta
         for spec in meta.send:
             if spec.mode == READ:
-                self._leases.grant(spec.req_id)
+                with self._lease_lock:
+                    self._leases.grant(spec.req_id)
                 self._held[spec.req_id] = sum(len(g) for g in spec.block_ids)
             else:
                 self._push_confirmed.add(spec.req_id)
@@ -303,7 +315,20 @@ class TransferWorker:
             peer = self._peer(spec.remote)
             assert self.transport is not None and self.layout is not None
             if spec.mode == READ:
+                if spec.lease_s:
+                    # The prefill side must still hold the blocks, and keep them while we
+                    # read: renew synchronously, then finish well inside the new lease.
+                    post_json(
+                        spec.remote.host,
+                        spec.remote.port + self.tp_rank,
+                        "/renew",
+                        {"req": spec.remote.request_id},
+                        self.cfg.handshake_timeout_s,
+                    )
+                    deadline = min(deadline, time.monotonic() + 0.8 * spec.lease_s)
                 nbytes = self._move(peer, spec.pairs, deadline, read=True)
+                if time.monotonic() > deadline:
+                    raise LoadFailed("the read ended after the prefill side's lease could end")
                 self._notify(peer.peer_id, {"op": "done", "req": spec.remote.request_id})
             else:
                 post_json(
@@ -321,7 +346,7 @@ class TransferWorker:
                     },
                     self.cfg.handshake_timeout_s,
                 )
-                nbytes = self._await_written(str(spec.transfer_id), deadline)
+                nbytes = self._await_written(spec, deadline)
         except (TransportError, SideChannelError, LayoutMismatch, LoadFailed, OSError) as e:
             self.stats.failure()
             if isinstance(e, TransportError | SideChannelError):
@@ -346,7 +371,8 @@ class TransferWorker:
         self.transport.wait_all(handles, max(0.0, deadline - time.monotonic()))
         return nbytes
 
-    def _await_written(self, transfer_id: str, deadline: float) -> int:
+    def _await_written(self, spec: RecvSpec, deadline: float) -> int:
+        transfer_id = str(spec.transfer_id)
         while time.monotonic() < deadline:
             with self._lock:
                 result = self._written.pop(transfer_id, None)
@@ -356,6 +382,18 @@ class TransferWorker:
                     raise LoadFailed(f"prefill side reported: {error}")
                 return 0
             time.sleep(0.002)
+        # Our blocks are freed once we report this load: first make sure the prefill side
+        # writes nothing more into them.
+        try:
+            post_json(
+                spec.remote.host,
+                spec.remote.port + self.tp_rank,
+                "/cancel",
+                {"transfer_id": transfer_id},
+                self.cfg.handshake_timeout_s,
+            )
+        except SideChannelError as e:
+            logger.warning("could not cancel transfer %s on the prefill side: %s", transfer_id, e)
         raise LoadFailed(f"no 'written' notice for transfer {transfer_id} in time")
 
     # ---- prefill side, WRITE mode ----
@@ -409,12 +447,37 @@ class TransferWorker:
         assert self.transport is not None and self.layout is not None
         mine, theirs = self.layout.views[i], target.layout.views[i]
         spans = block_spans(mine, theirs, pairs[mine.group])
-        if len(spans):
-            push.handles.append(
-                self.transport.write(target.peer_id, mine.region, theirs.region, spans)
-            )
-            push.nbytes += int(spans[:, 2].sum())
-        push.views_done.add(i)
+        with push.lock:
+            if push.cancelled:
+                raise LoadFailed("the decode side cancelled the transfer")
+            if len(spans):
+                push.handles.append(
+                    self.transport.write(target.peer_id, mine.region, theirs.region, spans)
+                )
+                push.nbytes += int(spans[:, 2].sum())
+            push.views_done.add(i)
+
+    def _on_cancel(self, body: dict[str, Any]) -> None:
+        """Side-channel thread: the decode side gave up on a WRITE transfer. Answer only once
+        nothing more can be written into its blocks."""
+        tid = str(body["transfer_id"])
+        with self._lock:
+            self._cancelled.add(tid)
+            self._targets.pop(tid, None)
+            pushes = [p for p in self._pushes.values() if p.spec.transfer_id == tid]
+        for push in pushes:
+            with push.lock:
+                push.cancelled = True
+                handles = list(push.handles)
+            assert self.transport is not None
+            self.transport.wait_all(handles, self.cfg.handshake_timeout_s)
+
+    def _on_renew(self, body: dict[str, Any]) -> None:
+        """Side-channel thread: extend a lease; ``ValueError`` (400) if none is held."""
+        req = str(body["req"])
+        with self._lease_lock:
+            if not self._leases.renew(req):
+                raise ValueError(f"no blocks held for {req} (lease over or never granted)")
 
     def wait_for_save(self) -> None:
         """Hand each push of this step to a transfer thread that completes it."""
@@ -428,7 +491,7 @@ class TransferWorker:
         tid = push.spec.transfer_id
         deadline = push.started + self.cfg.lease_s
         target = None
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and tid not in self._cancelled:
             with self._lock:
                 target = self._targets.get(tid)
             if target is not None:
@@ -453,6 +516,8 @@ class TransferWorker:
         except (TransportError, LayoutMismatch, LoadFailed) as e:
             ok, error = False, str(e)
             self.stats.failure()
+            if push.cancelled:
+                return  # the decode side stopped listening
         else:
             self.stats.transfer(time.perf_counter() - t0, push.nbytes)
         finally:
@@ -474,10 +539,13 @@ class TransferWorker:
                 continue
             if op == "done":
                 req = str(body.get("req"))
-                if self._leases.release(req):
+                with self._lease_lock:
+                    released = self._leases.release(req)
+                if released:
                     self._free(req)
             elif op == "renew":
-                self._leases.renew(str(body.get("req")))
+                with self._lease_lock:
+                    self._leases.renew(str(body.get("req")))
             elif op == "written":
                 with self._lock:
                     self._written[str(body.get("transfer_id"))] = (
@@ -495,7 +563,8 @@ class TransferWorker:
         self._finished_reqs |= finished_req_ids & tracked
         if self.transport is not None:
             self._handle_notifications()
-        expired = self._leases.expired()
+        with self._lease_lock:
+            expired = self._leases.expired()
         if expired:
             self.stats.lease_expired(len(expired))
             logger.warning(
