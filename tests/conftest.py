@@ -41,60 +41,28 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return Path(env) if env else tmp_path_factory.mktemp("model-cache")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama(model_cache: Path) -> Path:
-    if not HAVE_MODEL_DEPS:
-        pytest.skip("torch, transformers and tokenizers are needed to build the tiny Llama")
-    from vllm_pd_ext.tools.tiny_model import ensure_model
+def _model_fixture(name: str):
+    """A session fixture building tiny model ``name`` (see vllm_pd_ext.tools.tiny_model)."""
 
-    return ensure_model("tiny-llama", model_cache)
+    @pytest.fixture(scope="session")
+    def fixture(model_cache: Path) -> Path:
+        if not HAVE_MODEL_DEPS:
+            pytest.skip(f"torch, transformers and tokenizers are needed to build {name}")
+        from vllm_pd_ext.tools.tiny_model import ensure_model
 
+        return ensure_model(name, model_cache)
 
-@pytest.fixture(scope="session")
-def tiny_qwen(model_cache: Path) -> Path:
-    if not HAVE_MODEL_DEPS:
-        pytest.skip("torch, transformers and tokenizers are needed to build the tiny Qwen")
-    from vllm_pd_ext.tools.tiny_model import ensure_model
-
-    return ensure_model("tiny-qwen", model_cache)
+    return fixture
 
 
-def _hybrid_model(name: str, model_cache: Path) -> Path:
-    if not HAVE_MODEL_DEPS:
-        pytest.skip(f"torch, transformers and tokenizers are needed to build {name}")
-    from vllm_pd_ext.tools.tiny_model import ensure_model
-
-    return ensure_model(name, model_cache)
-
-
-@pytest.fixture(scope="session")
-def tiny_granite_hybrid(model_cache: Path) -> Path:
-    return _hybrid_model("tiny-granite-hybrid", model_cache)
-
-
-@pytest.fixture(scope="session")
-def tiny_mamba2(model_cache: Path) -> Path:
-    return _hybrid_model("tiny-mamba2", model_cache)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_next(model_cache: Path) -> Path:
-    return _hybrid_model("tiny-qwen3-next", model_cache)
-
-
-@pytest.fixture(scope="session")
-def tiny_nemotron_h(model_cache: Path) -> Path:
-    return _hybrid_model("tiny-nemotron-h", model_cache)
-
-
-@pytest.fixture(scope="session")
-def tiny_zamba2(model_cache: Path) -> Path:
-    return _hybrid_model("tiny-zamba2", model_cache)
-
-
-@pytest.fixture(scope="session")
-def tiny_falcon_h1(model_cache: Path) -> Path:
-    return _hybrid_model("tiny-falcon-h1", model_cache)
+tiny_llama = _model_fixture("tiny-llama")
+tiny_qwen = _model_fixture("tiny-qwen")
+tiny_granite_hybrid = _model_fixture("tiny-granite-hybrid")
+tiny_mamba2 = _model_fixture("tiny-mamba2")
+tiny_qwen3_next = _model_fixture("tiny-qwen3-next")
+tiny_nemotron_h = _model_fixture("tiny-nemotron-h")
+tiny_zamba2 = _model_fixture("tiny-zamba2")
+tiny_falcon_h1 = _model_fixture("tiny-falcon-h1")
 
 
 class ServerFactory:
