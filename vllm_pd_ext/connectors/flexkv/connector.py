@@ -141,8 +141,7 @@ class PdExtFlexKVConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        self._scheduler.request_finished(request)
-        return False, None
+        return self._scheduler.request_finished(request), None
 
     def reset_cache(self) -> bool:
         return self._scheduler.reset_cache() if self._scheduler is not None else True
@@ -161,13 +160,17 @@ class PdExtFlexKVConnector(KVConnectorBase_V1):
         assert self._worker is not None
         self._worker.start_load_kv()
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        assert self._worker is not None and isinstance(kv_connector_metadata, FlexKVMetadata)
+        self._worker.handle_preemptions(kv_connector_metadata)
+
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        return None  # whole blocks are saved after the forward pass, in wait_for_save
+        return None  # whole blocks are handed to the save thread in wait_for_save
 
     def wait_for_save(self) -> None:
         assert self._worker is not None
@@ -175,7 +178,8 @@ class PdExtFlexKVConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
-        return None, self._worker.get_finished() or None
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return sending or None, recving or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

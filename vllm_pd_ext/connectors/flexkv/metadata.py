@@ -32,11 +32,12 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class SaveItem:
-    """Save device block ``block_id`` as ``key``: into CPU pool row ``slot`` (>= 0), and as a
-    file in the SSD and/or shared tier."""
+    """Save device block ``block_id`` of request ``req_id`` as ``key``: into CPU pool row
+    ``slot`` (>= 0), and as a file in the SSD and/or shared tier."""
 
     block_id: int
     key: str
+    req_id: str = ""
     slot: int = -1
     ssd: bool = False
     shared: bool = False
@@ -44,10 +45,12 @@ class SaveItem:
 
 @dataclass
 class FlexKVMetadata(KVConnectorMetadata):
-    """One step's instructions: loads to start, saves to take after the forward pass, SSD
-    block files to delete (evicted), and whether to wipe the SSD tier (reset)."""
+    """One step's instructions: loads to start, saves to take after the forward pass, requests
+    preempted in this step (their blocks are about to be reused: saves still reading them must
+    end first), SSD block files to delete (evicted), and whether to wipe the SSD tier (reset)."""
 
     loads: list[LoadJob] = field(default_factory=list)
     saves: list[SaveItem] = field(default_factory=list)
+    preempted: set[str] = field(default_factory=set)
     ssd_deletes: list[str] = field(default_factory=list)
     clear_ssd: bool = False

@@ -11,9 +11,11 @@ vLLM's scheduling into per-step instructions for the worker side:
   it (CPU, then SSD, then shared); blocks read from a file are promoted into the CPU pool.
   Entries a load reads are pinned until the worker reports the request in
   ``finished_recving``; blocks it reports as failed are dropped from the index;
-* save: in the step that completes a full prompt block, the worker copies it into a CPU
-  pool row (evicting LRU-with-frequency) and queues its file writes (SSD write-through,
-  shared directory), off the engine's critical path.
+* save: in the step that completes a full prompt block, the worker is told to copy it into a
+  CPU pool row (evicting LRU-with-frequency) and to write its files (SSD write-through, shared
+  directory); the copy runs on a worker thread after the step, so a request that had blocks
+  saved keeps them after it finishes until the worker reports the copy done
+  (``request_finished`` returns True, the worker answers in ``finished_sending``).
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ class _Tracked:
     request: Request
     keys: list[str]
     saved_upto: int = 0
+    saving: bool = False  # a save of its blocks was sent to the worker: free them only after
 
 
 @dataclass
@@ -286,13 +289,15 @@ class FlexKVScheduler:
                 continue
             block_ids = self._block_ids(rid, scheduler_output)
             for i in range(t.saved_upto, min(full, len(block_ids))):
-                item = self._plan_save(block_ids[i], t.keys[i])
+                item = self._plan_save(rid, block_ids[i], t.keys[i])
                 if item is not None:
                     saves.append(item)
+                    t.saving = True
             t.saved_upto = full
         meta = FlexKVMetadata(
             loads=self._loads,
             saves=saves,
+            preempted=set(getattr(scheduler_output, "preempted_req_ids", None) or ()),
             ssd_deletes=self._ssd_deletes,
             clear_ssd=self._clear_ssd,
         )
@@ -305,7 +310,7 @@ class FlexKVScheduler:
         state = scheduler_output.kv_connector_block_state
         return list(state.resolve_block_ids(rid)[0]) if state is not None else []
 
-    def _plan_save(self, block_id: int, key: str) -> SaveItem | None:
+    def _plan_save(self, rid: str, block_id: int, key: str) -> SaveItem | None:
         slot = -1
         if self.cpu.capacity and key not in self.cpu:
             e, evicted = self.cpu.add(key, ready=True)  # written in this step's wait_for_save
@@ -330,7 +335,7 @@ class FlexKVScheduler:
         )
         if slot < 0 and not to_ssd and not to_shared:
             return None
-        return SaveItem(block_id, key, slot=slot, ssd=to_ssd, shared=to_shared)
+        return SaveItem(block_id, key, rid, slot=slot, ssd=to_ssd, shared=to_shared)
 
     def _reap_pending_ssd(self) -> None:
         """Settle SSD writes the scheduler has not seen land: ready if the file is there,
@@ -344,12 +349,18 @@ class FlexKVScheduler:
                 self.ssd.remove(key)
 
     # ---- lifecycle ----
-    def request_finished(self, request: Request) -> None:
-        """Forget a finished request (a load still in flight is settled when it reports)."""
+    def request_finished(self, request: Request) -> bool:
+        """Forget a finished request (a load still in flight is settled when it reports).
+
+        True when a save of its blocks was sent to the worker: vLLM then keeps the blocks
+        until the worker reports the request in ``finished_sending`` (its saves have copied
+        them out), so a background copy never reads a block that was handed to someone else.
+        """
         rid = request.request_id
-        self._tracked.pop(rid, None)
+        t = self._tracked.pop(rid, None)
         self._matched_from.pop(rid, None)
         self._sources.pop(rid, None)
+        return t is not None and t.saving
 
     def reset_cache(self) -> bool:
         """Drop the CPU tier (and the SSD tier when ``reset_clears_disk``)."""

@@ -3,17 +3,25 @@
 Holds the CPU tier (one ``[slots, block_bytes]`` byte tensor, pinned when a GPU is present)
 and moves blocks between vLLM's KV cache tensors, that pool and block files:
 
-* saves run in ``wait_for_save`` after the step's forward pass: the completed blocks are
-  gathered once, copied into their CPU pool rows, and their file writes are queued to a
-  bounded I/O pool (when the queue is full a write is dropped and counted, never awaited);
+* saves leave the engine step at once: ``wait_for_save`` hands the step's completed blocks
+  to one save thread, which gathers them (one ``index_select`` per view into a staging
+  tensor), copies them into their CPU pool rows and queues their file writes (checksums,
+  writes) to a bounded I/O pool (when the queue is full a write is dropped and counted,
+  never awaited). The blocks are read after the step, so they must stay put until the
+  gather ends: a finished request's blocks are held by vLLM until ``get_finished`` reports
+  it in ``finished_sending`` (the scheduler side returned True from ``request_finished``),
+  and ``handle_preemptions`` waits for the gathers of requests preempted in this step
+  before the forward pass may overwrite their blocks;
 * loads run on a small thread pool: CPU rows and verified block files are scattered into the
   request's blocks, file blocks are promoted into the CPU rows the scheduler reserved, and
   the request is reported in ``finished_recving``; blocks that could not be read (missing,
   corrupt, other layout) are reported through ``get_block_ids_with_load_errors()`` in the
-  same pass, so vLLM's ``kv_load_failure_policy`` recomputes or fails them.
+  same pass, so vLLM's ``kv_load_failure_policy`` recomputes or fails them. A load first
+  waits for pending saves of the CPU rows it reads or promotes into.
 
-Block bytes are addressed through :func:`~vllm_pd_ext.connectors.flexkv.blocks.block_views`,
-so any attention backend whose blocks are a fixed set of byte pieces works.
+Block bytes are addressed through :func:`~vllm_pd_ext.connectors.flexkv.blocks.block_views`
+(the shared KV layout of ``connectors/common/layout.py``), so any attention backend whose
+blocks are a fixed set of byte pieces works.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import torch
@@ -77,6 +86,11 @@ class FlexKVWorker:
             self.stores[SHARED] = FileStore(cfg.shared_dir, namespace, fsync=cfg.fsync)
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="flexkv-io")
         self._loader = ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="flexkv-load")
+        self._saver = ThreadPoolExecutor(1, thread_name_prefix="flexkv-save")
+        self._saves: dict[str, list[Future]] = {}  # req id -> its gathers not yet reported
+        self._finishing: set[str] = set()  # finished requests whose blocks vLLM holds for us
+        self._slot_writer: dict[int, Future] = {}  # CPU pool row -> the save writing it
+        self._bad_slots: set[int] = set()  # CPU rows whose save failed: never loaded
         self._pending_writes = 0
         self._meta: FlexKVMetadata | None = None
         self._loads: dict[str, Future] = {}
@@ -132,10 +146,13 @@ class FlexKVWorker:
         if meta is None:
             return
         for job in meta.loads:
-            self._loads[job.req_id] = self._loader.submit(self._run_load, job)
+            slots = {it.slot for it in job.items} | {it.promote_slot for it in job.items}
+            with self._lock:
+                after = [self._slot_writer[s] for s in slots if s in self._slot_writer]
+            self._loads[job.req_id] = self._loader.submit(self._run_load, job, after)
 
     def wait_for_save(self) -> None:
-        """Copy the step's completed blocks into the CPU tier; queue their file writes."""
+        """Hand the step's completed blocks to the save thread; returns without copying."""
         meta, self._meta = self._meta, None
         if meta is None:
             return
@@ -146,19 +163,53 @@ class FlexKVWorker:
                 self._io.submit(self.stores[SSD].delete, key)
         if not meta.saves:
             return
+        saves = list(meta.saves)
+        fut = self._saver.submit(self._run_save, saves)
+        with self._lock:
+            for rid in {s.req_id for s in saves}:
+                self._saves.setdefault(rid, []).append(fut)
+            for s in saves:
+                if s.slot >= 0:
+                    self._slot_writer[s.slot] = fut
+        fut.add_done_callback(self._forget_slots)
+
+    def _forget_slots(self, fut: Future) -> None:
+        with self._lock:
+            for slot in [k for k, f in self._slot_writer.items() if f is fut]:
+                del self._slot_writer[slot]
+
+    def _run_save(self, saves: list[SaveItem]) -> None:
+        """Save thread: gather the blocks, fill their CPU rows, queue their file writes."""
         t0 = time.perf_counter()
-        rows = self.gather([s.block_id for s in meta.saves])
-        to_cpu = [(j, s) for j, s in enumerate(meta.saves) if s.slot >= 0]
+        to_cpu = [(j, s) for j, s in enumerate(saves) if s.slot >= 0]
+        try:
+            rows = self.gather([s.block_id for s in saves])
+            if to_cpu:
+                sel = torch.tensor([j for j, _ in to_cpu], dtype=torch.long)
+                slots = torch.tensor([s.slot for _, s in to_cpu], dtype=torch.long)
+                self.pool.index_copy_(0, slots, rows.index_select(0, sel))
+        except Exception:
+            # The scheduler already lists these rows as ready: make their loads fail instead.
+            logger.exception("tiered KV cache: saving %d blocks failed", len(saves))
+            with self._lock:
+                self._bad_slots |= {s.slot for _, s in to_cpu}
+            return
         if to_cpu:
-            sel = torch.tensor([j for j, _ in to_cpu], dtype=torch.long)
-            slots = torch.tensor([s.slot for _, s in to_cpu], dtype=torch.long)
-            self.pool.index_copy_(0, slots, rows.index_select(0, sel))
+            with self._lock:
+                self._bad_slots -= {s.slot for _, s in to_cpu}
             self.stats.add("save_bytes", len(to_cpu) * self.block_bytes, CPU)
             self.stats.add("save_seconds", time.perf_counter() - t0, CPU)
-        for j, s in enumerate(meta.saves):
+        for j, s in enumerate(saves):
             for tier, wanted in ((SSD, s.ssd), (SHARED, s.shared)):
                 if wanted and tier in self.stores:
                     self._queue_write(tier, s, rows[j])
+
+    def handle_preemptions(self, meta: FlexKVMetadata) -> None:
+        """Before the forward pass: wait until no save reads blocks of preempted requests."""
+        with self._lock:
+            futs = [f for rid in meta.preempted for f in self._saves.get(rid, ())]
+        if futs:
+            wait_futures(futs)
 
     def _queue_write(self, tier: str, item: SaveItem, row: torch.Tensor) -> None:
         with self._lock:
@@ -193,11 +244,15 @@ class FlexKVWorker:
         except OSError as e:
             return f"{type(e).__name__}: {e}"
 
-    def _run_load(self, job: LoadJob) -> set[int]:
-        """Load one request's blocks; returns the device block ids that failed."""
+    def _run_load(self, job: LoadJob, after: list[Future] = ()) -> set[int]:
+        """Load one request's blocks once the saves in ``after`` (of the CPU rows it reads or
+        promotes into) are done; returns the device block ids that failed."""
         failed: set[int] = set()
         try:
-            cpu = [it for it in job.items if it.tier == CPU]
+            wait_futures(after)
+            with self._lock:
+                bad = set(self._bad_slots)
+            cpu = [it for it in job.items if it.tier == CPU and it.slot not in bad]
             files = [it for it in job.items if it.tier in self.stores]
             failed |= {it.block_id for it in job.items if it not in cpu and it not in files}
             if cpu:
@@ -245,6 +300,8 @@ class FlexKVWorker:
                     torch.tensor([s for _, s in promote], dtype=torch.long),
                     rows.index_select(0, torch.tensor([k for k, _ in promote], dtype=torch.long)),
                 )
+                with self._lock:
+                    self._bad_slots -= {s for _, s in promote}
         seconds = time.perf_counter() - t0
         for tier in {it.tier for it in items}:
             n = sum(1 for j in ok if items[j].tier == tier)
@@ -253,15 +310,38 @@ class FlexKVWorker:
                 self.stats.add("load_seconds", seconds * n / max(len(ok), 1), tier)
         return {items[j].block_id for j, err in enumerate(errors) if err is not None}
 
-    def get_finished(self) -> set[str]:
-        """Requests whose load ended (successfully or not) since the last call."""
+    def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[set[str], set[str]]:
+        """(finished requests whose saves no longer read their blocks, requests whose load
+        ended, successfully or not) since the last call.
+
+        ``finished_req_ids`` are the requests vLLM finished since the last step; those that
+        had blocks saved (vLLM holds their blocks for us) are reported once their gathers
+        are done.
+        """
+        sending: set[str] = set()
+        with self._lock:
+            self._finishing |= {rid for rid in finished_req_ids if rid in self._saves}
+            for rid in list(self._finishing):
+                if all(f.done() for f in self._saves[rid]):
+                    self._finishing.discard(rid)
+                    for f in self._saves.pop(rid):
+                        if f.exception() is not None:
+                            logger.error(
+                                "tiered KV cache: save of request %s failed: %s",
+                                rid,
+                                f.exception(),
+                            )
+                    sending.add(rid)
+            for rid, futs in list(self._saves.items()):  # keep lists of live requests short
+                if rid not in self._finishing and len(futs) > 1:
+                    futs[:] = [f for f in futs if not f.done()] or futs[-1:]
         done: set[str] = set()
         for rid, fut in list(self._loads.items()):
             if fut.done():
                 del self._loads[rid]
                 self._load_errors |= fut.result()
                 done.add(rid)
-        return done
+        return sending, done
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -272,6 +352,7 @@ class FlexKVWorker:
         deadline = time.monotonic() + timeout
         for fut in list(self._loads.values()):
             fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        self._saver.submit(lambda: None).result(timeout=max(0.0, deadline - time.monotonic()))
         self._io.submit(lambda: None).result(timeout=max(0.0, deadline - time.monotonic()))
         while self._pending_writes:
             if time.monotonic() > deadline:
@@ -280,4 +361,5 @@ class FlexKVWorker:
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)
+        self._saver.shutdown(wait=True)
         self._io.shutdown(wait=True)

@@ -46,13 +46,12 @@ class Engine:
         self.worker = PdExtFlexKVConnector(vllm_config, KVConnectorRole.WORKER, kcc)
         self.worker.register_kv_caches({"layer0": self.cache})
         self.recving: set[str] = set()
+        self.sent: set[str] = set()  # requests reported in finished_sending
         self.invalid: set[int] = set()
         self.metas: list = []
         self.computed: dict[str, list[int]] = {}  # req id -> positions computed by forward
         self.hit_sources: dict[str, int] = {}
-        self.worker_stats: dict[
-            str, float
-        ] = {}  # everything the worker reported  # vLLM's connector hit tokens by source
+        self.worker_stats: dict[str, float] = {}  # everything the worker reported
 
     def block_of(self, rid: str, pos: int) -> int:
         return self.sched.kv_cache_manager.get_block_ids(rid)[0][pos // BLOCK_SIZE]
@@ -75,16 +74,20 @@ class Engine:
         stats.hits_by_source = {}
         meta = out.kv_connector_metadata
         self.metas.append(meta)
+        self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         self.forward(out)
         self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         if wait_loads:
             self.worker._worker.wait_idle()
-        _, recving = self.worker.get_finished(out.finished_req_ids)
+        sending, recving = self.worker.get_finished(out.finished_req_ids)
+        self.sent |= sending or set()
         invalid = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
-        mro = runner_output(out, recving=recving or None, invalid=invalid or None)
+        mro = runner_output(
+            out, sending=sending or None, recving=recving or None, invalid=invalid or None
+        )
         from vllm.v1.outputs import KVConnectorOutput
 
         stats = self.worker.get_kv_connector_stats()

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 import torch
 from vllm import SamplingParams
 from vllm.v1.request import Request, RequestStatus
 
-from tests.unit.connectors.flexkv.engine import Engine, flexkv_config
+from tests.unit.connectors.flexkv.engine import Engine
 from tests.unit.connectors.sched_harness import BLOCK_SIZE, assert_scheduler_empty
 from vllm_pd_ext.connectors.flexkv.metadata import CPU, SSD
 
@@ -50,21 +49,6 @@ def assert_blocks_hold(engine: Engine, req: Request, n_blocks: int, salt=None) -
     for i in range(n_blocks):
         want = engine.expected_block(req.prompt_token_ids, i, salt)
         assert torch.equal(engine.cache[blocks[i]], want), f"block {i}"
-
-
-@pytest.fixture
-def engine_factory(tiny_qwen, tmp_path):
-    made = []
-
-    def make(policy: str = "recompute", **extra) -> Engine:
-        extra.setdefault("cpu_capacity_blocks", 32)
-        e = Engine(flexkv_config(tiny_qwen, extra, policy))
-        made.append(e)
-        return e
-
-    yield make
-    for e in made:
-        e.worker.shutdown()
 
 
 def test_second_request_loads_shared_prefix_from_cpu(engine_factory):

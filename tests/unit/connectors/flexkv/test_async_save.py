@@ -1,0 +1,135 @@
+"""Saves run on the worker's save thread after the step: the blocks they read stay put until
+the gather is done (finished requests are held through ``finished_sending``, preemptions wait
+in ``handle_preemptions``), loads of a CPU row wait for the save writing it, and a failed save
+never lets its rows be loaded."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from vllm.v1.request import RequestStatus
+
+from tests.unit.connectors.flexkv.test_round_trip import prompt, request
+from tests.unit.connectors.sched_harness import assert_scheduler_empty
+from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
+from vllm_pd_ext.connectors.flexkv.metadata import CPU, FlexKVMetadata, LoadItem, LoadJob, SaveItem
+from vllm_pd_ext.connectors.flexkv.worker import FlexKVWorker
+
+N = 8
+
+
+def gate(worker: FlexKVWorker) -> threading.Event:
+    """Make the worker's gathers wait until the returned event is set."""
+    opened = threading.Event()
+    real = worker.gather
+
+    def gated(block_ids):
+        assert opened.wait(10)
+        return real(block_ids)
+
+    worker.gather = gated
+    return opened
+
+
+@pytest.fixture
+def worker():
+    cache = torch.randn(N, 2, 4, 8)
+    w = FlexKVWorker(
+        FlexKVConfig(cpu_capacity_blocks=4),
+        namespace="t",
+        num_blocks=N,
+        block_size=4,
+        model={},
+        cpu_slots=4,
+    )
+    w.register_kv_caches({"layer0": cache})
+    w.cache = cache
+    yield w
+    w.shutdown()
+
+
+def test_finished_request_keeps_its_blocks_until_the_save_is_done(engine_factory):
+    e = engine_factory()
+    opened = gate(e.worker._worker)
+    req = request(prompt(), max_tokens=1)
+    e.sched.add_request(req)
+    free0 = e.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    for _ in range(4):
+        e.step(wait_loads=False)
+    # finished, but its blocks are still allocated: the save thread has not read them yet
+    assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED
+    assert req.request_id in e.sched.requests and not e.sent
+    assert e.sched.kv_cache_manager.block_pool.get_num_free_blocks() < free0
+    opened.set()
+    e.worker._worker.wait_idle()
+    e.step()
+    assert e.sent == {req.request_id}
+    assert_scheduler_empty(e.sched)
+    # and the saved blocks serve the next request from the CPU tier
+    e.sched.add_request(request(prompt()))
+    e.run_until_done()
+    (job,) = [job for m in e.metas for job in m.loads]
+    assert [it.tier for it in job.items] == [CPU] * 4
+    assert e.hit_sources == {"host": 64}
+
+
+def test_wait_for_save_returns_before_the_copy(worker):
+    opened = gate(worker)
+    worker.bind(FlexKVMetadata(saves=[SaveItem(b, f"{b:032x}", "r", slot=b) for b in range(4)]))
+    worker.wait_for_save()  # returns although the gather is blocked
+    assert worker.get_finished({"r"}) == (set(), set())
+    opened.set()
+    worker.wait_idle()
+    assert worker.get_finished(set()) == ({"r"}, set())
+    for b in range(4):
+        assert torch.equal(worker.pool[b].view(torch.float32), worker.cache[b].reshape(-1))
+
+
+def test_preemption_waits_for_the_gather(worker):
+    opened = gate(worker)
+    worker.bind(FlexKVMetadata(saves=[SaveItem(0, "0" * 32, "r", slot=0)]))
+    worker.wait_for_save()
+    done = threading.Event()
+    t = threading.Thread(
+        target=lambda: (worker.handle_preemptions(FlexKVMetadata(preempted={"r"})), done.set())
+    )
+    t.start()
+    assert not done.wait(0.3)  # the forward pass may not overwrite block 0 yet
+    want = worker.cache[0].clone()
+    opened.set()
+    assert done.wait(10)
+    t.join()
+    worker.cache[0] = -1.0  # what the preempting request writes afterwards
+    assert torch.equal(worker.pool[0].view(torch.float32), want.reshape(-1))
+    worker.handle_preemptions(FlexKVMetadata(preempted={"other"}))  # nothing to wait for
+
+
+def test_load_of_a_cpu_row_waits_for_its_save(worker):
+    opened = gate(worker)
+    worker.bind(FlexKVMetadata(saves=[SaveItem(1, "1" * 32, "r", slot=2)]))
+    worker.wait_for_save()
+    worker.bind(FlexKVMetadata(loads=[LoadJob("l", (LoadItem(5, "1" * 32, CPU, slot=2),))]))
+    worker.start_load_kv()
+    assert worker.get_finished(set())[1] == set()
+    opened.set()
+    worker.wait_idle()
+    assert worker.get_finished(set())[1] == {"l"} and not worker.take_load_errors()
+    assert torch.equal(worker.cache[5], worker.cache[1])
+
+
+def test_failed_save_is_never_loaded(worker):
+    def broken(block_ids):
+        raise RuntimeError("device lost")
+
+    worker.gather = broken
+    worker.bind(FlexKVMetadata(saves=[SaveItem(1, "1" * 32, "r", slot=2)]))
+    worker.wait_for_save()
+    worker.wait_idle()
+    assert worker.get_finished({"r"})[0] == {"r"}  # blocks are released all the same
+    worker.bind(FlexKVMetadata(loads=[LoadJob("l", (LoadItem(5, "1" * 32, CPU, slot=2),))]))
+    worker.start_load_kv()
+    worker.wait_idle()
+    assert worker.get_finished(set())[1] == {"l"}
+    assert worker.take_load_errors() == {5}
