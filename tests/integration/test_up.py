@@ -55,7 +55,7 @@ def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 3  # two engines (with their EngineCore/workers) and the proxy
 
-        model = re.search(r"\(model '([^']+)'\)", banner).group(1)
+        model = re.search(r"\(model '([^']+)'", banner).group(1)
         body = {
             "model": model,
             "prompt": make_prompt_ids(tiny_llama, 120),
