@@ -52,6 +52,9 @@ from vllm_pd_ext.connectors.flexkv.store import BlockFileError, FileStore
 
 logger = logging.getLogger(__name__)
 
+#: Bytes of the per-thread staging buffer block copies go through (reused, so stays warm).
+STAGE_BYTES = 8 << 20
+
 
 class FlexKVWorker:
     """Worker-side state; public methods run on vLLM's worker thread."""
@@ -96,6 +99,7 @@ class FlexKVWorker:
         self._loads: dict[str, Future] = {}
         self._load_errors: set[int] = set()
         self._lock = threading.Lock()
+        self._tls = threading.local()
 
     # ---- setup ----
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
@@ -129,12 +133,29 @@ class FlexKVWorker:
             )
         return out
 
-    def scatter(self, block_ids: list[int], rows: torch.Tensor) -> None:
-        """Copy ``rows`` (CPU, ``[len(block_ids), block_bytes]``) into device blocks."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+    def scatter(self, block_ids: list[int], rows: torch.Tensor, picks: list[int]) -> None:
+        """Copy row ``picks[j]`` of ``rows`` (CPU, ``[m, block_bytes]``) into device block
+        ``block_ids[j]`` for every ``j``.
+
+        Goes view by view in chunks through a small per-thread staging buffer that is reused:
+        large temporaries would be fresh memory, and first-touch page faults cost more than
+        the copy itself (~1 GB/s vs ~17 GB/s for a warm memcpy on a 2-core host).
+        """
+        dst = torch.tensor(block_ids, dtype=torch.long, device=self._device)
+        src = torch.tensor(picks, dtype=torch.long)
+        stage = getattr(self._tls, "stage", None)
+        if stage is None:
+            stage = self._tls.stage = torch.empty(STAGE_BYTES, dtype=torch.uint8)
         for v in self._views:
-            src = rows[:, v.column : v.column + v.length].view(v.view.dtype)
-            v.view.index_copy_(0, idx, src.to(self._device))
+            cols = rows[:, v.column : v.column + v.length].view(v.view.dtype)
+            step = max(1, STAGE_BYTES // v.length)
+            if step * v.length > stage.numel():
+                stage = self._tls.stage = torch.empty(step * v.length, dtype=torch.uint8)
+            for a in range(0, len(block_ids), step):
+                n = len(picks[a : a + step])
+                tmp = stage[: n * v.length].view(v.view.dtype).view(n, -1)
+                torch.index_select(cols, 0, src[a : a + step], out=tmp)
+                v.view.index_copy_(0, dst[a : a + step], tmp.to(self._device))
 
     # ---- per step ----
     def bind(self, meta: FlexKVMetadata) -> None:
@@ -257,8 +278,7 @@ class FlexKVWorker:
             failed |= {it.block_id for it in job.items if it not in cpu and it not in files}
             if cpu:
                 t0 = time.perf_counter()
-                slots = torch.tensor([it.slot for it in cpu], dtype=torch.long)
-                self.scatter([it.block_id for it in cpu], self.pool.index_select(0, slots))
+                self.scatter([it.block_id for it in cpu], self.pool, [it.slot for it in cpu])
                 self.stats.add("load_bytes", len(cpu) * self.block_bytes, CPU)
                 self.stats.add("load_seconds", time.perf_counter() - t0, CPU)
             if files:
@@ -288,18 +308,11 @@ class FlexKVWorker:
                     err,
                 )
         if ok:
-            sel = torch.tensor(ok, dtype=torch.long)
-            rows = buf.index_select(0, sel)
-            self.scatter([items[j].block_id for j in ok], rows)
-            promote = [
-                (k, items[j].promote_slot) for k, j in enumerate(ok) if items[j].promote_slot >= 0
-            ]
+            self.scatter([items[j].block_id for j in ok], buf, ok)
+            promote = [(j, items[j].promote_slot) for j in ok if items[j].promote_slot >= 0]
+            for j, slot in promote:
+                self.pool[slot].copy_(buf[j])
             if promote:
-                self.pool.index_copy_(
-                    0,
-                    torch.tensor([s for _, s in promote], dtype=torch.long),
-                    rows.index_select(0, torch.tensor([k for k, _ in promote], dtype=torch.long)),
-                )
                 with self._lock:
                     self._bad_slots -= {s for _, s in promote}
         seconds = time.perf_counter() - t0
