@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -103,13 +105,19 @@ def test_split_output_equals_colocated(pair, tiny_qwen, mode, prompt_tokens):
     assert prefill.metric(HELD) == 0
 
 
-def test_transfer_metrics_on_both_engines(pair):
-    prefill, decode, _ = pair
-    text = decode.metrics_text()
-    assert "vllm:pdext_kv_transfer_seconds_count" in text
-    assert decode.metric("vllm:pdext_kv_transfer_seconds_count") >= 3  # the read-mode loads
-    assert prefill.metric("vllm:pdext_kv_transfer_bytes_count") >= 3  # the write-mode pushes
+def test_transfer_metrics_on_both_engines(pair, tiny_qwen):
+    prefill, decode, side = pair
+    reads = decode.metric("vllm:pdext_kv_transfer_seconds_count")
+    pushes = prefill.metric("vllm:pdext_kv_transfer_bytes_count")
+    prompt_ids = make_prompt_ids(tiny_qwen, 120)
+    with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+        split_read(client, prefill, decode, prompt_ids, 4)
+        split_write(client, prefill, decode, side, prompt_ids, 4)
+    time.sleep(1.0)  # stats reach /metrics with the next engine step's output
+    assert decode.metric("vllm:pdext_kv_transfer_seconds_count") >= reads + 1  # the read
+    assert prefill.metric("vllm:pdext_kv_transfer_bytes_count") >= pushes + 1  # the push
     assert decode.metric("vllm:pdext_kv_transfer_failures_total") == 0
+    assert "vllm:pdext_kv_blocks_held" in prefill.metrics_text()
 
 
 @pytest.mark.parametrize("protocol", ["pdext-read", "pdext-write"])
@@ -143,6 +151,37 @@ def test_through_the_proxy(pair, tiny_qwen, tmp_path, protocol):
     assert got["token_ids"] == colocated["choices"][0]["token_ids"]
     assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before >= 199
     wait_idle(prefill)
+
+
+def test_doctor_reads_our_transfer_metrics(pair):
+    prefill, decode, _ = pair
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "vllm_pd_ext.cli",
+            "doctor",
+            "--prefill",
+            prefill.base_url,
+            "--decode",
+            decode.base_url,
+            "--prompts",
+            "2",
+            "--prompt-tokens",
+            "300",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert report["kv_bytes_per_token"] == 2 * 1 * 64 * 2 * 2  # tiny-qwen
+    for r in report["rounds"]:
+        assert r["external_tokens"] >= 299
+        assert r["connector_xfer_ms"] is not None and r["connector_xfer_ms"] > 0
+        assert r["connector_bytes"] >= 300 * report["kv_bytes_per_token"]
 
 
 def test_vanished_decode_frees_prefill_blocks_within_the_lease(pair, tiny_qwen):

@@ -24,8 +24,12 @@ from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
 from vllm_pd_ext.tools.kv_size import ConfigError, compute_kv_size, human_bytes, load_config
 from vllm_pd_ext.tools.prom import parse_metrics
 
-XFER_TIME = "vllm:nixl_xfer_time_seconds"
-XFER_BYTES = "vllm:nixl_bytes_transferred"
+#: Transfer histograms (seconds, bytes) the decode side exports: vLLM's NixlConnector, then
+#: our PdExtMoRIIOConnector / PdExtMambaStateConnector.
+XFER_METRICS = (
+    ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"),
+    ("vllm:pdext_kv_transfer_seconds", "vllm:pdext_kv_transfer_bytes"),
+)
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 
 #: The guide's rule of thumb: a mean transfer of this many seconds needs fixing first.
@@ -139,15 +143,18 @@ def measure_round(
     def delta(name: str, **labels: str) -> float:
         return after.total(name, **labels) - before.total(name, **labels)
 
-    xfer_count = delta(f"{XFER_TIME}_count")
+    xfer_time, xfer_bytes = next(
+        ((t, b) for t, b in XFER_METRICS if delta(f"{t}_count")), XFER_METRICS[0]
+    )
+    xfer_count = delta(f"{xfer_time}_count")
     return Round(
         prompt_tokens=tokens,
         colocated_ttft_ms=colocated * 1e3,
         prefill_leg_ms=prefill_s * 1e3,
         decode_first_token_ms=first * 1e3,
         external_tokens=int(delta(EXTERNAL[0], **EXTERNAL[1])),
-        connector_xfer_ms=delta(f"{XFER_TIME}_sum") * 1e3 if xfer_count else None,
-        connector_bytes=delta(f"{XFER_BYTES}_sum") if xfer_count else None,
+        connector_xfer_ms=delta(f"{xfer_time}_sum") * 1e3 if xfer_count else None,
+        connector_bytes=delta(f"{xfer_bytes}_sum") if xfer_count else None,
     )
 
 
