@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 from vllm_pd_ext.render_server.derender import Derenderer
 from vllm_pd_ext.render_server.errors import RenderError, body_for, error_body, validation_message
 from vllm_pd_ext.render_server.openapi import build_openapi
+from vllm_pd_ext.render_server.parsers import TOOL_PARSERS
 from vllm_pd_ext.render_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -96,10 +97,25 @@ class _Metrics:
         )
 
 
+def _check_tool_parser(settings: RenderSettings, tok: Any) -> None:
+    """Build the built-in tool parser once at startup, so a tokenizer it cannot work with
+    stops the server with a clear message instead of failing every tool request."""
+    name = settings.tool_call_parser
+    if name in TOOL_PARSERS:
+        try:
+            TOOL_PARSERS[name](tok)
+        except RenderError as exc:
+            raise ValueError(
+                f"--tool-call-parser {name} does not fit the tokenizer of {settings.model}: "
+                f"{exc.message}"
+            ) from None
+
+
 class _State:
     def __init__(self, settings: RenderSettings) -> None:
         tok = load_tokenizer(settings.model, settings.resolved_chat_template())
         tok.warm_up()
+        _check_tool_parser(settings, tok)
         self.settings = settings
         self.renderer = Renderer(settings, tok)
         self.derenderer = Derenderer(

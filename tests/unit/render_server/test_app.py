@@ -355,3 +355,13 @@ def test_deepseek_v3_reasoning_follows_thinking_kwarg(tiny_qwen_think, thinking)
         assert (msg["reasoning"], msg["content"]) == ("hmm", "Answer.")
     else:
         assert (msg["reasoning"], msg["content"]) == (None, "<think>hmm</think>Answer.")
+
+
+def test_a_tool_parser_that_does_not_fit_the_tokenizer_stops_the_server(tiny_qwen):
+    """Not a 500 on every tool request: the server refuses to start, naming the problem."""
+    settings = RenderSettings(model=str(tiny_qwen), tool_call_parser="mistral")
+    with (
+        pytest.raises(ValueError, match=r"--tool-call-parser mistral does not fit"),
+        TestClient(create_app(settings)),
+    ):
+        pass
