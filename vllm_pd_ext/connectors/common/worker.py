@@ -579,10 +579,14 @@ class TransferWorker:
                 if fut.exception() is not None:
                     logger.warning("KV push of %s failed: %s", req_id, fut.exception())
                 del self._push_futures[req_id]
-                self._pushes.pop(req_id, None)
+                push = self._pushes.pop(req_id, None)
+                if push is not None:
+                    with self._lock:
+                        self._cancelled.discard(push.spec.transfer_id)
                 if req_id in self._push_confirmed:
                     self._push_confirmed.discard(req_id)
                     self._finished_sending.add(req_id)
+        self._prune_offers()
         recving = set()
         for req_id, fut in list(self._loads.items()):
             if not fut.done():
@@ -603,6 +607,15 @@ class TransferWorker:
         self._finished_reqs -= recving
         self.stats.blocks_held(sum(self._held.values()))
         return (sending or None), (recving or None)
+
+    def _prune_offers(self) -> None:
+        """Forget decode offers no prefill request ever claimed (the prefill leg failed or
+        went elsewhere): after two leases nobody can still be waiting for them."""
+        horizon = time.monotonic() - 2 * self.cfg.lease_s
+        with self._lock:
+            for tid in [t for t, o in self._targets.items() if o.received < horizon]:
+                del self._targets[tid]
+                self._cancelled.discard(tid)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of loads reported finished that did not complete (then cleared); one KV
