@@ -8,7 +8,9 @@ size 32) runs the connector with a CPU tier and an SSD directory. Each round sen
 * ``recompute``: the first time, nothing is cached: every prompt token is computed (and saved);
 * ``cpu_tier``: the same prompt again: all full blocks load from the CPU tier;
 * ``ssd_tier``: after ``POST /reset_prefix_cache?reset_external=true`` (clears the CPU tier),
-  the same prompt loads from the SSD tier.
+  the same prompt loads from the SSD tier;
+* ``floor``: a new prompt of only the tokens a hit computes (the part after the last full
+  block): what a request costs with nothing to load, i.e. the best a hit could do.
 
 Greedy output must be identical in all three, and vLLM's
 ``prompt_tokens_cached_by_source{source=host|disk}`` must grow by the loaded tokens, or the
@@ -37,7 +39,7 @@ from vllm_pd_ext.tools.vllm_process import start_vllm_serve
 
 BLOCK = 32
 CACHED = "vllm:prompt_tokens_cached_by_source_total"
-PATHS = ("recompute", "cpu_tier", "ssd_tier")
+PATHS = ("recompute", "cpu_tier", "ssd_tier", "floor")
 
 
 def files_in(path: Path) -> int:
@@ -94,15 +96,17 @@ def main() -> None:
                     )
                     reset.raise_for_status()
                     outs["ssd_tier"], t_ssd = stream_completion(client, server, body)
+                    short = completion_body(server, ids[::-1][: args.prefix - hit], args.max_tokens)
+                    _, t_floor = stream_completion(client, server, short)
                     host = server.metric(CACHED, source="host") - host0
                     disk = server.metric(CACHED, source="disk") - disk0
-                    if not (outs["recompute"] == outs["cpu_tier"] == outs["ssd_tier"]):
+                    if not outs["recompute"] == outs["cpu_tier"] == outs["ssd_tier"]:
                         raise SystemExit(f"round {r}: outputs differ: {outs}")
                     if host != hit or disk != hit:
                         raise SystemExit(f"round {r}: loaded host {host}, disk {disk}, want {hit}")
                     if r == 0:
                         continue  # warm-up
-                    for p, t in zip(PATHS, (t_miss, t_cpu, t_ssd), strict=True):
+                    for p, t in zip(PATHS, (t_miss, t_cpu, t_ssd, t_floor), strict=True):
                         ttft[p].append(t)
         finally:
             server.stop()
