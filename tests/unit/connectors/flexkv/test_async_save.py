@@ -133,3 +133,15 @@ def test_failed_save_is_never_loaded(worker):
     worker.wait_idle()
     assert worker.get_finished(set())[1] == {"l"}
     assert worker.take_load_errors() == {5}
+
+
+@pytest.mark.parametrize("picks", [[0, 1, 2, 3], [3, 2, 1, 0], [1, 2, 0, 3], [2], []])
+def test_scatter_puts_each_picked_row_in_its_block(worker, picks):
+    rows = torch.randn(4, worker.block_bytes // 4)
+    blocks = [7, 4, 5, 6][: len(picks)]
+    before = worker.cache.clone()
+    worker.scatter(blocks, rows.view(torch.uint8), picks)
+    for b, p in zip(blocks, picks, strict=True):
+        assert torch.equal(worker.cache[b].reshape(-1), rows[p])
+    untouched = [b for b in range(N) if b not in blocks]
+    assert torch.equal(worker.cache[untouched], before[untouched])
