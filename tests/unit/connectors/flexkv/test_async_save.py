@@ -11,8 +11,8 @@ import pytest
 import torch
 from vllm.v1.request import RequestStatus
 
-from tests.unit.connectors.flexkv.test_round_trip import prompt, request
-from tests.unit.connectors.sched_harness import assert_scheduler_empty
+from tests.unit.connectors.flexkv.test_round_trip import assert_blocks_hold, prompt, request
+from tests.unit.connectors.sched_harness import BLOCK_SIZE, assert_scheduler_empty
 from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
 from vllm_pd_ext.connectors.flexkv.metadata import CPU, FlexKVMetadata, LoadItem, LoadJob, SaveItem
 from vllm_pd_ext.connectors.flexkv.worker import FlexKVWorker
@@ -145,3 +145,35 @@ def test_scatter_puts_each_picked_row_in_its_block(worker, picks):
         assert torch.equal(worker.cache[b].reshape(-1), rows[p])
     untouched = [b for b in range(N) if b not in blocks]
     assert torch.equal(worker.cache[untouched], before[untouched])
+
+
+def test_preemption_reaches_the_worker_and_saved_blocks_stay_right(engine_factory):
+    """Three 300-token requests decoding 200 tokens each outgrow the 64-block cache: vLLM's
+    scheduler preempts; the preempted ids reach the worker before the forward pass that reuses
+    their blocks, and every block the cache kept holds what computing it gives."""
+    e = engine_factory(cpu_capacity_blocks=64)
+    seen: list[set[str]] = []
+    real = e.worker._worker.handle_preemptions
+
+    def spy(meta):
+        seen.append(set(meta.preempted))
+        real(meta)
+
+    e.worker._worker.handle_preemptions = spy
+    prompts = [prompt(seed=i, n=300) for i in range(3)]
+    for p in prompts:
+        e.sched.add_request(request(p, max_tokens=200))
+    e.run_until_done(max_steps=1000)
+    preempted = set().union(*seen)
+    assert preempted, "no preemption happened"
+    assert_scheduler_empty(e.sched)
+    for p in prompts:
+        again = request(p)
+        e.sched.add_request(again)
+        e.step()
+        e.first_blocks = {
+            again.request_id: list(e.sched.kv_cache_manager.get_block_ids(again.request_id)[0])
+        }
+        e.run_until_done()
+        assert e.computed[again.request_id][0] == (300 - 1) // BLOCK_SIZE * BLOCK_SIZE
+        assert_blocks_hold(e, again, (300 - 1) // BLOCK_SIZE)
