@@ -36,14 +36,15 @@ HELD = "vllm:pdext_kv_blocks_held"
 EXPIRIES = "vllm:pdext_kv_lease_expiries_total"
 
 
-def connector(role: str, side_port: int) -> dict:
+def connector(role: str, side_port: int, backend: str = "mooncake") -> dict:
+    settings = {"protocol": "tcp", "host": "127.0.0.1"} if backend == "mooncake" else {}
     return {
         "kv_connector": "PdExtMoRIIOConnector",
         "kv_role": role,
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "backend": "mooncake",
-            "backend_settings": {"protocol": "tcp", "host": "127.0.0.1"},
+            "backend": backend,
+            "backend_settings": {**settings, "host": "127.0.0.1"},
             "side_channel_host": "127.0.0.1",
             "side_channel_port": side_port,
             "lease_s": LEASE_S,
@@ -51,16 +52,15 @@ def connector(role: str, side_port: int) -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def pair(vllm_servers, tiny_qwen):
+def start_pair(vllm_servers, model, name: str, backend: str = "mooncake"):
     side = free_port()
     servers = [
         vllm_servers.start(
-            tiny_qwen,
-            name=f"moriio-{role}",
+            model,
+            name=f"{name}-{role}",
             wait=False,
             cpu_core=core,
-            kv_transfer_config=connector(kv_role, port),
+            kv_transfer_config=connector(kv_role, port, backend),
             extra_args=["--no-enable-prefix-caching"],
         )
         for role, kv_role, core, port in (
@@ -71,6 +71,11 @@ def pair(vllm_servers, tiny_qwen):
     for server in servers:
         server.wait_healthy()
     return servers[0], servers[1], side
+
+
+@pytest.fixture(scope="module")
+def pair(vllm_servers, tiny_qwen):
+    return start_pair(vllm_servers, tiny_qwen, "moriio")
 
 
 def split_read(client, prefill, decode, prompt_ids, max_tokens):

@@ -1,8 +1,9 @@
-"""PdExtMoRIIOConnector's worker side with CPU KV caches and the real Mooncake transport.
+"""PdExtMoRIIOConnector's worker side with CPU KV caches and real transports.
 
-A prefill and a decode ``TransferWorker`` live in this process, each with its own Mooncake
-engine over TCP on 127.0.0.1 and its own caches shaped like vLLM's CPU backend
-(``[blocks, kv_heads, block_size, 2 * head_size]`` per layer). The test plays the scheduler:
+A prefill and a decode ``TransferWorker`` live in this process, each with its own transport
+(every test runs over Mooncake's engine and over our ``tcp`` backend) on 127.0.0.1 and its
+own caches shaped like vLLM's CPU backend (``[blocks, kv_heads, block_size, 2 * head_size]``
+per layer). The test plays the scheduler:
 it binds the metadata each step would carry and calls ``get_finished`` as the runner does.
 """
 
@@ -53,8 +54,9 @@ def caches(fill: bool, heads: int = HEADS, shape: str = "cpu") -> dict[str, torc
     return out
 
 
-def worker(role: str, port: int, clock=None, **cfg) -> TransferWorker:
+def worker(role: str, port: int, clock=None, backend: str = "mooncake", **cfg) -> TransferWorker:
     settings = {
+        "backend": backend,
         "backend_settings": {"host": "127.0.0.1"},
         "side_channel_host": "127.0.0.1",
         "side_channel_port": port,
@@ -78,14 +80,19 @@ def worker(role: str, port: int, clock=None, **cfg) -> TransferWorker:
     )
 
 
+@pytest.fixture(params=["mooncake", "tcp"])
+def backend(request) -> str:
+    return request.param
+
+
 @pytest.fixture
-def pair(request):
-    """(prefill worker, its caches, decode worker, its caches, side port)."""
+def pair(request, backend):
+    """(prefill worker, its caches, decode worker, its caches, side port), over ``backend``."""
     opts = getattr(request, "param", {})
     port = free_port()
     clock = Clock()
-    p = worker("kv_producer", port, clock=clock, **opts.get("p", {}))
-    d = worker("kv_consumer", free_port(), **opts.get("d", {}))
+    p = worker("kv_producer", port, clock=clock, backend=backend, **opts.get("p", {}))
+    d = worker("kv_consumer", free_port(), backend=backend, **opts.get("d", {}))
     shape = opts.get("shape", "cpu")
     pc, dc = caches(True, shape=shape), caches(False, shape=shape, **opts.get("dcache", {}))
     p.register_kv_caches(pc)
