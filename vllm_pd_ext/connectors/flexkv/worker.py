@@ -54,6 +54,8 @@ logger = logging.getLogger(__name__)
 
 #: Bytes of the per-thread staging buffer block copies go through (reused, so stays warm).
 STAGE_BYTES = 8 << 20
+#: Bytes of block files read per round into a per-loader-thread buffer (reused).
+FILE_STAGE_BYTES = 32 << 20
 
 
 def _runs(picks: list[int]) -> list[tuple[int, int]]:
@@ -312,37 +314,49 @@ class FlexKVWorker:
         return failed
 
     def _load_files(self, req_id: str, items: list[LoadItem]) -> set[int]:
+        """Read, verify and scatter block files, ``FILE_STAGE_BYTES`` at a time through a
+        per-thread buffer that is reused (no fresh memory per load); returns failed block ids."""
         t0 = time.perf_counter()
-        buf = torch.empty((len(items), self.block_bytes), dtype=torch.uint8)
-        futures = [
-            self._io.submit(self._read, it.tier, it.key, buf[j]) for j, it in enumerate(items)
-        ]
-        errors = [f.result() for f in futures]
-        ok = [j for j, err in enumerate(errors) if err is None]
-        for j, err in enumerate(errors):
-            if err is not None:
-                logger.warning(
-                    "tiered KV cache: request %s block %s (%s tier) not loaded: %s",
-                    req_id,
-                    items[j].key,
-                    items[j].tier,
-                    err,
-                )
-        if ok:
-            self.scatter([items[j].block_id for j in ok], buf, ok)
-            promote = [(j, items[j].promote_slot) for j in ok if items[j].promote_slot >= 0]
+        per = max(1, FILE_STAGE_BYTES // self.block_bytes)
+        buf = getattr(self._tls, "files", None)
+        if buf is None or buf.shape != (per, self.block_bytes):
+            buf = self._tls.files = torch.empty((per, self.block_bytes), dtype=torch.uint8)
+        failed: set[int] = set()
+        loaded: dict[str, int] = {}
+        for at in range(0, len(items), per):
+            chunk = items[at : at + per]
+            futures = [
+                self._io.submit(self._read, it.tier, it.key, buf[j]) for j, it in enumerate(chunk)
+            ]
+            errors = [f.result() for f in futures]
+            ok = [j for j, err in enumerate(errors) if err is None]
+            for j, err in enumerate(errors):
+                if err is not None:
+                    failed.add(chunk[j].block_id)
+                    logger.warning(
+                        "tiered KV cache: request %s block %s (%s tier) not loaded: %s",
+                        req_id,
+                        chunk[j].key,
+                        chunk[j].tier,
+                        err,
+                    )
+            if not ok:
+                continue
+            self.scatter([chunk[j].block_id for j in ok], buf, ok)
+            promote = [(j, chunk[j].promote_slot) for j in ok if chunk[j].promote_slot >= 0]
             for j, slot in promote:
                 self.pool[slot].copy_(buf[j])
             if promote:
                 with self._lock:
                     self._bad_slots -= {s for _, s in promote}
+            for j in ok:
+                loaded[chunk[j].tier] = loaded.get(chunk[j].tier, 0) + 1
         seconds = time.perf_counter() - t0
-        for tier in {it.tier for it in items}:
-            n = sum(1 for j in ok if items[j].tier == tier)
-            if n:
-                self.stats.add("load_bytes", n * self.block_bytes, tier)
-                self.stats.add("load_seconds", seconds * n / max(len(ok), 1), tier)
-        return {items[j].block_id for j, err in enumerate(errors) if err is not None}
+        total = sum(loaded.values())
+        for tier, n in loaded.items():
+            self.stats.add("load_bytes", n * self.block_bytes, tier)
+            self.stats.add("load_seconds", seconds * n / total, tier)
+        return failed
 
     def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[set[str], set[str]]:
         """(finished requests whose saves no longer read their blocks, requests whose load
