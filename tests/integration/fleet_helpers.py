@@ -14,7 +14,13 @@ from pathlib import Path
 
 import httpx
 
-from vllm_pd_ext.tools.pd_demo import NIXL_CPU, completion_body, stream_completion
+from vllm_pd_ext.tools.pd_demo import (
+    NIXL_CPU,
+    completion_body,
+    make_prompt_ids,
+    prefill_leg,
+    stream_completion,
+)
 from vllm_pd_ext.tools.vllm_process import VllmServer, free_port
 
 
@@ -40,7 +46,31 @@ def nixl_pair(
     ]
     for server in servers:
         server.wait_healthy()
+    warm_up_split(servers[0], servers[1], model)
     return servers[0], servers[1]
+
+
+def warm_up_split(prefill: VllmServer, decode: VllmServer, model: Path, attempts: int = 3) -> None:
+    """One throwaway split request, retried: a NIXL pair's first request pays the handshake,
+    which on a loaded 2-core machine can time out (vLLM then fails that one request). Tests
+    measure later requests, over the established connection."""
+    prompt_ids = make_prompt_ids(model, 64)
+    for attempt in range(attempts):
+        with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+            try:
+                body = {**completion_body(prefill, prompt_ids, 2), "stream": False}
+                body.pop("stream_options", None)
+                params, _ = prefill_leg(client, prefill, body)
+                decode_body = {
+                    **completion_body(decode, prompt_ids, 2),
+                    "kv_transfer_params": params,
+                }
+                stream_completion(client, decode, decode_body)
+                return
+            except (RuntimeError, httpx.HTTPError):
+                if attempt == attempts - 1:
+                    raise
+                time.sleep(2)
 
 
 def wait_idle(server: VllmServer, timeout: float = 60.0) -> None:
