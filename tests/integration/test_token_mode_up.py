@@ -97,8 +97,9 @@ def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, conne
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
 
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        # long completion x2, chat x2 split; the 3-token prompt x2 colocated
-        assert 'vllm_pd_decisions_total{decision="split",reason="split"} 4.0' in metrics
+        # the launcher's warm-up, long completion x2, chat x2 split; the 3-token prompt x2
+        # colocated
+        assert 'vllm_pd_decisions_total{decision="split",reason="split"} 5.0' in metrics
         assert 'vllm_pd_decisions_total{decision="colocated"' in metrics
 
         proc.send_signal(signal.SIGINT)

@@ -69,7 +69,9 @@ def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        assert 'vllm_pd_decisions_total{decision="split",reason="split"} 1.0' in metrics
+        # the warm-up request before the banner, then ours
+        assert 'vllm_pd_decisions_total{decision="split",reason="split"} 2.0' in metrics
+        assert "warm-up request (long enough to split) served in" in banner
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]

@@ -401,6 +401,34 @@ class Stack:
     def request_stop(self, *_args) -> None:
         self._stop.set()
 
+    def warm_up(self, attempts: int = 3) -> None:
+        """Send one request long enough to be split through the proxy before announcing the
+        endpoint: the first split pays one-off connector set-up (NIXL's handshake can take
+        seconds, and time out on a loaded machine), which should not land on a user."""
+        if not self.config.prefill:
+            return
+        limit = (self.config.max_model_len or 4096) - 64
+        tokens = self.config.min_split_prompt_tokens + 32
+        if tokens > limit:
+            return  # nothing this long is accepted, so nothing will be split
+        url = f"http://{self.config.host}:{self.config.proxy_port}/v1/completions"
+        body = {"model": self.served_name, "prompt": "warm up " * (tokens // 2), "max_tokens": 1}
+        for attempt in range(1, attempts + 1):
+            start = time.monotonic()
+            try:
+                resp = httpx.post(url, json=body, timeout=120)
+            except httpx.HTTPError as e:
+                resp, error = None, str(e)
+            else:
+                error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+            if resp is not None and resp.status_code == 200:
+                took = time.monotonic() - start
+                self._say(f"warm-up request (long enough to split) served in {took:.1f}s")
+                return
+            self._say(f"warm-up request {attempt}/{attempts} failed ({error})")
+            if self._stop.is_set():
+                return
+
     def endpoint_banner(self) -> str:
         url = f"http://{self.config.host}:{self.config.proxy_port}/v1"
         model = self.served_name
@@ -436,6 +464,7 @@ def run_up(config: UpConfig) -> int:
             ready = stack.wait_ready(stack.parts[-1:])
         if not ready:
             return 0 if stack._stop.is_set() else 1
+        stack.warm_up()
         print(stack.endpoint_banner(), flush=True)
         return stack.supervise()
     finally:
