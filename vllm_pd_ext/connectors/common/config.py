@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class TransferConfig(BaseModel):
@@ -54,13 +56,18 @@ class TransferConfig(BaseModel):
     )
 
 
-def parse_transfer_config(connector: str, extra: Mapping[str, Any] | None) -> TransferConfig:
-    """Validate ``extra``; ``ValueError`` naming the connector and the bad key otherwise."""
+def parse_extra_config(model: type[M], connector: str, extra: Mapping[str, Any] | None) -> M:
+    """Validate ``extra`` into ``model``; ``ValueError`` naming the connector and the bad key."""
     try:
-        return TransferConfig.model_validate(dict(extra or {}))
+        return model.model_validate(dict(extra or {}))
     except ValidationError as e:
         problems = "; ".join(
             f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
             for err in e.errors()
         )
         raise ValueError(f"invalid kv_connector_extra_config for {connector}: {problems}") from None
+
+
+def parse_transfer_config(connector: str, extra: Mapping[str, Any] | None) -> TransferConfig:
+    """Validate ``extra``; ``ValueError`` naming the connector and the bad key otherwise."""
+    return parse_extra_config(TransferConfig, connector, extra)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from vllm_pd_ext.connectors.common.config import parse_extra_config
 
 GiB = 1 << 30
 
@@ -98,11 +100,4 @@ class FlexKVConfig(BaseModel):
 
 def parse_flexkv_config(connector: str, extra: Mapping[str, Any] | None) -> FlexKVConfig:
     """Validate ``extra``; ``ValueError`` naming the connector and the bad key otherwise."""
-    try:
-        return FlexKVConfig.model_validate(dict(extra or {}))
-    except ValidationError as e:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in err['loc']) or '(root)'}: {err['msg']}"
-            for err in e.errors()
-        )
-        raise ValueError(f"invalid kv_connector_extra_config for {connector}: {problems}") from None
+    return parse_extra_config(FlexKVConfig, connector, extra)
