@@ -159,3 +159,58 @@ def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
     leg.join(timeout=120)
     assert result["p"].status_code == 200, result["p"].text
     return ids
+
+
+def pdext_connector(
+    role: str, side_port: int, backend: str = "mooncake", lease_s: float = 8.0
+) -> dict:
+    """kv-transfer-config of a PdExtMoRIIOConnector engine on 127.0.0.1 (CPU)."""
+    settings = {"protocol": "tcp", "host": "127.0.0.1"} if backend == "mooncake" else {}
+    return {
+        "kv_connector": "PdExtMoRIIOConnector",
+        "kv_role": role,
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {
+            "backend": backend,
+            "backend_settings": {**settings, "host": "127.0.0.1"},
+            "side_channel_host": "127.0.0.1",
+            "side_channel_port": side_port,
+            "lease_s": lease_s,
+        },
+    }
+
+
+def pdext_pair(vllm_servers, model, name: str, backend: str = "mooncake", lease_s: float = 8.0):
+    """A healthy PdExtMoRIIOConnector prefill (core 0) and decode (core 1), prefix caching off;
+    returns (prefill, decode, prefill side-channel port)."""
+    side = free_port()
+    servers = [
+        vllm_servers.start(
+            model,
+            name=f"{name}-{role}",
+            wait=False,
+            cpu_core=core,
+            kv_transfer_config=pdext_connector(kv_role, port, backend, lease_s),
+            extra_args=["--no-enable-prefix-caching"],
+        )
+        for role, kv_role, core, port in (
+            ("prefill", "kv_producer", 0, side),
+            ("decode", "kv_consumer", 1, free_port()),
+        )
+    ]
+    for server in servers:
+        server.wait_healthy()
+    return servers[0], servers[1], side
+
+
+def split_read(client, prefill, decode, prompt_ids, max_tokens):
+    """Serial legs, as the proxy's pdext-read protocol sends them; returns decode's token ids."""
+    body = completion_body(prefill, prompt_ids, max_tokens)
+    params, _ = prefill_leg(client, prefill, body)
+    assert params["protocol"] == "pdext" and params["transfer_mode"] == "read"
+    ids, _ = stream_completion(
+        client,
+        decode,
+        {**completion_body(decode, prompt_ids, max_tokens), "kv_transfer_params": params},
+    )
+    return ids

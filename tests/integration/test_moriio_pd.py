@@ -18,7 +18,13 @@ import time
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import running_proxy, split_write, wait_idle
+from tests.integration.fleet_helpers import (
+    pdext_pair,
+    running_proxy,
+    split_read,
+    split_write,
+    wait_idle,
+)
 from vllm_pd_ext.tools.pd_demo import (
     EXTERNAL,
     PROMPT_TOKENS_BY_SOURCE,
@@ -27,7 +33,6 @@ from vllm_pd_ext.tools.pd_demo import (
     prefill_leg,
     stream_completion,
 )
-from vllm_pd_ext.tools.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -36,58 +41,9 @@ HELD = "vllm:pdext_kv_blocks_held"
 EXPIRIES = "vllm:pdext_kv_lease_expiries_total"
 
 
-def connector(role: str, side_port: int, backend: str = "mooncake") -> dict:
-    settings = {"protocol": "tcp", "host": "127.0.0.1"} if backend == "mooncake" else {}
-    return {
-        "kv_connector": "PdExtMoRIIOConnector",
-        "kv_role": role,
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {
-            "backend": backend,
-            "backend_settings": {**settings, "host": "127.0.0.1"},
-            "side_channel_host": "127.0.0.1",
-            "side_channel_port": side_port,
-            "lease_s": LEASE_S,
-        },
-    }
-
-
-def start_pair(vllm_servers, model, name: str, backend: str = "mooncake"):
-    side = free_port()
-    servers = [
-        vllm_servers.start(
-            model,
-            name=f"{name}-{role}",
-            wait=False,
-            cpu_core=core,
-            kv_transfer_config=connector(kv_role, port, backend),
-            extra_args=["--no-enable-prefix-caching"],
-        )
-        for role, kv_role, core, port in (
-            ("prefill", "kv_producer", 0, side),
-            ("decode", "kv_consumer", 1, free_port()),
-        )
-    ]
-    for server in servers:
-        server.wait_healthy()
-    return servers[0], servers[1], side
-
-
 @pytest.fixture(scope="module")
 def pair(vllm_servers, tiny_qwen):
-    return start_pair(vllm_servers, tiny_qwen, "moriio")
-
-
-def split_read(client, prefill, decode, prompt_ids, max_tokens):
-    body = completion_body(prefill, prompt_ids, max_tokens)
-    params, _ = prefill_leg(client, prefill, body)
-    assert params["protocol"] == "pdext" and params["transfer_mode"] == "read"
-    ids, _ = stream_completion(
-        client,
-        decode,
-        {**completion_body(decode, prompt_ids, max_tokens), "kv_transfer_params": params},
-    )
-    return ids
+    return pdext_pair(vllm_servers, tiny_qwen, "moriio", lease_s=LEASE_S)
 
 
 @pytest.mark.parametrize("mode", ["read", "write"])

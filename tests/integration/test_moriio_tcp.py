@@ -7,8 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import split_write, wait_idle
-from tests.integration.test_moriio_pd import split_read, start_pair
+from tests.integration.fleet_helpers import pdext_pair, split_read, split_write, wait_idle
 from vllm_pd_ext.tools.pd_demo import (
     EXTERNAL,
     PROMPT_TOKENS_BY_SOURCE,
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 def test_over_our_tcp_backend(vllm_servers, tiny_qwen):
     """The same connector over the ``tcp`` transport backend, both modes (its own pair)."""
-    prefill, decode, side = start_pair(vllm_servers, tiny_qwen, "moriio-tcp", backend="tcp")
+    prefill, decode, side = pdext_pair(vllm_servers, tiny_qwen, "moriio-tcp", backend="tcp")
     try:
         prompt_ids = make_prompt_ids(tiny_qwen, 300)
         with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
