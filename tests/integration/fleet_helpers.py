@@ -4,6 +4,7 @@ and waiting for engines to return to idle."""
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import threading
@@ -214,3 +215,13 @@ def split_read(client, prefill, decode, prompt_ids, max_tokens):
         {**completion_body(decode, prompt_ids, max_tokens), "kv_transfer_params": params},
     )
     return ids
+
+
+def run_doctor(prefill: VllmServer, decode: VllmServer, prompts: int = 2, tokens: int = 300):
+    """`vllm-pd doctor --json` against a running pair; its parsed report."""
+    argv = [sys.executable, "-m", "vllm_pd_ext.cli", "doctor", "--prefill", prefill.base_url,
+            "--decode", decode.base_url, "--prompts", str(prompts), "--prompt-tokens",
+            str(tokens), "--json"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 import httpx
@@ -20,6 +18,7 @@ import pytest
 
 from tests.integration.fleet_helpers import (
     pdext_pair,
+    run_doctor,
     running_proxy,
     split_read,
     split_write,
@@ -116,28 +115,7 @@ def test_through_the_proxy(pair, tiny_qwen, tmp_path, protocol):
 
 def test_doctor_reads_our_transfer_metrics(pair):
     prefill, decode, _ = pair
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm_pd_ext.cli",
-            "doctor",
-            "--prefill",
-            prefill.base_url,
-            "--decode",
-            decode.base_url,
-            "--prompts",
-            "2",
-            "--prompt-tokens",
-            "300",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+    report = run_doctor(prefill, decode)
     assert report["kv_bytes_per_token"] == 2 * 1 * 64 * 2 * 2  # tiny-qwen
     for r in report["rounds"]:
         assert r["external_tokens"] >= 299
