@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -50,6 +50,12 @@ class FlexKVConfig(BaseModel):
     )
     fsync: bool = Field(
         False, description="fsync each block file before it becomes visible (power-loss safety)."
+    )
+    sync_load: Literal["cpu", "all", "never"] = Field(
+        "cpu",
+        description="Which hits load synchronously, in the step that computes the rest of "
+        "the prompt (no extra engine step): 'cpu' (hits wholly in the CPU tier; file reads "
+        "stay asynchronous), 'all', or 'never' (every load waits in WAITING_FOR_REMOTE_KVS).",
     )
     min_match_blocks: int = Field(
         1, ge=1, description="Load only when at least this many blocks hit (else recompute)."

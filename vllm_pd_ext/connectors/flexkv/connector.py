@@ -165,7 +165,7 @@ class PdExtFlexKVConnector(KVConnectorBase_V1):
         self._worker.handle_preemptions(kv_connector_metadata)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # loads are asynchronous: requests wait in WAITING_FOR_REMOTE_KVS
+        return None  # sync loads end in start_load_kv; async ones wait in WAITING_FOR_REMOTE_KVS
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any

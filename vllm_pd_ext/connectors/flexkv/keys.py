@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 #: Bump when the key derivation or the block file format changes: old files stop matching.
-FORMAT = 2  # 2: layout fingerprint of connectors/common/layout.py
+FORMAT = 3  # 2: layout fingerprint of connectors/common/layout.py; 3: xxh3-64 checksums
 
 
 def cache_namespace(model: Mapping[str, Any], block_size: int, extra: str = "") -> str:

@@ -24,10 +24,12 @@ class LoadItem:
 
 @dataclass(frozen=True)
 class LoadJob:
-    """One request's asynchronous load; reported in ``finished_recving`` when done."""
+    """One request's load: synchronous (``sync``: done in ``start_load_kv``, before the
+    forward pass of the same step) or asynchronous (reported in ``finished_recving``)."""
 
     req_id: str
     items: tuple[LoadItem, ...]
+    sync: bool = False
 
 
 @dataclass(frozen=True)

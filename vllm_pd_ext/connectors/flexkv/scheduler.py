@@ -9,8 +9,12 @@ vLLM's scheduling into per-step instructions for the worker side:
   the last prompt token is always left to compute;
 * load: after vLLM allocates blocks, each hit block is read from the fastest tier holding
   it (CPU, then SSD, then shared); blocks read from a file are promoted into the CPU pool.
-  Entries a load reads are pinned until the worker reports the request in
-  ``finished_recving``; blocks it reports as failed are dropped from the index;
+  A hit wholly in the CPU tier loads synchronously (``sync_load``, default "cpu"): the
+  worker copies it in ``start_load_kv`` of the step that computes the rest of the prompt, so
+  its entries are unpinned as soon as that step's metadata is built (the worker runs steps in
+  order: any later save into those rows comes after the copy). Other loads are asynchronous:
+  entries they read are pinned until the worker reports the request in
+  ``finished_recving``. Blocks the worker reports as failed are dropped from the index;
 * save: in the step that completes a full prompt block, the worker is told to copy it into a
   CPU pool row (evicting LRU-with-frequency) and to write its files (SSD write-through, shared
   directory); the copy runs on a worker thread after the step, so a request that had blocks
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -74,6 +78,8 @@ class _Plan:
 
     items: tuple[LoadItem, ...]
     failed: set[int] = field(default_factory=set)
+    sync: bool = False
+    req_id: str = ""
 
 
 class FlexKVScheduler:
@@ -114,6 +120,9 @@ class FlexKVScheduler:
         self._plans: dict[str, _Plan] = {}
         self._sources: dict[str, dict[CacheHitSource, int]] = {}
         self._loads: list[LoadJob] = []
+        self._sync_sent: list[_Plan] = []  # synchronous loads of the metadata being built
+        self._sync_recent: deque[_Plan] = deque(maxlen=8)  # settled: their failures may follow
+        self._sync_next: dict[str, bool] = {}  # req id -> its lookup said "load synchronously"
         logger.info(
             "tiered KV cache: namespace %s, CPU %d blocks, SSD %s, shared %s",
             self.namespace,
@@ -163,12 +172,21 @@ class FlexKVScheduler:
         usable = self._usable_blocks(request, keys)
         start = num_computed_tokens // self.block_size
         n = 0
-        while start + n < usable and self.tier_of(keys[start + n]) is not None:
+        all_cpu = True
+        while start + n < usable:
+            tier = self.tier_of(keys[start + n])
+            if tier is None:
+                break
+            all_cpu = all_cpu and tier == CPU
             n += 1
-        self._matched_from[request.request_id] = num_computed_tokens
+        rid = request.request_id
+        self._matched_from[rid] = num_computed_tokens
         if n < self.cfg.min_match_blocks:
             return 0, False
-        return (start + n) * self.block_size - num_computed_tokens, True
+        policy = self.cfg.sync_load
+        sync = policy == "all" or (policy == "cpu" and all_cpu)
+        self._sync_next[rid] = sync
+        return (start + n) * self.block_size - num_computed_tokens, not sync
 
     # ---- load ----
     def update_state_after_alloc(
@@ -180,6 +198,7 @@ class FlexKVScheduler:
         if rid not in self._tracked and keys:
             self._tracked[rid] = _Tracked(request, keys)
         num_computed = self._matched_from.pop(rid, None)
+        sync = self._sync_next.pop(rid, False)
         if num_computed is None:
             return  # second call after the load, or not our request
         start = num_computed // self.block_size
@@ -217,8 +236,12 @@ class FlexKVScheduler:
         if missing:
             sources[CacheHitSource.EXTERNAL_UNSPECIFIED] += missing
         self._sources[rid] = dict(sources)
-        self._plans[rid] = _Plan(tuple(items))
-        self._loads.append(LoadJob(rid, tuple(items)))
+        plan = _Plan(tuple(items), sync=sync, req_id=rid)
+        if sync:
+            self._sync_sent.append(plan)
+        else:
+            self._plans[rid] = plan
+        self._loads.append(LoadJob(rid, tuple(items), sync=sync))
 
     def _promotion_slot(self, key: str) -> int:
         """A CPU pool row to keep a block read from a file in (pending until loaded)."""
@@ -249,10 +272,32 @@ class FlexKVScheduler:
         if invalid:
             for plan in self._plans.values():
                 plan.failed |= {it.block_id for it in plan.items if it.block_id in invalid}
+            for plan in self._sync_recent:  # already settled: drop the rows that failed
+                t = self._tracked.get(plan.req_id)
+                for it in plan.items:
+                    if it.block_id in invalid:
+                        self._forget_failed(it)
+                        if t is not None and it.key in t.keys:  # vLLM recomputes: save again
+                            t.saved_upto = min(t.saved_upto, t.keys.index(it.key))
         for rid in output.finished_recving or ():
             plan = self._plans.pop(rid, None)
             if plan is not None:
                 self._settle(plan)
+
+    def _forget_failed(self, it: LoadItem) -> None:
+        """Drop a block whose synchronous load failed from the index (if still that row)."""
+        if it.tier == CPU:
+            e = self.cpu.get(it.key)
+            if e is not None and e.slot == it.slot and not e.pins:
+                self.cpu.remove(it.key)
+        elif it.tier == SSD and self.ssd is not None and not self.ssd_store.exists(it.key):
+            self.ssd.remove(it.key)
+        elif it.tier == SHARED:
+            self._shared_known.discard(it.key)
+        if it.promote_slot >= 0:
+            e = self.cpu.get(it.key)
+            if e is not None and e.slot == it.promote_slot and not e.pins:
+                self.cpu.remove(it.key)
 
     def _settle(self, plan: _Plan) -> None:
         for it in plan.items:
@@ -302,6 +347,11 @@ class FlexKVScheduler:
             clear_ssd=self._clear_ssd,
         )
         self._loads, self._ssd_deletes, self._clear_ssd = [], [], False
+        # Synchronous loads run in this step, before any save planned from now on
+        for plan in self._sync_sent:
+            self._settle(plan)
+            self._sync_recent.append(plan)
+        self._sync_sent = []
         return meta
 
     def _block_ids(self, rid: str, scheduler_output: SchedulerOutput) -> list[int]:
@@ -359,6 +409,7 @@ class FlexKVScheduler:
         rid = request.request_id
         t = self._tracked.pop(rid, None)
         self._matched_from.pop(rid, None)
+        self._sync_next.pop(rid, None)
         self._sources.pop(rid, None)
         return t is not None and t.saving
 

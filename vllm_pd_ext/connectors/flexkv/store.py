@@ -1,11 +1,15 @@
 """Block files of the SSD and shared tiers: one file per block and TP rank.
 
-A file is a fixed header (magic, format, payload length, CRC-32 of the payload, the KV
-layout fingerprint, the block key) followed by the block's bytes. Writes go to a hidden
-temporary file in the same directory and are renamed into place only when complete, so a
+A file is a 64-byte header (magic, format, checksum algorithm, payload length, xxh3-64 of the
+payload, the KV layout fingerprint, the block key) followed by the block's bytes. Writes go to a
+hidden temporary file in the same directory and are renamed into place only when complete, so a
 crash mid-save leaves no file under the block's name (at most a temporary that
-:meth:`FileStore.scan` deletes later). Reads check every header field and the checksum;
-any difference raises :class:`BlockFileError`, and the caller treats the block as missing.
+:meth:`FileStore.scan` deletes later). Reads are ``preadv`` calls of header and payload straight
+into the caller's buffers (the pieces of a KV block where they live), each group of bytes hashed
+as it lands; then every header field, the file's exact length and the checksum of what landed
+are checked. Any difference raises :class:`BlockFileError` and the caller treats the block as
+missing (bytes that landed are never used). Files of another format (e.g. the CRC-32 files of
+format 2) are such a difference.
 """
 
 from __future__ import annotations
@@ -15,16 +19,25 @@ import os
 import struct
 import threading
 import time
-import zlib
+from collections.abc import Sequence
 from pathlib import Path
+
+import xxhash
 
 from vllm_pd_ext.connectors.flexkv.keys import FORMAT
 
 logger = logging.getLogger(__name__)
 
 MAGIC = b"PDEXTKV\x00"
-_HEADER = struct.Struct("<8sIQI16s16s")  # magic, format, payload len, crc32, layout fp, key
-HEADER_BYTES = _HEADER.size
+#: magic, format, checksum algorithm, payload length, checksum, layout fingerprint, key
+_HEADER = struct.Struct("<8sIIQQ16s16s")
+HEADER_BYTES = _HEADER.size  # 64
+#: The checksum algorithm id stored in the header: xxh3-64 of the payload (seed 0).
+CHECKSUM_XXH3_64 = 1
+#: Buffers per ``preadv`` call (Linux's IOV_MAX is 1024).
+_IOV_MAX = 1000
+#: Bytes per ``preadv`` call of a block read, hashed before the next call.
+_GROUP_BYTES = 256 << 10
 #: Temporary files older than this are leftovers of a crash and are deleted by scan().
 STALE_TMP_S = 600.0
 
@@ -35,6 +48,67 @@ class BlockFileError(RuntimeError):
 
 def _fp16(fingerprint: str) -> bytes:
     return fingerprint.encode()[:16].ljust(16, b"\0")
+
+
+def _byte_views(bufs) -> list[memoryview]:
+    """One buffer or a sequence of buffers as a list of byte memoryviews."""
+    return [memoryview(b).cast("B") for b in (bufs if isinstance(bufs, list | tuple) else [bufs])]
+
+
+def checksum(parts: Sequence[memoryview]) -> int:
+    """xxh3-64 of the concatenation of ``parts`` (byte views)."""
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0])
+    h = xxhash.xxh3_64()
+    for p in parts:
+        h.update(p)
+    return h.intdigest()
+
+
+def _fill(fd: int, bufs: list[memoryview], offset: int) -> int:
+    """``preadv`` into ``bufs`` from ``offset`` until they are full or the file ends."""
+    want = sum(b.nbytes for b in bufs)
+    got = os.preadv(fd, bufs, offset)
+    while 0 < got < want:
+        more = os.preadv(fd, _skip(bufs, got), offset + got)
+        if more == 0:
+            break
+        got += more
+    return got
+
+
+def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
+    out = []
+    for b in bufs:
+        if n >= b.nbytes:
+            n -= b.nbytes
+            continue
+        out.append(b[n:])
+        n = 0
+    return out
+
+
+def _read_hashing(fd: int, head: memoryview, parts: list[memoryview]) -> tuple[int, int, bool]:
+    """Read ``head`` then ``parts`` from the file's start, hashing each group of parts right
+    after its ``preadv`` (while the bytes are still in the CPU cache, which makes checking
+    them almost free). Returns (bytes read, xxh3-64 of the parts, whether the file goes on
+    past them)."""
+    h = xxhash.xxh3_64()
+    bufs = [head, *parts]
+    off = i = 0
+    while i < len(bufs):
+        j, nbytes = i, 0
+        while j < len(bufs) and j - i < _IOV_MAX and (j == i or nbytes < _GROUP_BYTES):
+            nbytes += bufs[j].nbytes
+            j += 1
+        got = _fill(fd, bufs[i:j], off)
+        off += got
+        if got < nbytes:
+            return off, 0, False
+        for b in bufs[max(i, 1) : j]:
+            h.update(b)
+        i = j
+    return off, h.intdigest(), bool(os.pread(fd, 1, off))
 
 
 class FileStore:
@@ -52,19 +126,30 @@ class FileStore:
         """True when every TP rank's file of ``key`` is in place (complete by construction)."""
         return all(self.path(key, r).is_file() for r in range(ranks))
 
-    def write(self, key: str, payload: memoryview, fingerprint: str, rank: int = 0) -> int:
-        """Write one block atomically; returns the bytes written. Raises ``OSError``."""
+    def write(self, key: str, payload, fingerprint: str, rank: int = 0) -> int:
+        """Write one block atomically; returns the bytes written. Raises ``OSError``.
+
+        ``payload`` is one buffer or a sequence of buffers (a block's pieces, in order).
+        """
         final = self.path(key, rank)
         final.parent.mkdir(exist_ok=True)
         tmp = final.parent / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
-        mv = memoryview(payload).cast("B")
+        parts = _byte_views(payload)
+        length = sum(p.nbytes for p in parts)
         header = _HEADER.pack(
-            MAGIC, FORMAT, mv.nbytes, zlib.crc32(mv), _fp16(fingerprint), bytes.fromhex(key)
+            MAGIC,
+            FORMAT,
+            CHECKSUM_XXH3_64,
+            length,
+            checksum(parts),
+            _fp16(fingerprint),
+            bytes.fromhex(key),
         )
         try:
             with open(tmp, "wb") as f:
                 f.write(header)
-                f.write(mv)
+                for p in parts:
+                    f.write(p)
                 if self.fsync:
                     f.flush()
                     os.fsync(f.fileno())
@@ -72,36 +157,45 @@ class FileStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return HEADER_BYTES + mv.nbytes
+        return HEADER_BYTES + length
 
-    def read_into(self, key: str, out: memoryview, fingerprint: str, rank: int = 0) -> int:
-        """Read and verify one block into ``out`` (exactly its size); returns bytes read.
+    def read_into(self, key: str, out, fingerprint: str, rank: int = 0) -> int:
+        """Read and verify one block into ``out``; returns the bytes read.
 
-        ``FileNotFoundError`` when the block is not there; :class:`BlockFileError` when the
-        file is there but wrong (the file is then deleted so nobody trips on it again).
+        ``out`` is one buffer or a sequence of buffers (a block's pieces where they live, in
+        the order they were written) whose sizes add up to the payload's: ``preadv`` fills
+        them (no intermediate copy), each group hashed as soon as it landed.
+        ``FileNotFoundError`` when the block is not there;
+        :class:`BlockFileError` when the file is there but wrong (the file is then deleted so
+        nobody trips on it again, except a block of another KV layout). On any error ``out``
+        holds garbage: never use it.
         """
         path = self.path(key, rank)
-        mv = memoryview(out).cast("B")
-        with open(path, "rb", buffering=0) as f:
-            head = f.read(HEADER_BYTES)
-            try:
-                magic, fmt, length, crc, fp, k = _HEADER.unpack(head)
-            except struct.error:
-                self._discard(path, "truncated header")
-            if magic != MAGIC or fmt != FORMAT:
-                self._discard(path, f"unknown format {magic!r}/{fmt}")
-            if k != bytes.fromhex(key):
-                self._discard(path, "key differs from its file name")
-            if fp != _fp16(fingerprint):
-                raise BlockFileError(f"{path}: written with KV layout {fp!r}, ours {fingerprint}")
-            if length != mv.nbytes:
-                self._discard(path, f"{length} payload bytes, expected {mv.nbytes}")
-            got = f.readinto(mv)
-            if got != mv.nbytes or f.read(1):
-                self._discard(path, f"payload of {got} bytes, expected exactly {mv.nbytes}")
-        if zlib.crc32(mv) != crc:
+        parts = _byte_views(out)
+        size = sum(p.nbytes for p in parts)
+        head = bytearray(HEADER_BYTES)
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            got, digest_read, longer = _read_hashing(fd, memoryview(head), parts)
+        finally:
+            os.close(fd)
+        if got < HEADER_BYTES:
+            self._discard(path, "truncated header")
+        magic, fmt, algo, length, digest, fp, k = _HEADER.unpack(head)
+        if magic != MAGIC or fmt != FORMAT or algo != CHECKSUM_XXH3_64:
+            self._discard(path, f"unknown format {magic!r}/{fmt}/checksum {algo}")
+        if k != bytes.fromhex(key):
+            self._discard(path, "key differs from its file name")
+        if fp != _fp16(fingerprint):
+            raise BlockFileError(f"{path}: written with KV layout {fp!r}, ours {fingerprint}")
+        if length != size:
+            self._discard(path, f"{length} payload bytes, expected {size}")
+        if got != HEADER_BYTES + size or longer:
+            why = f"{got - HEADER_BYTES}{'+' if longer else ''} bytes"
+            self._discard(path, f"payload of {why}, expected exactly {size}")
+        if digest_read != digest:
             self._discard(path, "checksum mismatch")
-        return HEADER_BYTES + mv.nbytes
+        return HEADER_BYTES + size
 
     def _discard(self, path: Path, why: str):
         logger.warning("corrupt KV block file %s (%s): deleted, the block is recomputed", path, why)

@@ -1,23 +1,28 @@
 """Worker side of the tiered KV cache (runs in each vLLM worker process).
 
-Holds the CPU tier (one ``[slots, block_bytes]`` byte tensor, pinned when a GPU is present)
+Holds the CPU tier (a :class:`~vllm_pd_ext.connectors.flexkv.copier.BlockCopier`: one
+``[slots, block_bytes]`` byte tensor, pinned when a GPU is present, copies on a side stream)
 and moves blocks between vLLM's KV cache tensors, that pool and block files:
 
 * saves leave the engine step at once: ``wait_for_save`` hands the step's completed blocks
-  to one save thread, which gathers them (one ``index_select`` per view into a staging
-  tensor), copies them into their CPU pool rows and queues their file writes (checksums,
-  writes) to a bounded I/O pool (when the queue is full a write is dropped and counted,
-  never awaited). The blocks are read after the step, so they must stay put until the
-  gather ends: a finished request's blocks are held by vLLM until ``get_finished`` reports
-  it in ``finished_sending`` (the scheduler side returned True from ``request_finished``),
-  and ``handle_preemptions`` waits for the gathers of requests preempted in this step
-  before the forward pass may overwrite their blocks;
-* loads run on a small thread pool: CPU rows and verified block files are scattered into the
-  request's blocks, file blocks are promoted into the CPU rows the scheduler reserved, and
-  the request is reported in ``finished_recving``; blocks that could not be read (missing,
-  corrupt, other layout) are reported through ``get_block_ids_with_load_errors()`` in the
-  same pass, so vLLM's ``kv_load_failure_policy`` recomputes or fails them. A load first
-  waits for pending saves of the CPU rows it reads or promotes into.
+  to one save thread, which copies them into their CPU pool rows and, for blocks that also
+  go to files, into a private row tensor whose file writes (checksums, writes) it queues to a
+  bounded I/O pool (when the queue is full a write is dropped and counted, never awaited).
+  The blocks are read after the step, so they must stay put until the copy ends: a finished
+  request's blocks are held by vLLM until ``get_finished`` reports it in ``finished_sending``
+  (the scheduler side returned True from ``request_finished``), and ``handle_preemptions``
+  waits for the copies of requests preempted in this step before the forward pass may
+  overwrite their blocks;
+* loads of hits wholly in the CPU tier are synchronous (the scheduler said so): they run in
+  ``start_load_kv``, before the forward pass of the step that computes the rest of the
+  prompt. Other loads run on a small thread pool and report the request in
+  ``finished_recving``: CPU rows are copied into the request's blocks; block files are read
+  by the I/O pool with one ``preadv`` each straight into the block's pieces in the cache (on
+  CPU caches; through pinned rows on GPUs), checked (xxh3-64) and promoted into the CPU rows
+  the scheduler reserved. Blocks that could not be read (missing, corrupt, other layout) are
+  reported through ``get_block_ids_with_load_errors()`` in the same pass, so vLLM's
+  ``kv_load_failure_policy`` recomputes or fails them; their bytes are never used. A load
+  first waits for pending saves of the CPU rows it reads or promotes into.
 
 Block bytes are addressed through :func:`~vllm_pd_ext.connectors.flexkv.blocks.block_views`
 (the shared KV layout of ``connectors/common/layout.py``), so any attention backend whose
@@ -36,8 +41,9 @@ from typing import Any
 
 import torch
 
-from vllm_pd_ext.connectors.flexkv.blocks import BlockView, block_views
+from vllm_pd_ext.connectors.flexkv.blocks import block_views
 from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
+from vllm_pd_ext.connectors.flexkv.copier import STAGE_BYTES, BlockCopier
 from vllm_pd_ext.connectors.flexkv.metadata import (
     CPU,
     SHARED,
@@ -51,22 +57,6 @@ from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
 from vllm_pd_ext.connectors.flexkv.store import BlockFileError, FileStore
 
 logger = logging.getLogger(__name__)
-
-#: Bytes of the per-thread staging buffer block copies go through (reused, so stays warm).
-STAGE_BYTES = 8 << 20
-#: Bytes of block files read per round into a per-loader-thread buffer (reused).
-FILE_STAGE_BYTES = 32 << 20
-
-
-def _runs(picks: list[int]) -> list[tuple[int, int]]:
-    """``[a, b)`` ranges of ``picks`` whose values are consecutive integers."""
-    runs: list[tuple[int, int]] = []
-    a = 0
-    for j in range(1, len(picks) + 1):
-        if j == len(picks) or picks[j] != picks[j - 1] + 1:
-            runs.append((a, j))
-            a = j
-    return runs
 
 
 class FlexKVWorker:
@@ -92,9 +82,7 @@ class FlexKVWorker:
         self.stats = FlexKVRecorder()
         self.fingerprint = ""
         self.block_bytes = 0
-        self.pool: torch.Tensor | None = None
-        self._views: list[BlockView] = []
-        self._device = torch.device("cpu")
+        self.copier: BlockCopier | None = None
         self.stores: dict[str, FileStore] = {}
         if cfg.ssd_dir:
             self.stores[SSD] = FileStore(cfg.ssd_dir, namespace, fsync=cfg.fsync)
@@ -103,7 +91,7 @@ class FlexKVWorker:
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="flexkv-io")
         self._loader = ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="flexkv-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="flexkv-save")
-        self._saves: dict[str, list[Future]] = {}  # req id -> its gathers not yet reported
+        self._saves: dict[str, list[Future]] = {}  # req id -> its saves not yet reported
         self._finishing: set[str] = set()  # finished requests whose blocks vLLM holds for us
         self._slot_writer: dict[int, Future] = {}  # CPU pool row -> the save writing it
         self._bad_slots: set[int] = set()  # CPU rows whose save failed: never loaded
@@ -114,86 +102,59 @@ class FlexKVWorker:
         self._lock = threading.Lock()
         self._tls = threading.local()
 
+    @property
+    def pool(self) -> torch.Tensor | None:
+        """The CPU tier: ``[slots, block_bytes]`` bytes."""
+        return self.copier.pool if self.copier is not None else None
+
     # ---- setup ----
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Map every block's bytes and allocate the CPU tier."""
         views = block_views(
             kv_caches, num_blocks=self.num_blocks, block_size=self.block_size, model=self.model
         )
-        self._views = list(views.views)
+        self.copier = BlockCopier(views, self.cpu_slots)
         self.fingerprint = views.fingerprint
-        self._device = self._views[0].view.device
         self.block_bytes = views.block_bytes
-        pin = torch.cuda.is_available()
-        self.pool = torch.empty(
-            (self.cpu_slots, self.block_bytes), dtype=torch.uint8, pin_memory=pin
-        )
         logger.info(
-            "tiered KV cache worker: %d KiB per block, CPU tier %d blocks (%.1f MiB), layout %s",
+            "tiered KV cache worker: %d KiB per block, CPU tier %d blocks (%.1f MiB%s), layout %s",
             self.block_bytes // 1024,
             self.cpu_slots,
             self.cpu_slots * self.block_bytes / (1 << 20),
+            ", pinned" if self.copier.pinned else "",
             self.fingerprint,
         )
 
-    def gather(self, block_ids: list[int]) -> torch.Tensor:
+    def gather(self, block_ids: list[int], after: Any = None) -> torch.Tensor:
         """Copy device blocks into a new CPU tensor ``[len(block_ids), block_bytes]``."""
-        idx = torch.tensor(block_ids, dtype=torch.long, device=self._device)
-        out = torch.empty((len(block_ids), self.block_bytes), dtype=torch.uint8)
-        for v in self._views:
-            out[:, v.column : v.column + v.length].view(v.view.dtype).copy_(
-                v.view.index_select(0, idx)
-            )
+        out = self.copier.empty_rows(len(block_ids))
+        self.copier.gather(block_ids, out, range(len(block_ids)), after)
         return out
 
     def scatter(self, block_ids: list[int], rows: torch.Tensor, picks: list[int]) -> None:
         """Copy row ``picks[j]`` of ``rows`` (CPU, ``[m, block_bytes]``) into device block
-        ``block_ids[j]`` for every ``j``.
-
-        No large temporaries: fresh memory's first-touch page faults cost more than the copy
-        itself (~1 GB/s vs ~16 GB/s for a warm memcpy on a 2-core host). On CPU, each run of
-        consecutive ``picks`` is one ``index_copy_`` straight from a slice of ``rows`` (a
-        single copy); scattered picks and device caches go view by view in chunks through a
-        small per-thread staging buffer that is reused.
-        """
-        runs = _runs(picks)
-        if self._device.type == "cpu" and len(runs) * 4 <= max(len(picks), 4):
-            for v in self._views:
-                cols = rows[:, v.column : v.column + v.length].view(v.view.dtype)
-                for a, b in runs:
-                    dst = torch.tensor(block_ids[a:b], dtype=torch.long)
-                    v.view.index_copy_(0, dst, cols[picks[a] : picks[a] + b - a])
-            return
-        dst = torch.tensor(block_ids, dtype=torch.long, device=self._device)
-        src = torch.tensor(picks, dtype=torch.long)
-        stage = getattr(self._tls, "stage", None)
-        if stage is None:
-            stage = self._tls.stage = torch.empty(STAGE_BYTES, dtype=torch.uint8)
-        for v in self._views:
-            cols = rows[:, v.column : v.column + v.length].view(v.view.dtype)
-            step = max(1, STAGE_BYTES // v.length)
-            if step * v.length > stage.numel():
-                stage = self._tls.stage = torch.empty(step * v.length, dtype=torch.uint8)
-            for a in range(0, len(block_ids), step):
-                n = len(picks[a : a + step])
-                tmp = stage[: n * v.length].view(v.view.dtype).view(n, -1)
-                torch.index_select(cols, 0, src[a : a + step], out=tmp)
-                v.view.index_copy_(0, dst[a : a + step], tmp.to(self._device))
+        ``block_ids[j]`` for every ``j``."""
+        self.copier.scatter(block_ids, rows, picks)
 
     # ---- per step ----
     def bind(self, meta: FlexKVMetadata) -> None:
         self._meta = meta
 
     def start_load_kv(self) -> None:
-        """Start this step's loads (asynchronous; reported by :meth:`get_finished`)."""
+        """Run this step's synchronous loads (CPU-tier hits: done when this returns, before
+        the forward pass) and start its asynchronous ones (reported by :meth:`get_finished`)."""
         meta = self._meta
-        if meta is None:
+        if meta is None or not meta.loads:
             return
+        after = self.copier.compute_event()
         for job in meta.loads:
             slots = {it.slot for it in job.items} | {it.promote_slot for it in job.items}
             with self._lock:
-                after = [self._slot_writer[s] for s in slots if s in self._slot_writer]
-            self._loads[job.req_id] = self._loader.submit(self._run_load, job, after)
+                waits = [self._slot_writer[s] for s in slots if s in self._slot_writer]
+            if job.sync:
+                self._load_errors |= self._run_load(job, waits, after)
+            else:
+                self._loads[job.req_id] = self._loader.submit(self._run_load, job, waits, after)
 
     def wait_for_save(self) -> None:
         """Hand the step's completed blocks to the save thread; returns without copying."""
@@ -208,7 +169,7 @@ class FlexKVWorker:
         if not meta.saves:
             return
         saves = list(meta.saves)
-        fut = self._saver.submit(self._run_save, saves)
+        fut = self._saver.submit(self._run_save, saves, self.copier.compute_event())
         with self._lock:
             for rid in {s.req_id for s in saves}:
                 self._saves.setdefault(rid, []).append(fut)
@@ -222,28 +183,39 @@ class FlexKVWorker:
             for slot in [k for k, f in self._slot_writer.items() if f is fut]:
                 del self._slot_writer[slot]
 
-    def _run_save(self, saves: list[SaveItem]) -> None:
-        """Save thread: gather the blocks, fill their CPU rows, queue their file writes."""
+    def _wants_file(self, s: SaveItem) -> bool:
+        return (s.ssd and SSD in self.stores) or (s.shared and SHARED in self.stores)
+
+    def _run_save(self, saves: list[SaveItem], after: Any = None) -> None:
+        """Save thread: copy the blocks into their CPU rows and, for blocks that also go to
+        files, into a private row tensor (a CPU row may be reused before its file is
+        written), then queue their file writes."""
         t0 = time.perf_counter()
-        to_cpu = [(j, s) for j, s in enumerate(saves) if s.slot >= 0]
+        to_file = [s for s in saves if self._wants_file(s)]
+        to_cpu = [s for s in saves if s.slot >= 0]
+        rows = None
         try:
-            rows = self.gather([s.block_id for s in saves])
-            if to_cpu:
-                sel = torch.tensor([j for j, _ in to_cpu], dtype=torch.long)
-                slots = torch.tensor([s.slot for _, s in to_cpu], dtype=torch.long)
-                self.pool.index_copy_(0, slots, rows.index_select(0, sel))
+            if to_file:
+                rows = self.gather([s.block_id for s in to_file], after)
+            direct = [s for s in to_cpu if not self._wants_file(s)]
+            self.copier.gather(
+                [s.block_id for s in direct], self.copier.pool, [s.slot for s in direct], after
+            )
+            for j, s in enumerate(to_file):
+                if s.slot >= 0:
+                    self.copier.pool[s.slot].copy_(rows[j])
         except Exception:
             # The scheduler already lists these rows as ready: make their loads fail instead.
             logger.exception("tiered KV cache: saving %d blocks failed", len(saves))
             with self._lock:
-                self._bad_slots |= {s.slot for _, s in to_cpu}
+                self._bad_slots |= {s.slot for s in to_cpu}
             return
         if to_cpu:
             with self._lock:
-                self._bad_slots -= {s.slot for _, s in to_cpu}
+                self._bad_slots -= {s.slot for s in to_cpu}
             self.stats.add("save_bytes", len(to_cpu) * self.block_bytes, CPU)
             self.stats.add("save_seconds", time.perf_counter() - t0, CPU)
-        for j, s in enumerate(saves):
+        for j, s in enumerate(to_file):
             for tier, wanted in ((SSD, s.ssd), (SHARED, s.shared)):
                 if wanted and tier in self.stores:
                     self._queue_write(tier, s, rows[j])
@@ -277,10 +249,11 @@ class FlexKVWorker:
             with self._lock:
                 self._pending_writes -= 1
 
-    def _read(self, tier: str, key: str, out: torch.Tensor) -> str | None:
-        """Read one block file into ``out``; None on success, else why it failed."""
+    def _read(self, tier: str, key: str, out) -> str | None:
+        """Read one block file into ``out`` (a row, or the block's pieces); None on
+        success, else why it failed (``out`` then holds garbage)."""
         try:
-            self.stores[tier].read_into(key, out.numpy(), self.fingerprint, self.tp_rank)
+            self.stores[tier].read_into(key, out, self.fingerprint, self.tp_rank)
             return None
         except BlockFileError as e:
             self.stats.add("corrupt_blocks")
@@ -288,24 +261,32 @@ class FlexKVWorker:
         except OSError as e:
             return f"{type(e).__name__}: {e}"
 
-    def _run_load(self, job: LoadJob, after: list[Future] = ()) -> set[int]:
-        """Load one request's blocks once the saves in ``after`` (of the CPU rows it reads or
+    def _run_load(self, job: LoadJob, waits: list[Future] = (), after: Any = None) -> set[int]:
+        """Load one request's blocks once the saves in ``waits`` (of the CPU rows it reads or
         promotes into) are done; returns the device block ids that failed."""
         failed: set[int] = set()
         try:
-            wait_futures(after)
+            wait_futures(waits)
             with self._lock:
                 bad = set(self._bad_slots)
-            cpu = [it for it in job.items if it.tier == CPU and it.slot not in bad]
-            files = [it for it in job.items if it.tier in self.stores]
-            failed |= {it.block_id for it in job.items if it not in cpu and it not in files}
+            cpu: list[LoadItem] = []
+            files: list[LoadItem] = []
+            for it in job.items:
+                if it.tier == CPU and it.slot not in bad:
+                    cpu.append(it)
+                elif it.tier in self.stores:
+                    files.append(it)
+                else:
+                    failed.add(it.block_id)
             if cpu:
                 t0 = time.perf_counter()
-                self.scatter([it.block_id for it in cpu], self.pool, [it.slot for it in cpu])
+                self.copier.scatter(
+                    [it.block_id for it in cpu], self.copier.pool, [it.slot for it in cpu], after
+                )
                 self.stats.add("load_bytes", len(cpu) * self.block_bytes, CPU)
                 self.stats.add("load_seconds", time.perf_counter() - t0, CPU)
             if files:
-                failed |= self._load_files(job.req_id, files)
+                failed |= self._load_files(job.req_id, files, after)
         except Exception:
             logger.exception("tiered KV cache: load of request %s failed", job.req_id)
             failed = {it.block_id for it in job.items}
@@ -313,44 +294,67 @@ class FlexKVWorker:
             self.stats.add("failed_blocks", len(failed))
         return failed
 
-    def _load_files(self, req_id: str, items: list[LoadItem]) -> set[int]:
-        """Read, verify and scatter block files, ``FILE_STAGE_BYTES`` at a time through a
-        per-thread buffer that is reused (no fresh memory per load); returns failed block ids."""
+    def _read_in_place(self, it: LoadItem) -> str | None:
+        """I/O pool: read block file ``it`` straight into its block's pieces in the (CPU)
+        cache, verify, and promote the block into its CPU row; None on success."""
+        err = self._read(it.tier, it.key, self.copier.pieces(it.block_id))
+        if err is None and it.promote_slot >= 0:
+            self.copier.gather([it.block_id], self.copier.pool, [it.promote_slot])
+        return err
+
+    def _load_files(self, req_id: str, items: list[LoadItem], after: Any = None) -> set[int]:
+        """Read, verify and place block files; returns failed block ids.
+
+        CPU caches: one I/O pool task per block reads it in place (``preadv`` into the
+        block's pieces, checksum, promotion), so reads, checksums and copies of different
+        blocks overlap. Other caches: ``STAGE_BYTES`` of blocks at a time into a per-thread
+        pinned row buffer (reused), then one staged copy to the device.
+        """
         t0 = time.perf_counter()
-        per = max(1, FILE_STAGE_BYTES // self.block_bytes)
-        buf = getattr(self._tls, "files", None)
-        if buf is None or buf.shape != (per, self.block_bytes):
-            buf = self._tls.files = torch.empty((per, self.block_bytes), dtype=torch.uint8)
         failed: set[int] = set()
         loaded: dict[str, int] = {}
-        for at in range(0, len(items), per):
-            chunk = items[at : at + per]
-            futures = [
-                self._io.submit(self._read, it.tier, it.key, buf[j]) for j, it in enumerate(chunk)
-            ]
-            errors = [f.result() for f in futures]
-            ok = [j for j, err in enumerate(errors) if err is None]
-            for j, err in enumerate(errors):
-                if err is not None:
-                    failed.add(chunk[j].block_id)
-                    logger.warning(
-                        "tiered KV cache: request %s block %s (%s tier) not loaded: %s",
-                        req_id,
-                        chunk[j].key,
-                        chunk[j].tier,
-                        err,
-                    )
-            if not ok:
+        promoted: set[int] = set()
+        if self.copier.in_place:
+            futures = [self._io.submit(self._read_in_place, it) for it in items]
+            results = [(it, f.result()) for it, f in zip(items, futures, strict=True)]
+        else:
+            results = []
+            per = max(1, STAGE_BYTES // self.block_bytes)
+            buf = getattr(self._tls, "files", None)
+            if buf is None or buf.shape != (per, self.block_bytes):
+                buf = self._tls.files = self.copier.empty_rows(per)
+            for at in range(0, len(items), per):
+                chunk = items[at : at + per]
+                futures = [
+                    self._io.submit(self._read, it.tier, it.key, buf[j])
+                    for j, it in enumerate(chunk)
+                ]
+                errors = [f.result() for f in futures]
+                ok = [j for j, err in enumerate(errors) if err is None]
+                self.copier.scatter([chunk[j].block_id for j in ok], buf, ok, after)
+                for j in ok:
+                    if chunk[j].promote_slot >= 0:
+                        self.copier.pool[chunk[j].promote_slot].copy_(buf[j])
+                results += list(zip(chunk, errors, strict=True))
+        bad_rows: set[int] = set()
+        for it, err in results:
+            if err is None:
+                loaded[it.tier] = loaded.get(it.tier, 0) + 1
+                if it.promote_slot >= 0:
+                    promoted.add(it.promote_slot)
                 continue
-            self.scatter([chunk[j].block_id for j in ok], buf, ok)
-            promote = [(j, chunk[j].promote_slot) for j in ok if chunk[j].promote_slot >= 0]
-            for j, slot in promote:
-                self.pool[slot].copy_(buf[j])
-            if promote:
-                with self._lock:
-                    self._bad_slots -= {s for _, s in promote}
-            for j in ok:
-                loaded[chunk[j].tier] = loaded.get(chunk[j].tier, 0) + 1
+            failed.add(it.block_id)
+            if it.promote_slot >= 0:
+                bad_rows.add(it.promote_slot)
+            logger.warning(
+                "tiered KV cache: request %s block %s (%s tier) not loaded: %s",
+                req_id,
+                it.key,
+                it.tier,
+                err,
+            )
+        with self._lock:  # a row whose promotion failed is never loaded
+            self._bad_slots = (self._bad_slots - promoted) | bad_rows
         seconds = time.perf_counter() - t0
         total = sum(loaded.values())
         for tier, n in loaded.items():

@@ -53,6 +53,9 @@ class Engine:
         self.hit_sources: dict[str, int] = {}
         self.worker_stats: dict[str, float] = {}  # everything the worker reported
 
+    def cpu_entry(self, key: str):
+        return self.conn._scheduler.cpu.get(key)
+
     def block_of(self, rid: str, pos: int) -> int:
         return self.sched.kv_cache_manager.get_block_ids(rid)[0][pos // BLOCK_SIZE]
 
@@ -76,8 +79,8 @@ class Engine:
         self.metas.append(meta)
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)  # synchronous loads end here, before the forward
         self.forward(out)
-        self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         if wait_loads:
             self.worker._worker.wait_idle()

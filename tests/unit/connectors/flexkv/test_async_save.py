@@ -21,15 +21,15 @@ N = 8
 
 
 def gate(worker: FlexKVWorker) -> threading.Event:
-    """Make the worker's gathers wait until the returned event is set."""
+    """Make the worker's block copies out of the cache wait until the returned event is set."""
     opened = threading.Event()
-    real = worker.gather
+    real = worker.copier.gather
 
-    def gated(block_ids):
+    def gated(*args, **kwargs):
         assert opened.wait(10)
-        return real(block_ids)
+        return real(*args, **kwargs)
 
-    worker.gather = gated
+    worker.copier.gather = gated
     return opened
 
 
@@ -120,10 +120,10 @@ def test_load_of_a_cpu_row_waits_for_its_save(worker):
 
 
 def test_failed_save_is_never_loaded(worker):
-    def broken(block_ids):
+    def broken(*args, **kwargs):
         raise RuntimeError("device lost")
 
-    worker.gather = broken
+    worker.copier.gather = broken
     worker.bind(FlexKVMetadata(saves=[SaveItem(1, "1" * 32, "r", slot=2)]))
     worker.wait_for_save()
     worker.wait_idle()

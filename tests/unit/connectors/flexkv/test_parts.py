@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import struct
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -11,7 +13,13 @@ import pytest
 from vllm_pd_ext.connectors.flexkv.config import parse_flexkv_config
 from vllm_pd_ext.connectors.flexkv.index import TierIndex
 from vllm_pd_ext.connectors.flexkv.keys import cache_namespace, chain_keys, root_hash
-from vllm_pd_ext.connectors.flexkv.store import HEADER_BYTES, BlockFileError, FileStore
+from vllm_pd_ext.connectors.flexkv.store import (
+    CHECKSUM_XXH3_64,
+    HEADER_BYTES,
+    MAGIC,
+    BlockFileError,
+    FileStore,
+)
 
 KEY = "ab" * 16
 FP = "0123456789abcdef"
@@ -32,9 +40,56 @@ def test_block_file_round_trip(tmp_path):
     assert store.scan() == [KEY]
 
 
+def test_header_records_format_and_xxh3(tmp_path):
+    import xxhash
+
+    from vllm_pd_ext.connectors.flexkv.keys import FORMAT
+
+    store = FileStore(tmp_path, "ns")
+    data = payload()
+    store.write(KEY, data, FP)
+    raw = store.path(KEY).read_bytes()
+    magic, fmt, algo, length, digest = struct.unpack_from("<8sIIQQ", raw)
+    assert (magic, fmt, algo, length) == (MAGIC, FORMAT, CHECKSUM_XXH3_64, data.size)
+    assert digest == xxhash.xxh3_64_intdigest(data.tobytes()) and HEADER_BYTES == 64
+
+
+def test_block_read_into_pieces_where_they_live(tmp_path):
+    store = FileStore(tmp_path, "ns")
+    data = payload(4096)
+    store.write(KEY, [data[:1000], data[1000:]], FP)  # written from pieces too
+    cache = np.zeros((3, 4000), np.uint8)  # two pieces of the block in two rows
+    store.read_into(KEY, [cache[1, :1500], cache[2, 500:3096]], FP)
+    assert np.array_equal(np.concatenate([cache[1, :1500], cache[2, 500:3096]]), data)
+    assert not cache[0].any() and not cache[1, 1500:].any()
+    assert not cache[2, :500].any() and not cache[2, 3096:].any()
+    with pytest.raises(BlockFileError):  # pieces adding up to another size
+        store.read_into(KEY, [cache[1, :1500], cache[2, :100]], FP)
+
+
+def test_older_format_file_is_a_miss_never_loaded(tmp_path):
+    """A format-2 file (CRC-32 header) where a block file is expected fails its checks."""
+    store = FileStore(tmp_path, "ns")
+    data = payload()
+    old = struct.pack(
+        "<8sIQI16s16s", MAGIC, 2, data.size, zlib.crc32(data), FP.encode(), bytes.fromhex(KEY)
+    )
+    path = store.path(KEY)
+    path.parent.mkdir(parents=True)
+    path.write_bytes(old + data.tobytes())
+    out = np.zeros_like(data)
+    with pytest.raises(BlockFileError, match="format"):
+        store.read_into(KEY, out, FP)
+    assert not path.exists()
+    # and the namespace itself moved with the format: old directories are never scanned
+    from vllm_pd_ext.connectors.flexkv import keys
+
+    assert keys.FORMAT >= 3
+
+
 @pytest.mark.parametrize(
     "damage",
-    ["flip_payload", "truncate", "flip_header_key", "append"],
+    ["flip_payload", "truncate", "flip_header_key", "append", "flip_checksum"],
 )
 def test_damaged_block_file_is_detected_and_deleted(tmp_path, damage):
     store = FileStore(tmp_path, "ns")
@@ -48,6 +103,8 @@ def test_damaged_block_file_is_detected_and_deleted(tmp_path, damage):
         raw = raw[: HEADER_BYTES + 10]
     elif damage == "flip_header_key":
         raw[HEADER_BYTES - 1] ^= 0x01
+    elif damage == "flip_checksum":
+        raw[24] ^= 0x01
     else:
         raw += b"x"
     path.write_bytes(bytes(raw))

@@ -51,7 +51,7 @@ def assert_blocks_hold(engine: Engine, req: Request, n_blocks: int, salt=None) -
         assert torch.equal(engine.cache[blocks[i]], want), f"block {i}"
 
 
-def test_second_request_loads_shared_prefix_from_cpu(engine_factory):
+def test_second_request_loads_shared_prefix_from_cpu_in_the_same_step(engine_factory):
     e = engine_factory()
     first = run(e, request(prompt()))
     saves = [s for m in e.metas for s in m.saves]
@@ -59,21 +59,81 @@ def test_second_request_loads_shared_prefix_from_cpu(engine_factory):
     assert not loads_of(e)
     second = request(prompt())
     e.sched.add_request(second)
-    out, _ = e.step()
-    assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
-    assert out.total_num_scheduled_tokens == 0
+    e.first_blocks = {}
+    real = e.forward
+
+    def forward(out):  # the first forward pass of `second` already sees the loaded blocks
+        if (
+            second.request_id not in e.first_blocks
+            and second.request_id in out.num_scheduled_tokens
+        ):
+            e.first_blocks[second.request_id] = list(
+                e.sched.kv_cache_manager.get_block_ids(second.request_id)[0]
+            )
+            assert_blocks_hold(e, second, 4)
+        real(out)
+
+    e.forward = forward
+    out, _ = e.step(wait_loads=False)
+    # a hit wholly in the CPU tier is loaded synchronously: no step spent waiting for it
+    assert second.status == RequestStatus.RUNNING
+    assert out.num_scheduled_tokens[second.request_id] == PROMPT - 4 * BLOCK_SIZE
     (job,) = loads_of(e)
-    assert job.req_id == second.request_id and [it.tier for it in job.items] == [CPU] * 4
-    e.first_blocks = {
-        second.request_id: list(e.sched.kv_cache_manager.get_block_ids(second.request_id)[0])
-    }
+    assert job.sync and job.req_id == second.request_id
+    assert [it.tier for it in job.items] == [CPU] * 4
     e.run_until_done()
     # only the tail was computed; the loaded blocks hold what computing them would give
     assert e.computed[second.request_id][0] == 4 * BLOCK_SIZE
     assert_blocks_hold(e, second, 4)
     assert e.hit_sources == {"host": 4 * BLOCK_SIZE}
     assert first.request_id != second.request_id
+    # the rows were unpinned after the step: the CPU tier can evict them again
+    assert all(e.cpu_entry(k).pins == 0 for k in e.conn._scheduler._keys(request(prompt())))
     assert_scheduler_empty(e.sched)
+
+
+def test_cpu_hit_loads_asynchronously_when_asked(engine_factory):
+    e = engine_factory(sync_load="never")
+    run(e, request(prompt()))
+    second = request(prompt())
+    e.sched.add_request(second)
+    out, _ = e.step()
+    assert second.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert out.total_num_scheduled_tokens == 0
+    (job,) = loads_of(e)
+    assert not job.sync and [it.tier for it in job.items] == [CPU] * 4
+    e.first_blocks = {
+        second.request_id: list(e.sched.kv_cache_manager.get_block_ids(second.request_id)[0])
+    }
+    e.run_until_done()
+    assert e.computed[second.request_id][0] == 4 * BLOCK_SIZE
+    assert_blocks_hold(e, second, 4)
+    assert_scheduler_empty(e.sched)
+
+
+def test_failed_synchronous_load_is_recomputed(engine_factory):
+    e = engine_factory()
+    run(e, request(prompt()))
+    w = e.worker._worker
+    w._bad_slots |= set(range(32))  # as after a failed save: these rows are never loaded
+    second = request(prompt())
+    e.sched.add_request(second)
+    e.first_blocks = {}
+    e.step()
+    (job,) = loads_of(e)
+    assert job.sync
+    e.first_blocks[second.request_id] = [it.block_id for it in job.items]
+    e.run_until_done()
+    # vLLM threw the step's output away and recomputed the prompt from its first block
+    assert 0 in e.computed[second.request_id]
+    assert_blocks_hold(e, second, 4)
+    assert e.worker_stats["failed_blocks"] == 4
+    assert_scheduler_empty(e.sched)
+    # the failed rows left the index; the recomputed blocks were saved again and load fine
+    w._bad_slots.clear()
+    third = run(e, request(prompt()))
+    assert loads_of(e)[-1].sync
+    assert e.computed[third.request_id][0] == 4 * BLOCK_SIZE
 
 
 def test_cache_salt_isolates_tenants(engine_factory):

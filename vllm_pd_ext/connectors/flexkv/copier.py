@@ -1,0 +1,200 @@
+"""Block copies between vLLM's KV cache and the CPU tier (torch and numpy only, no vLLM).
+
+:class:`BlockCopier` owns the CPU tier's memory (one ``[slots, block_bytes]`` byte tensor,
+pinned when CUDA is available) and copies whole blocks between it (or any CPU row tensor) and
+the cache through :func:`~vllm_pd_ext.connectors.flexkv.blocks.block_views`:
+
+* on a CPU cache every run of blocks that is consecutive on both sides is one strided
+  ``copy_`` per view (no temporaries: fresh memory's first-touch page faults cost more than
+  the copy); scattered blocks go view by view through ``index_select`` / ``index_copy_``;
+  :meth:`BlockCopier.pieces` exposes a block's pieces as byte arrays where they live, so
+  block files are read straight into the cache;
+* on a CUDA cache the copies run on a dedicated side stream that first waits for the compute
+  stream (``after``, an event recorded when the step handed the blocks over): a save gathers
+  the blocks into a device staging buffer (one ``index_select`` per view) and copies it to the
+  pinned rows in one transfer per run of consecutive rows; a load copies pinned rows to a
+  device staging buffer the same way and ``index_copy_``\\ s each view. Every call returns only
+  after its stream work is done (``synchronize``), so the caller may reuse or report the
+  blocks and rows at once.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from vllm_pd_ext.connectors.flexkv.blocks import BlockViews
+
+#: Bytes per round of a staged copy (scattered CPU blocks, CUDA transfers); buffers are
+#: allocated once per thread and reused.
+STAGE_BYTES = 16 << 20
+
+
+def runs(*seqs: Sequence[int]) -> list[tuple[int, int]]:
+    """``[a, b)`` index ranges over which every sequence in ``seqs`` steps by +1."""
+    n = len(seqs[0])
+    out: list[tuple[int, int]] = []
+    a = 0
+    for j in range(1, n + 1):
+        if j == n or any(s[j] != s[j - 1] + 1 for s in seqs):
+            out.append((a, j))
+            a = j
+    return out
+
+
+class BlockCopier:
+    """The CPU tier's rows and block copies for one worker's KV cache."""
+
+    def __init__(self, views: BlockViews, cpu_slots: int) -> None:
+        self.views = list(views.views)
+        self.block_bytes = views.block_bytes
+        self.device = self.views[0].view.device
+        self.cuda = self.device.type == "cuda"
+        self.pinned = torch.cuda.is_available()
+        self.pool = torch.empty(
+            (cpu_slots, self.block_bytes), dtype=torch.uint8, pin_memory=self.pinned
+        )
+        self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # [num_blocks, piece bytes] byte arrays over the cache (CPU caches only)
+        self._np = None if self.cuda else [v.view.numpy().view(np.uint8) for v in self.views]
+        self._stages: dict[tuple[int, str], torch.Tensor] = {}
+
+    # ---- helpers ----
+    def compute_event(self) -> torch.cuda.Event | None:
+        """An event on the current (compute) stream: copies issued later wait for it.
+        None on CPU. Call it on the thread that runs the forward pass."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    @property
+    def in_place(self) -> bool:
+        """True when block files can be read straight into the cache (:meth:`pieces`)."""
+        return self._np is not None
+
+    def empty_rows(self, n: int) -> torch.Tensor:
+        """A new ``[n, block_bytes]`` CPU byte tensor (pinned where CUDA exists)."""
+        return torch.empty((n, self.block_bytes), dtype=torch.uint8, pin_memory=self.pinned)
+
+    def pieces(self, block_id: int) -> list[np.ndarray] | None:
+        """Block ``block_id``'s pieces as writable byte arrays in the cache, in row order;
+        None when the cache is not in CPU memory."""
+        if self._np is None:
+            return None
+        return [a[block_id] for a in self._np]
+
+    def _stage(self, nbytes: int, device: torch.device, pin: bool = False) -> torch.Tensor:
+        key = (threading.get_ident(), str(device))
+        buf = self._stages.get(key)
+        if buf is None or buf.numel() < nbytes:
+            buf = torch.empty(nbytes, dtype=torch.uint8, device=device, pin_memory=pin)
+            self._stages[key] = buf
+        return buf[:nbytes]
+
+    def _chunk(self) -> int:
+        return max(1, STAGE_BYTES // self.block_bytes)
+
+    # ---- device -> CPU rows ----
+    def gather(
+        self,
+        block_ids: Sequence[int],
+        dst: torch.Tensor,
+        rows: Sequence[int],
+        after: torch.cuda.Event | None = None,
+    ) -> None:
+        """Copy cache block ``block_ids[j]`` into row ``rows[j]`` of ``dst`` (a CPU
+        ``[m, block_bytes]`` byte tensor) for every ``j``."""
+        if not block_ids:
+            return
+        if self.cuda:
+            self._gather_cuda(block_ids, dst, rows, after)
+            return
+        spans = runs(block_ids, rows)
+        if len(spans) * 4 <= max(len(block_ids), 4):
+            for v in self.views:
+                cols = dst[:, v.column : v.column + v.length].view(v.view.dtype)
+                for a, b in spans:
+                    r, blk = rows[a], block_ids[a]
+                    cols[r : r + b - a].copy_(v.view[blk : blk + b - a])
+            return
+        src = torch.tensor(list(block_ids), dtype=torch.long)
+        dst_idx = torch.tensor(list(rows), dtype=torch.long)
+        for v in self.views:
+            cols = dst[:, v.column : v.column + v.length].view(v.view.dtype)
+            cols.index_copy_(0, dst_idx, v.view.index_select(0, src))
+
+    def _gather_cuda(self, block_ids, dst, rows, after) -> None:
+        per = self._chunk()
+        stage = self._stage(per * self.block_bytes, self.device).view(per, self.block_bytes)
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            for at in range(0, len(block_ids), per):
+                ids, rws = block_ids[at : at + per], rows[at : at + per]
+                n = len(ids)
+                idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
+                for v in self.views:
+                    cols = stage[:n, v.column : v.column + v.length].view(v.view.dtype)
+                    cols.copy_(v.view.index_select(0, idx))
+                for a, b in runs(rws):
+                    dst[rws[a] : rws[a] + b - a].copy_(stage[a:b], non_blocking=True)
+                # the staging buffer is reused by the next round: its copies must end first
+                self.stream.synchronize()
+
+    # ---- CPU rows -> device ----
+    def scatter(
+        self,
+        block_ids: Sequence[int],
+        src: torch.Tensor,
+        picks: Sequence[int],
+        after: torch.cuda.Event | None = None,
+    ) -> None:
+        """Copy row ``picks[j]`` of ``src`` (a CPU ``[m, block_bytes]`` byte tensor) into
+        cache block ``block_ids[j]`` for every ``j``."""
+        if not block_ids:
+            return
+        if self.cuda:
+            self._scatter_cuda(block_ids, src, picks, after)
+            return
+        spans = runs(block_ids, picks)
+        if len(spans) * 4 <= max(len(block_ids), 4):
+            for v in self.views:
+                cols = src[:, v.column : v.column + v.length].view(v.view.dtype)
+                for a, b in spans:
+                    p, blk = picks[a], block_ids[a]
+                    v.view[blk : blk + b - a].copy_(cols[p : p + b - a])
+            return
+        # scattered: view by view through a small reused buffer (index_select then index_copy_)
+        dst = torch.tensor(list(block_ids), dtype=torch.long)
+        idx = torch.tensor(list(picks), dtype=torch.long)
+        for v in self.views:
+            cols = src[:, v.column : v.column + v.length].view(v.view.dtype)
+            step = max(1, STAGE_BYTES // v.length)
+            stage = self._stage(min(step, len(picks)) * v.length, self.device)
+            for a in range(0, len(block_ids), step):
+                n = len(picks[a : a + step])
+                tmp = stage[: n * v.length].view(v.view.dtype).view(n, -1)
+                torch.index_select(cols, 0, idx[a : a + step], out=tmp)
+                v.view.index_copy_(0, dst[a : a + step], tmp)
+
+    def _scatter_cuda(self, block_ids, src, picks, after) -> None:
+        per = self._chunk()
+        stage = self._stage(per * self.block_bytes, self.device).view(per, self.block_bytes)
+        with torch.cuda.stream(self.stream):
+            if after is not None:
+                self.stream.wait_event(after)
+            for at in range(0, len(block_ids), per):
+                ids, pks = block_ids[at : at + per], picks[at : at + per]
+                n = len(ids)
+                for a, b in runs(pks):
+                    stage[a:b].copy_(src[pks[a] : pks[a] + b - a], non_blocking=True)
+                idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
+                for v in self.views:
+                    cols = stage[:n, v.column : v.column + v.length].view(v.view.dtype)
+                    v.view.index_copy_(0, idx, cols)
+                self.stream.synchronize()
