@@ -326,7 +326,7 @@ class FlexKVWorker:
             for at in range(0, len(items), per):
                 chunk = items[at : at + per]
                 futures = [
-                    self._io.submit(self._read, it.tier, it.key, buf[j])
+                    self._io.submit(self._read, it.tier, it.key, buf[j].numpy())
                     for j, it in enumerate(chunk)
                 ]
                 errors = [f.result() for f in futures]

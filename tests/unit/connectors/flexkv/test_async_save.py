@@ -177,3 +177,54 @@ def test_preemption_reaches_the_worker_and_saved_blocks_stay_right(engine_factor
         e.run_until_done()
         assert e.computed[again.request_id][0] == (300 - 1) // BLOCK_SIZE * BLOCK_SIZE
         assert_blocks_hold(e, again, (300 - 1) // BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_file_load_in_place_or_staged_restores_bytes_and_promotes(tmp_path, in_place):
+    """Block files land in the cache's pieces directly (CPU caches) or through row buffers
+    (the GPU path, forced here); either way bytes match and the promoted CPU row holds them."""
+    cache = torch.randn(N, 2, 4, 8)
+    w = FlexKVWorker(
+        FlexKVConfig(cpu_capacity_blocks=4, ssd_dir=str(tmp_path)),
+        namespace="t",
+        num_blocks=N,
+        block_size=4,
+        model={},
+        cpu_slots=4,
+    )
+    try:
+        w.register_kv_caches({"layer0": cache})
+        if not in_place:
+            w.copier._np = None
+        assert w.copier.in_place is in_place
+        keys = [f"{b:032x}" for b in range(3)]
+        w.bind(FlexKVMetadata(saves=[SaveItem(b, keys[b], "r", ssd=True) for b in range(3)]))
+        w.wait_for_save()
+        w.wait_idle()
+        items = tuple(
+            LoadItem(4 + b, keys[b], "ssd", promote_slot=b if b < 2 else -1) for b in range(3)
+        )
+        w.bind(FlexKVMetadata(loads=[LoadJob("l", items)]))
+        w.start_load_kv()
+        w.wait_idle()
+        assert w.get_finished(set())[1] == {"l"} and not w.take_load_errors()
+        assert torch.equal(cache[4:7], cache[0:3])
+        for b in range(2):
+            assert torch.equal(w.pool[b].view(torch.float32), cache[b].reshape(-1))
+    finally:
+        w.shutdown()
+
+
+def test_copy_code_imports_without_vllm():
+    """The CPU tier's copy code (and block files) load where vLLM is not installed (GPU
+    benchmark machines): importing them must not import vLLM."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\n"
+        "import vllm_pd_ext.connectors.flexkv.copier, vllm_pd_ext.connectors.flexkv.store\n"
+        "bad = [m for m in sys.modules if m == 'vllm' or m.startswith('vllm.')]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
