@@ -113,7 +113,9 @@ def _check_tool_parser(settings: RenderSettings, tok: Any) -> None:
 
 class _State:
     def __init__(self, settings: RenderSettings) -> None:
-        tok = load_tokenizer(settings.model, settings.resolved_chat_template())
+        tok = load_tokenizer(
+            settings.model, settings.resolved_chat_template(), fast_bpe=settings.fast_bpe
+        )
         tok.warm_up()
         _check_tool_parser(settings, tok)
         self.settings = settings

@@ -67,6 +67,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "then parse everything, and streaming replays the output per chunk as vLLM does)",
     )
     p.add_argument("--enable-auto-tool-choice", action="store_true")
+    p.add_argument(
+        "--no-fast-bpe",
+        dest="fast_bpe",
+        action="store_false",
+        help="always encode with the HF tokenizer (by default a tiktoken encoder does the BPE "
+        "of byte-level BPE tokenizers once a startup self-check shows identical ids)",
+    )
     p.add_argument("--max-logprobs", type=int, default=_DEFAULTS["max_logprobs"].default)
     p.add_argument("--max-body-bytes", type=int, default=_DEFAULTS["max_body_bytes"].default)
     p.add_argument("--log-level", default="info")
@@ -90,6 +97,7 @@ def settings_from_args(args: argparse.Namespace) -> RenderSettings:
         tool_call_parser=args.tool_call_parser,
         parser_source=args.parser_source,
         enable_auto_tool_choice=args.enable_auto_tool_choice,
+        fast_bpe=args.fast_bpe,
         max_logprobs=args.max_logprobs,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,

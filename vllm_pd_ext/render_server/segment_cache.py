@@ -18,6 +18,7 @@ import logging
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -42,16 +43,34 @@ def supports_segment_cache(backend: Any) -> bool:
     return True
 
 
-class SegmentCache:
-    """Thread-safe LRU of segment text -> token ids, bounded by total characters."""
+def added_token_splitter(backend: Any) -> re.Pattern[str]:
+    """A regex whose ``split`` cuts the added tokens out of a text (capturing them)."""
+    contents = sorted(
+        (tok.content for tok in backend.get_added_tokens_decoder().values()), key=len, reverse=True
+    )
+    return re.compile("(" + "|".join(re.escape(c) for c in contents) + ")")
 
-    def __init__(self, backend: Any, max_chars: int = 64 * 1024 * 1024) -> None:
+
+class SegmentCache:
+    """Thread-safe LRU of segment text -> token ids, bounded by total characters.
+
+    ``encode_pieces`` encodes texts without added tokens (default: the Rust tokenizer's batch
+    encode; the render server passes the tiktoken fast path when it is exact, see
+    :mod:`.fast_bpe`).
+    """
+
+    def __init__(
+        self,
+        backend: Any,
+        max_chars: int = 64 * 1024 * 1024,
+        encode_pieces: Callable[[list[str]], list[list[int]]] | None = None,
+    ) -> None:
         self.backend = backend
         self.max_chars = max_chars
         added = backend.get_added_tokens_decoder()
         self.added_ids = {tok.content: tid for tid, tok in added.items()}
-        contents = sorted(self.added_ids, key=len, reverse=True)
-        self.splitter = re.compile("(" + "|".join(re.escape(c) for c in contents) + ")")
+        self.splitter = added_token_splitter(backend)
+        self.encode_pieces = encode_pieces or self._hf_encode_pieces
         self._entries: OrderedDict[str, list[int]] = OrderedDict()
         self._chars = 0
         self._lock = threading.Lock()
@@ -78,11 +97,9 @@ class SegmentCache:
                     parts.append(None)
                     misses.append((i, piece))
         if misses:
-            batch_encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-            encoded = batch_encode([p for _, p in misses], add_special_tokens=False)
+            encoded = self.encode_pieces([p for _, p in misses])
             with self._lock:
-                for (i, piece), enc in zip(misses, encoded, strict=True):
-                    ids = enc.ids
+                for (i, piece), ids in zip(misses, encoded, strict=True):
                     parts[i] = ids
                     if len(piece) >= MIN_CACHED_CHARS:
                         self.misses += 1
@@ -90,6 +107,10 @@ class SegmentCache:
         for part in parts:
             out.extend(part)  # type: ignore[arg-type]
         return out
+
+    def _hf_encode_pieces(self, pieces: list[str]) -> list[list[int]]:
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [e.ids for e in encode(pieces, add_special_tokens=False)]
 
     def _put(self, piece: str, ids: list[int]) -> None:
         if piece in self._entries:

@@ -53,6 +53,11 @@ class RenderSettings(BaseModel):
         "registry for names not built in (needs vLLM installed)",
     )
     enable_auto_tool_choice: bool = False
+    fast_bpe: bool = Field(
+        default=True,
+        description="encode byte-level BPE text with tiktoken when a startup self-check shows "
+        "ids identical to the HF tokenizer (else HF is used); False: always HF",
+    )
     max_logprobs: int = Field(default=20, ge=-1)
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_n: int = Field(default=16384, ge=1)
