@@ -127,6 +127,8 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from vllm_pd_ext.proxy.client_channel import head_with_body_protocol
+
     app = create_app(config)
     # Everything alive now lives as long as the process: keep it out of the collector's full
     # passes, which otherwise pause requests for milliseconds.
@@ -138,6 +140,7 @@ def main(args: argparse.Namespace) -> int:
         port=config.port,
         log_level=args.log_level.lower(),
         access_log=False,
+        http=head_with_body_protocol() or "auto",
         proxy_headers=False,  # the proxy never reads the client's address
     )
     return 0

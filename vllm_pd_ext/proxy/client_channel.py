@@ -116,7 +116,8 @@ class DisconnectWatch:
 
 
 class RelayResponse:
-    """An ASGI response streaming ``body``; a client disconnect ends it quietly.
+    """An ASGI response streaming ``body``, its head sent with the first chunk; a client
+    disconnect ends it quietly.
 
     The body generator sees the disconnect as a cancellation at whatever it awaits (it then
     aborts its upstream request and records the outcome); this response swallows that
@@ -138,16 +139,19 @@ class RelayResponse:
 
     async def __call__(self, scope, receive, send) -> None:
         watch = self._watch
-        done = False
+        done = started = False
+        start = {"type": "http.response.start", "status": 200, "headers": self._headers}
         try:
             with watch._cancel_on_gone():
                 try:
-                    await send(
-                        {"type": "http.response.start", "status": 200, "headers": self._headers}
-                    )
                     async for chunk in self._body:
                         if done:
                             continue  # nothing follows the end of an OpenAI stream
+                        if not started:
+                            # The head goes with the first event (one write, see
+                            # HeadWithBodyProtocol), not ahead of it on its own.
+                            started = True
+                            await send(start)
                         if chunk.endswith(STREAM_END):
                             # The last event and the end of the response in one write.
                             watch.stop()  # the server now reads as disconnected to the watch
@@ -161,7 +165,65 @@ class RelayResponse:
                     raise
             if not done:
                 watch.stop()
+                if not started:
+                    await send(start)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             watch.stop()
             await self._body.aclose()  # type: ignore[attr-defined]
+
+
+class _HeadWithBody:
+    """A client connection's transport that holds a response head until the next write.
+
+    uvicorn writes a response's head and each body part separately; on a busy host every
+    write to a client on the same core wakes it, so a head written alone costs the client a
+    wake-up and a read before the first token. Held here, the head leaves with the first
+    body part when that is written in the same event-loop turn (``RelayResponse`` and
+    FastAPI's responses do so), or alone at the end of the turn otherwise.
+    """
+
+    __slots__ = ("_held", "_loop", "_transport")
+
+    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
+        self._transport = transport
+        self._loop = loop
+        self._held: bytes | None = None
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            self._transport.write(held + data)
+        elif data[:5] == b"HTTP/":
+            self._held = bytes(data)
+            self._loop.call_soon(self._flush)
+        else:
+            self._transport.write(data)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, None
+        if held is not None and not self._transport.is_closing():
+            self._transport.write(held)
+
+    def close(self) -> None:
+        self._flush()
+        self._transport.close()
+
+    def __getattr__(self, name: str):
+        return getattr(self._transport, name)
+
+
+def head_with_body_protocol() -> type | None:
+    """uvicorn's httptools protocol on ``_HeadWithBody`` transports (None: no httptools,
+    uvicorn's default then)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+    except ImportError:
+        return None
+
+    class HeadWithBodyProtocol(HttpToolsProtocol):
+        def connection_made(self, transport) -> None:  # type: ignore[override]
+            super().connection_made(_HeadWithBody(transport, asyncio.get_running_loop()))
+
+    return HeadWithBodyProtocol

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -11,7 +13,17 @@ _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 class ProxyMetrics:
     """All metric objects of one proxy app."""
 
+    def child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, remembered: the hot path asks for the same few
+        children on every request, and ``labels()`` validates and locks each time."""
+        key = (id(metric), values)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*values)
+        return found
+
     def __init__(self) -> None:
+        self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "vllm_pd_requests",

@@ -7,12 +7,13 @@ check only what the proxy itself relies on, so a malformed body never becomes a 
 from __future__ import annotations
 
 import json
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
+from starlette.requests import ClientDisconnect
 
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError
@@ -38,6 +39,9 @@ class RequestContext:
     tokens: TokenRequest | None = None
     #: Token mode: the engines this request was sent to (for aborts).
     engines: list[Any] = field(default_factory=list)
+    #: The client's body as it came, while ``body`` says the same (text mode sends it on
+    #: unchanged instead of encoding ``body`` again).
+    raw: bytes | None = None
 
     @property
     def path(self) -> str:
@@ -54,25 +58,43 @@ class RequestContext:
         return self.tokens.generate if self.tokens is not None else self.body
 
 
-async def read_body(request: Request, limit: int) -> dict[str, Any]:
-    """The JSON object in the request body; 413 past ``limit`` bytes, 400 when malformed."""
-    declared = request.headers.get("content-length")
+def _header(request: Request, name: bytes) -> bytes | None:
+    """The first value of header ``name`` (lower case), straight from the ASGI scope."""
+    for key, value in request.scope["headers"]:
+        if key == name:
+            return value
+    return None
+
+
+async def read_body(request: Request, limit: int) -> tuple[dict[str, Any], bytes]:
+    """The JSON object in the request body and the body's bytes; 413 past ``limit`` bytes,
+    400 when malformed."""
+    declared = _header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    receive = request.receive
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-        chunks.append(chunk)
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        chunk = message.get("body", b"")
+        if chunk:
+            size += len(chunk)
+            if size > limit:
+                raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+            chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     try:
-        body = json.loads(b"".join(chunks))
+        body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProxyError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ProxyError(400, "request body must be a JSON object")
-    return body
+    return body, raw
 
 
 def _expect(body: dict, key: str, types: tuple[type, ...], what: str) -> None:
@@ -100,9 +122,14 @@ def _text_of_messages(messages: list) -> str:
 
 
 def parse_request(
-    route: Route, body: dict[str, Any], request: Request, config: ProxyConfig
+    route: Route,
+    body: dict[str, Any],
+    request: Request,
+    config: ProxyConfig,
+    raw: bytes | None = None,
 ) -> RequestContext:
-    """Validate what routing needs and strip what the proxy owns."""
+    """Validate what routing needs and strip what the proxy owns. ``raw``: the bytes
+    ``body`` was read from, kept on the context while nothing was stripped."""
     _expect(body, "model", (str,), "a string")
     _expect(body, "stream", (bool,), "a boolean")
     _expect(body, "max_tokens", (int,), "an integer")
@@ -121,6 +148,7 @@ def parse_request(
                 param="kv_transfer_params",
             )
         body.pop("kv_transfer_params")
+        raw = None
 
     cpt = config.decision.chars_per_token
     splittable = body.get("n") in (None, 1) and not body.get("best_of")
@@ -149,7 +177,8 @@ def parse_request(
                 "'prompt' must be a string, a list of token ids or a non-empty list of prompts",
                 param="prompt",
             )
-    request_id = request.headers.get("x-request-id") or f"pdx-{uuid.uuid4().hex}"
+    given = _header(request, b"x-request-id")
+    request_id = given.decode("latin-1") if given else f"pdx-{os.urandom(16).hex()}"
     return RequestContext(
         route=route,
         body=body,
@@ -158,4 +187,5 @@ def parse_request(
         est_prompt_tokens=est,
         affinity_key=text[: config.affinity_prefix_chars],
         splittable=splittable,
+        raw=raw if raw is not None and raw[:1] == b"{" else None,  # plain UTF-8 only
     )

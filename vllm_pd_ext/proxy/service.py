@@ -176,8 +176,8 @@ class ProxyService:
 
     async def handle(self, request: Request, route: Route) -> Response:
         """Serve one OpenAI request. Raises ``ProxyError`` for answers the app maps."""
-        body = await read_body(request, self.config.max_body_bytes)
-        ctx = parse_request(route, body, request, self.config)
+        body, raw = await read_body(request, self.config.max_body_bytes)
+        ctx = parse_request(route, body, request, self.config, raw)
         self.metrics.queued.set(self.admission.queued + 1)
         try:
             await self.admission.acquire()
@@ -220,7 +220,7 @@ class ProxyService:
         decode = self.decode_policy.select(ctx.affinity_key, decode_pool)
         prefill_pool = [p for p in self.fleet.healthy("prefill") if p is not decode]
         decision = self.decider.decide(ctx, prefill_pool, decode)
-        self.metrics.decisions.labels(decision.label, decision.reason).inc()
+        self.metrics.child(self.metrics.decisions, decision.label, decision.reason).inc()
         start = time.perf_counter()
         params: dict[str, Any] | None = None
         cached: int | None = None
@@ -384,9 +384,11 @@ class ProxyService:
         self, inst: Instance, ctx: RequestContext, params: dict[str, Any] | None
     ) -> UpstreamResponse:
         """Send the decode leg to ``inst``; return the response with its body unread."""
-        body = ctx.engine_body
+        body: dict[str, Any] | bytes = ctx.engine_body
         if params is not None:
-            body = {**body, "kv_transfer_params": params}
+            body = {**ctx.engine_body, "kv_transfer_params": params}
+        elif ctx.tokens is None and ctx.raw is not None:
+            body = ctx.raw  # pass-through: the client's bytes, not encoded again
         if ctx.tokens is not None:
             ctx.engines.append(inst)
         return await inst.client.send(
@@ -496,7 +498,7 @@ class ProxyService:
         buffer = b""
         first: float | None = None
         last = 0.0
-        itl = self.metrics.itl.labels(decision.label)
+        itl = self.metrics.child(self.metrics.itl, decision.label)
         derender = None
         if ctx.tokens is not None:
             assert self.render is not None
@@ -553,7 +555,7 @@ class ProxyService:
     ) -> None:
         """Count the request's outcome and write its one INFO line."""
         outcome = outcome or detail
-        self.metrics.requests.labels(ctx.route, decision, outcome).inc()
+        self.metrics.child(self.metrics.requests, ctx.route, decision, outcome).inc()
         logger.info(
             "request %s %s %s: %s (%.0f ms)",
             ctx.request_id,
@@ -571,7 +573,7 @@ class ProxyService:
         prefill_done: float | None,
         now: float,
     ) -> None:
-        self.metrics.ttft.labels(ctx.route, decision.label).observe(now - start)
+        self.metrics.child(self.metrics.ttft, ctx.route, decision.label).observe(now - start)
         if prefill_done is not None:
             gap = now - prefill_done
             self.metrics.transfer_gap.observe(gap)

@@ -440,10 +440,15 @@ def _prompt_text(body: dict, chat: bool) -> str:
 class ServerThread:
     """Runs an ASGI app with uvicorn on 127.0.0.1 in a daemon thread."""
 
-    def __init__(self, app, port: int | None = None):
+    def __init__(self, app, port: int | None = None, http=None):
         self.port = port or free_port()
         config = uvicorn.Config(
-            app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on"
+            app,
+            host="127.0.0.1",
+            port=self.port,
+            log_level="warning",
+            lifespan="on",
+            http=http or "auto",
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

@@ -11,6 +11,7 @@ import pytest
 
 from tests.unit.proxy.fake_engine import FakeEngine, ServerThread
 from vllm_pd_ext.proxy.app import create_app
+from vllm_pd_ext.proxy.client_channel import head_with_body_protocol
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.tools.prom import parse_metrics
 
@@ -35,7 +36,8 @@ def proxy(engines, **overrides) -> Iterator[tuple[str, object]]:
         **overrides,
     }
     app = create_app(ProxyConfig.model_validate(data))
-    with ServerThread(app) as server:
+    # the protocol `vllm-pd proxy` serves with
+    with ServerThread(app, http=head_with_body_protocol()) as server:
         yield f"http://127.0.0.1:{server.port}", app.state.service
 
 

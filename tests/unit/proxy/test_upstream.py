@@ -86,3 +86,118 @@ def test_silent_engine_is_a_read_timeout_not_down():
 
     error = asyncio.run(go())
     assert error.kind == "read_timeout" and not error.down
+
+
+async def _serve_many(replies: list[bytes], close_after_first: bool = False):
+    """A keep-alive server answering successive requests on one connection with ``replies``;
+    ``close_after_first``: it closes the connection after the first answer. Counts
+    connections in ``server.accepted``."""
+    accepted: list[int] = []
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(1)
+        for reply in replies:
+            try:
+                await reader.readuntil(b"\r\n\r\n")
+            except asyncio.IncompleteReadError:
+                break
+            writer.write(reply)
+            await writer.drain()
+            if close_after_first:
+                break
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    server.accepted = accepted  # type: ignore[attr-defined]
+    return server
+
+
+def test_connection_is_reused_and_bodies_are_framed():
+    """Content-Length, chunked (split anywhere, with extensions and trailers) and an empty
+    body, three exchanges on one pooled connection."""
+    chunked = HEAD + b"5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nX-Trailer: 1\r\n\r\n"
+    replies = [
+        b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nabc",
+        chunked,
+        b"HTTP/1.1 204 No Content\r\n\r\n",
+    ]
+
+    async def go():
+        server = await _serve_many(replies)
+        up = Upstream(_url(server), max_connections=4)
+        try:
+            first = await up.fetch("GET", "/a", Timeouts(total=5).client())
+            resp = await up.send("POST", "/b", Timeouts(total=5).client(), {"x": 1})
+            parts = [c async for c in resp.chunks()]
+            resp.close()
+            third = await up.fetch("GET", "/c", Timeouts(total=5).client())
+        finally:
+            await up.close()
+            server.close()
+        return first, b"".join(parts), third, len(server.accepted)
+
+    first, second, third, connections = asyncio.run(go())
+    assert first == (200, b"abc")
+    assert second == b"hello world"
+    assert third == (204, b"")
+    assert connections == 1
+
+
+def test_pooled_connection_closed_by_the_engine_is_retried_on_a_fresh_one():
+    reply = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"
+
+    async def go():
+        server = await _serve_many([reply, reply], close_after_first=True)
+        up = Upstream(_url(server), max_connections=4)
+        try:
+            first = await up.fetch("GET", "/", Timeouts(total=5).client())
+            await asyncio.sleep(0.2)  # the engine has closed the pooled connection
+            second = await up.fetch("GET", "/", Timeouts(total=5).client())
+        finally:
+            await up.close()
+            server.close()
+        return first, second, len(server.accepted)
+
+    first, second, connections = asyncio.run(go())
+    assert first == second == (200, b"ok")
+    assert connections == 2
+
+
+def test_an_answer_that_is_not_http_is_disconnected():
+    async def go():
+        server = await _serve(b"SSH-2.0-OpenSSH\r\n\r\n")
+        up = Upstream(_url(server), max_connections=4)
+        try:
+            with pytest.raises(UpstreamError) as info:
+                await up.fetch("GET", "/", Timeouts(total=5).client())
+        finally:
+            await up.close()
+            server.close()
+        return info.value
+
+    error = asyncio.run(go())
+    assert error.kind == "disconnected" and error.down
+
+
+def test_total_timeout_bounds_a_trickling_body():
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(HEAD)
+        for _ in range(50):
+            writer.write(_chunk(b"data: x\n\n"))
+            await asyncio.sleep(0.05)
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        up = Upstream(_url(server), max_connections=4)
+        try:
+            with pytest.raises(UpstreamError) as info:
+                await up.fetch("GET", "/", Timeouts(total=0.5, read=5).client())
+        finally:
+            await up.close()
+            server.close()
+        return info.value
+
+    error = asyncio.run(go())
+    assert error.kind == "timeout" and not error.down
