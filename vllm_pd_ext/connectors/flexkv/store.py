@@ -118,6 +118,8 @@ class FileStore:
         self.dir = Path(root) / namespace
         self.fsync = fsync
         self.dir.mkdir(parents=True, exist_ok=True)
+        self._dir = str(self.dir)
+        self._fps: dict[str, bytes] = {}
 
     def path(self, key: str, rank: int = 0) -> Path:
         return self.dir / key[:2] / f"{key}.r{rank}"
@@ -170,7 +172,7 @@ class FileStore:
         nobody trips on it again, except a block of another KV layout). On any error ``out``
         holds garbage: never use it.
         """
-        path = self.path(key, rank)
+        path = f"{self._dir}/{key[:2]}/{key}.r{rank}"  # self.path(), without pathlib's cost
         parts = _byte_views(out)
         size = sum(p.nbytes for p in parts)
         head = bytearray(HEADER_BYTES)
@@ -186,7 +188,10 @@ class FileStore:
             self._discard(path, f"unknown format {magic!r}/{fmt}/checksum {algo}")
         if k != bytes.fromhex(key):
             self._discard(path, "key differs from its file name")
-        if fp != _fp16(fingerprint):
+        ours = self._fps.get(fingerprint)
+        if ours is None:
+            ours = self._fps[fingerprint] = _fp16(fingerprint)
+        if fp != ours:
             raise BlockFileError(f"{path}: written with KV layout {fp!r}, ours {fingerprint}")
         if length != size:
             self._discard(path, f"{length} payload bytes, expected {size}")
@@ -197,9 +202,9 @@ class FileStore:
             self._discard(path, "checksum mismatch")
         return HEADER_BYTES + size
 
-    def _discard(self, path: Path, why: str):
+    def _discard(self, path: str | Path, why: str):
         logger.warning("corrupt KV block file %s (%s): deleted, the block is recomputed", path, why)
-        path.unlink(missing_ok=True)
+        Path(path).unlink(missing_ok=True)
         raise BlockFileError(f"{path}: {why}")
 
     def delete(self, key: str, ranks: int = 1) -> None:

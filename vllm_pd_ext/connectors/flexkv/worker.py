@@ -294,29 +294,36 @@ class FlexKVWorker:
             self.stats.add("failed_blocks", len(failed))
         return failed
 
-    def _read_in_place(self, it: LoadItem) -> str | None:
-        """I/O pool: read block file ``it`` straight into its block's pieces in the (CPU)
-        cache, verify, and promote the block into its CPU row; None on success."""
-        err = self._read(it.tier, it.key, self.copier.pieces(it.block_id))
-        if err is None and it.promote_slot >= 0:
-            self.copier.gather([it.block_id], self.copier.pool, [it.promote_slot])
-        return err
+    def _read_in_place(self, items: list[LoadItem]) -> list[tuple[LoadItem, str | None]]:
+        """I/O pool: read each block file straight into its block's pieces in the (CPU)
+        cache, verify it, and promote the block into its CPU row; (item, None on success
+        or why it failed) per item."""
+        out = []
+        for it in items:
+            err = self._read(it.tier, it.key, self.copier.pieces(it.block_id))
+            if err is None and it.promote_slot >= 0:
+                self.copier.gather([it.block_id], self.copier.pool, [it.promote_slot])
+            out.append((it, err))
+        return out
 
     def _load_files(self, req_id: str, items: list[LoadItem], after: Any = None) -> set[int]:
         """Read, verify and place block files; returns failed block ids.
 
-        CPU caches: one I/O pool task per block reads it in place (``preadv`` into the
-        block's pieces, checksum, promotion), so reads, checksums and copies of different
-        blocks overlap. Other caches: ``STAGE_BYTES`` of blocks at a time into a per-thread
-        pinned row buffer (reused), then one staged copy to the device.
+        CPU caches: the blocks are split among the I/O pool's threads, each reading its share
+        in place (``preadv`` into the block's pieces, checksum, promotion), so reads,
+        checksums and copies of different blocks overlap. Other caches: ``STAGE_BYTES`` of
+        blocks at a time into a per-thread pinned row buffer (reused), then one staged copy
+        to the device.
         """
         t0 = time.perf_counter()
         failed: set[int] = set()
         loaded: dict[str, int] = {}
         promoted: set[int] = set()
-        if self.copier.in_place:
-            futures = [self._io.submit(self._read_in_place, it) for it in items]
-            results = [(it, f.result()) for it, f in zip(items, futures, strict=True)]
+        if self.copier.in_place:  # one task per I/O thread, a contiguous share of blocks each
+            k = min(self.cfg.io_threads, len(items))
+            shares = [items[i * len(items) // k : (i + 1) * len(items) // k] for i in range(k)]
+            futures = [self._io.submit(self._read_in_place, share) for share in shares]
+            results = [r for f in futures for r in f.result()]
         else:
             results = []
             per = max(1, STAGE_BYTES // self.block_bytes)
