@@ -129,11 +129,11 @@ def main(args: argparse.Namespace) -> int:
     )
     from vllm_pd_ext.proxy.client_channel import head_with_body_protocol
 
-    app = create_app(config)
-    # Everything alive now lives as long as the process: keep it out of the collector's full
-    # passes, which otherwise pause requests for milliseconds.
-    gc.collect()
-    gc.freeze()
+    app = create_app(config, freeze_gc=True)
+    # The request path leaves no reference cycles behind, so collections only walk the young
+    # objects of requests in flight: collect every 10,000 net allocations, not every 700
+    # (a pass costs ~0.1-0.3 ms, paid by whichever request is running).
+    gc.set_threshold(10_000, 10, 10)
     uvicorn.run(
         app,
         host=config.host,

@@ -43,11 +43,14 @@ class DisconnectWatch:
         self.gone = asyncio.Event()
         self._target: asyncio.Task | None = None
         self._cancelled = False
+        self._stopped = False
         self._task = asyncio.ensure_future(self._watch(request))
 
     async def _watch(self, request: Request) -> None:
         while True:
             message = await request.receive()
+            if self._stopped:
+                return
             if message["type"] == "http.disconnect":
                 self.gone.set()
                 if self._target is not None:
@@ -111,8 +114,11 @@ class DisconnectWatch:
         raise ClientGone(phase)
 
     def stop(self) -> None:
+        """Stop acting on what the channel says. The watcher is not cancelled (a cancelled
+        task leaves a reference cycle for the collector, per request): it ends when the
+        server next wakes it, once the response is complete or the connection closes."""
         self._target = None
-        self._task.cancel()
+        self._stopped = True
 
 
 class RelayResponse:
