@@ -238,3 +238,25 @@ def test_load_failure_under_fail_policy_fails_the_request(engine_factory, tmp_pa
     assert finished and finished[-1].finish_reason is not None
     assert second.status == RequestStatus.FINISHED_ERROR
     assert_scheduler_empty(e.sched)
+
+
+def test_sync_load_all_reads_ssd_in_the_same_step_and_promotes(engine_factory, tmp_path):
+    e = engine_factory(ssd_dir=str(tmp_path / "ssd"), sync_load="all")
+    run(e, request(prompt()))
+    e.worker._worker.wait_idle()
+    e.conn.reset_cache()
+    second = request(prompt())
+    e.sched.add_request(second)
+    e.step(wait_loads=False)
+    assert second.status == RequestStatus.RUNNING  # no step spent waiting for the load
+    (job,) = loads_of(e)
+    assert job.sync and [it.tier for it in job.items] == [SSD] * 4
+    assert all(it.promote_slot >= 0 for it in job.items)
+    e.first_blocks = {second.request_id: [it.block_id for it in job.items]}
+    assert_blocks_hold(e, second, 4)
+    e.run_until_done()
+    assert e.computed[second.request_id][0] == 4 * BLOCK_SIZE
+    assert e.hit_sources == {"disk": 64}
+    run(e, request(prompt()))  # promoted: the CPU tier serves it now
+    assert [it.tier for it in loads_of(e)[-1].items] == [CPU] * 4
+    assert_scheduler_empty(e.sched)
