@@ -29,6 +29,24 @@ LOAD_METRICS = (
     "vllm:kv_cache_usage_perc",
 )
 
+_LOAD_NEEDLES = tuple(b"\n" + name.encode() for name in LOAD_METRICS)
+
+
+def _load_lines(raw: bytes) -> str:
+    """The lines of ``raw`` (Prometheus text) that hold a ``LOAD_METRICS`` sample."""
+    text = b"\n" + raw
+    found: list[bytes] = []
+    for needle in _LOAD_NEEDLES:
+        at = text.find(needle)
+        while at >= 0:
+            end = text.find(b"\n", at + 1)
+            if end < 0:
+                end = len(text)
+            if text[at + len(needle) : at + len(needle) + 1] in (b"{", b" "):
+                found.append(text[at + 1 : end])
+            at = text.find(needle, end)
+    return b"\n".join(found).decode("utf-8", "replace")
+
 
 @dataclass(eq=False)
 class Instance:
@@ -196,13 +214,14 @@ class Fleet:
             logger.info("fleet: %s is healthy", inst.label)
         inst.mark_ok()
         if status == 200:
-            self._read_load(inst, text.decode("utf-8", "replace"))
+            self._read_load(inst, text)
 
     @staticmethod
-    def _read_load(inst: Instance, text: str) -> None:
+    def _read_load(inst: Instance, raw: bytes) -> None:
         # vLLM's /metrics is ~50 KB; parsing all of it costs ~30 ms of event-loop time per
-        # scrape, which every in-flight request would wait for. Keep the three gauges' lines.
-        wanted = "\n".join(line for line in text.splitlines() if line.startswith(LOAD_METRICS))
+        # scrape, which every in-flight request would wait for, and even splitting it into
+        # lines ~0.3 ms. Find the three gauges' lines with bytes.find and parse only those.
+        wanted = _load_lines(raw)
         if not wanted:  # not a vLLM scrape: keep the last values
             return
         try:

@@ -23,8 +23,12 @@ vllm:e2e_request_latency_seconds_count{engine="0"} 1.0
 
 def test_load_comes_from_the_three_gauges_only():
     inst = Instance(InstanceConfig(url="http://e:1"), client=None)
-    Fleet._read_load(inst, METRICS)
+    Fleet._read_load(inst, METRICS.encode())
     assert (inst.running, inst.waiting, inst.kv_usage) == (3.0, 2.0, 0.25)
     assert inst.load() == 3.0 + 2 * 2.0
-    Fleet._read_load(inst, "garbage {{{")  # a bad scrape keeps the last values
+    Fleet._read_load(inst, b"garbage {{{")  # a bad scrape keeps the last values
     assert inst.running == 3.0
+    # a sample on the very first line, two engines' samples summed, no trailing newline
+    first = b'vllm:num_requests_running{engine="0"} 1.0\nvllm:num_requests_running{engine="1"} 4.0'
+    Fleet._read_load(inst, first)
+    assert inst.running == 5.0
