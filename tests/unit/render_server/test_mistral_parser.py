@@ -230,6 +230,9 @@ FRAGMENTS = [
     '"',
     "\\",
     "null",
+    "<|eot_id|>",  # special-token texts: vLLM's v11 parser drops them everywhere
+    "<|end_of_text|>",
+    "<|eo",
 ]
 
 
@@ -315,8 +318,44 @@ def test_v11_stream_equals_vllm_on_well_formed_output(tiny_mistral, size):
         f'Sure.{TC}get_weather{ARGS}{{"city": "Zürich"}}',
         f'Two: {TC}f{ARGS}{{"a": [1, {{"b": "}}"}}]}}{TC}g{ARGS}{{}}',
         f'  {TC}f{{"x": null}}',
+        "ends with eos<|eot_id|>",
+        f'<|eot_id|> {TC}g<|end_of_text|>et{ARGS}{{"a": "<|eot_id|>x"}}<|eot_id|>',
+        "a<|eot_<|eot_id|>id|>b",
     ]
+    ours = mistral_tool_parser(load_tokenizer(tiny_mistral, None))
+    assert "<|eot_id|>" in ours.drop
     for text in outputs:
         pieces = _chunks(text, size)
-        content, calls, _ = _stream(ChatParser(None, MistralToolParser()), pieces)
+        content, calls, _ = _stream(ChatParser(None, ours), pieces)
         assert (content, calls) == _vllm_stream(ref, pieces), text
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM's mistral parser is the reference")
+@pytest.mark.parametrize("tools", ["absent", "tool_choice none"])
+def test_v11_without_tools_equals_vllm(tiny_mistral, tools):
+    """vLLM's v11 parser still runs: special-token text dropped, calls cut and not returned."""
+    from vllm.entrypoints.openai.chat_completion.protocol import (
+        ChatCompletionRequest as VllmRequest,
+    )
+
+    from vllm_pd_ext.render_server.parsers import make_parser
+    from vllm_pd_ext.render_server.protocol import ChatCompletionRequest
+
+    tok, parser_cls, _ = _vllm_reference(tiny_mistral)
+    body: dict = {"messages": [{"role": "user", "content": "x"}]}
+    if tools != "absent":
+        body.update(tools=TOOLS, tool_choice="none")
+    vllm_request = VllmRequest(**body)
+    ours = make_parser(
+        load_tokenizer(tiny_mistral, None),
+        reasoning=None,
+        tools="mistral",
+        request=ChatCompletionRequest(**body),
+        enable_auto_tools=True,
+    )
+    for text in [*(c[0] for c in V11_CASES), *_random_outputs(200)]:
+        _, content, calls = parser_cls(tok, vllm_request.tools).parse(
+            text, vllm_request, enable_auto_tools=True, model_output_token_ids=[]
+        )
+        assert ours.parse(text, [], None) == (None, content, []), text
+        assert calls == [] or tools == "absent"

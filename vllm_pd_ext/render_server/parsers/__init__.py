@@ -66,8 +66,15 @@ def make_parser(
     if reasoning is not None and reasoning_active(reasoning, template_kwargs or {}):
         reasoning_parser = ThinkReasoningParser(tok)
     tool_parser = None
-    if tools in TOOL_PARSERS and request.tools and enable_auto_tools:
+    discard_calls: str | None = None
+    if tools in TOOL_PARSERS and enable_auto_tools:
         tool_parser = TOOL_PARSERS[tools](tok)
-        if not _tool_choice_parsed(getattr(request, "tool_choice", None), tool_parser):
-            tool_parser = None
-    return ChatParser(reasoning_parser, tool_parser)
+        tool_choice = getattr(request, "tool_choice", None)
+        if not request.tools or not _tool_choice_parsed(tool_choice, tool_parser):
+            # vLLM's parser-engine parsers (mistral v11) still run without tools or with
+            # tool_choice "none": the calls are cut from the content and not returned
+            if getattr(tool_parser, "parses_without_tools", False):
+                discard_calls = "none" if request.tools and tool_choice == "none" else "absent"
+            else:
+                tool_parser = None
+    return ChatParser(reasoning_parser, tool_parser, discard_calls=discard_calls)

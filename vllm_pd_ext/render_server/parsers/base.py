@@ -18,9 +18,15 @@ class ChatParser:
         self,
         reasoning: ThinkReasoningParser | None,
         tools: HermesToolParser | BufferedToolParser | MistralToolParser | None,
+        *,
+        discard_calls: str | None = None,
     ) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        #: parse tool calls out of the content but return none (see ``make_parser``):
+        #: "absent" (no tools: content as with calls), "none" (tool_choice none: the content
+        #: before the calls unstripped, as vLLM's batch parse gives it)
+        self.discard_calls = discard_calls
 
     def new_tool_call_id(self) -> str:
         """A fresh id for a streamed tool call, in the tool parser's format (vLLM's
@@ -41,7 +47,12 @@ class ChatParser:
             reasoning, content = self.reasoning.extract(text)
         calls: list[dict[str, str]] = []
         if self.tools is not None:
-            calls, content = self.tools.extract(content if content is not None else "", content)
+            if self.discard_calls == "none":
+                content = self.tools.content_before_calls(content or "")
+            else:
+                calls, content = self.tools.extract(content or "", content)
+            if self.discard_calls:
+                calls = []
         return reasoning, content, calls
 
     def initial_state(self, prompt_token_ids: list[int]) -> dict[str, Any]:
@@ -78,7 +89,7 @@ class ChatParser:
                 state["tools"] = tool_state
                 if out_content:
                     delta["content"] = out_content
-                if calls:
+                if calls and not self.discard_calls:
                     delta["tool_calls"] = calls
         elif content:
             delta["content"] = content

@@ -15,6 +15,12 @@ the final chunk -- with exactly the name and arguments batch parsing gives. The 
 holds only the call being read, so each chunk costs O(new text) plus, once per call, the
 call's own length.
 
+vLLM 0.32 runs the v11 format through its parser engine, which drops the text of the
+tokenizer's special tokens (``all_special_tokens``: bos, eos, pad...) wherever it appears --
+content, names, arguments -- in one left-to-right pass; the v11 parser here does the same (a
+partial special-token text at a chunk's end is held back until the next chunk). The pre-v11
+path keeps them, as vLLM's does.
+
 Not mirrored: vLLM's v11 batch path coerces string argument values to the types the tool's
 JSON schema declares (its streaming path does not); pre-v11 ``required`` / named tool choice
 (vLLM adds a guided-JSON schema to the sampling params and parses a bare JSON array).
@@ -108,10 +114,26 @@ class MistralToolParser:
     """
 
     handles_required_and_named = True
+    #: vLLM runs it (dropping special-token text, cutting calls) even without tools
+    parses_without_tools = True
     make_tool_call_id = staticmethod(mistral_tool_call_id)
+
+    def __init__(self, drop: tuple[str, ...] = ()) -> None:
+        #: special-token texts removed from the output before parsing (see the module doc)
+        self.drop = tuple(sorted(set(drop), key=len, reverse=True))
+        self._drop_re = re.compile("|".join(map(re.escape, self.drop))) if self.drop else None
+
+    def _dropped(self, text: str) -> str:
+        return self._drop_re.sub("", text) if self._drop_re is not None else text
+
+    def content_before_calls(self, text: str) -> str | None:
+        """The content vLLM's batch parse gives with tool_choice "none": the text before the
+        first ``[TOOL_CALLS]`` (special-token text dropped), not stripped."""
+        return self._dropped(text).partition(TOOL_CALLS)[0] or None
 
     def extract(self, text: str, content: str | None) -> tuple[list[dict[str, str]], str | None]:
         """``(tool_calls, content)`` of a complete output (content: text before the calls)."""
+        text = self._dropped(text)
         pos = text.find(TOOL_CALLS)
         if pos < 0:
             return [], text or None
@@ -129,6 +151,11 @@ class MistralToolParser:
         self, state: dict[str, Any], text: str, *, finished: bool
     ) -> tuple[str, list[dict[str, Any]], dict[str, Any]]:
         """``(content, tool_call_deltas, next_state)`` for one chunk of post-reasoning text."""
+        drop_held = ""
+        if self._drop_re is not None:
+            buf = self._dropped(str(state.get("drop_held", "")) + text)
+            keep = 0 if finished else max(_overlap(buf, d) for d in self.drop)
+            text, drop_held = buf[: len(buf) - keep], buf[len(buf) - keep :]
         mode = str(state.get("mode", "content"))
         held = str(state.get("held", ""))
         nonws = bool(state.get("nonws"))
@@ -192,6 +219,8 @@ class MistralToolParser:
             "args": args,
             "index": index,
         }
+        if drop_held:
+            new_state["drop_held"] = drop_held
         return content, calls, new_state
 
 
@@ -254,4 +283,5 @@ def mistral_tool_parser(tok: Any) -> MistralToolParser | MistralLegacyToolParser
         )
     if tok.token_id(ARGS) is None:
         return MistralLegacyToolParser()
-    return MistralToolParser()
+    keep = (TOOL_CALLS, ARGS, "{", "[THINK]", "[/THINK]")  # vLLM's grammar terminals
+    return MistralToolParser(tuple(t for t in tok.hf.all_special_tokens if t not in keep))
