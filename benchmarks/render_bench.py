@@ -15,6 +15,10 @@ Measured in one run, per server, ``--rounds`` times (median reported):
    100 / 1,000 / 8,000 output tokens, then ``--chunks`` one-token chunks; CPU-ms per chunk.
 
 Every rendered prompt's token ids are compared between the servers (must be identical).
+"Per core" is CPU-ms per request: both servers' CPU (user+sys over the whole process tree,
+every worker included) divided by requests, so a server using more cores gains nothing by it.
+Ours runs its default encode path: the tiktoken fast path (``render_server/fast_bpe.py``),
+which the server enables only after its startup self-check against the HF tokenizer.
 Writes ``benchmarks/results/render_bench.json``.
 Run: ``.venv/bin/python benchmarks/render_bench.py``
 (a few minutes on 2 cores). Every process started here is in its own process group and stopped
@@ -214,11 +218,12 @@ def stream_cost(server: Server, ids: list[int], prior: int, chunks: int) -> floa
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--requests", type=int, default=40)
+    # CPU times come in 10 ms clock ticks per process: enough requests keep that error small
+    ap.add_argument("--requests", type=int, default=100)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 1)
-    ap.add_argument("--convs", type=int, default=4)
-    ap.add_argument("--chunks", type=int, default=20)
+    ap.add_argument("--convs", type=int, default=10)
+    ap.add_argument("--chunks", type=int, default=100)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/render_bench.json")
     args = ap.parse_args()
 
