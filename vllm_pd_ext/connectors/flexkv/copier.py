@@ -11,17 +11,20 @@ the cache through :func:`~vllm_pd_ext.connectors.flexkv.blocks.block_views`:
   block files are read straight into the cache;
 * on a CUDA cache the copies run on a dedicated side stream that first waits for the compute
   stream (``after``, an event recorded when the step handed the blocks over): a save gathers
-  the blocks into a device staging buffer (one ``index_select`` per view) and copies it to the
-  pinned rows in one transfer per run of consecutive rows; a load copies pinned rows to a
-  device staging buffer the same way and ``index_copy_``\\ s each view. Every call returns only
-  after its stream work is done (``synchronize``), so the caller may reuse or report the
-  blocks and rows at once.
+  the blocks into a device staging buffer and copies it to the pinned rows in one transfer
+  per run of consecutive rows; a load copies pinned rows to a device staging buffer the same
+  way and scatters it into the blocks. Gathers and scatters on the device are one
+  ``index_select`` / ``index_copy_`` per cache storage when every piece has the same length
+  and lies on a multiple of it (vLLM's FlashAttention layout: all K and V pieces of a block in
+  one kernel), else one per piece. Every call returns only after its stream work is done
+  (``synchronize``), so the caller may reuse or report the blocks and rows at once.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -45,6 +48,47 @@ def runs(*seqs: Sequence[int]) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class _FlatGroup:
+    """The pieces that lie in one storage, seen as rows of ``L`` bytes: piece ``i`` of block
+    ``b`` is row ``starts[i] + b * strides[i]`` of ``rows`` and row ``cols[i]`` of a tier row
+    seen as ``[block_bytes // L, L]``."""
+
+    rows: torch.Tensor
+    starts: torch.Tensor
+    strides: torch.Tensor
+    cols: torch.Tensor
+
+
+def _flat_groups(views, block_bytes: int) -> list[_FlatGroup] | None:
+    """Every piece as a row of one ``[storage bytes // L, L]`` view per storage, when all
+    pieces have one length ``L`` that divides their offsets, block strides and the tier row;
+    else None."""
+    length = views[0].length
+    if any(v.length != length for v in views) or block_bytes % length:
+        return None
+    by_storage: dict[int, list] = {}
+    for v in views:
+        es = v.view.element_size()
+        start, stride = v.view.storage_offset() * es, v.view.stride(0) * es
+        if start % length or stride % length:
+            return None
+        storage = v.view.untyped_storage()
+        by_storage.setdefault(storage.data_ptr(), [storage, []])[1].append(
+            (start // length, stride // length, v.column // length)
+        )
+    groups = []
+    dev = views[0].view.device
+    for storage, pieces in by_storage.values():
+        flat = torch.empty(0, dtype=torch.uint8, device=dev).set_(storage)
+        rows = flat[: flat.numel() // length * length].view(-1, length)
+        s, st, c = (
+            torch.tensor(x, dtype=torch.long, device=dev) for x in zip(*pieces, strict=True)
+        )
+        groups.append(_FlatGroup(rows, s, st, c))
+    return groups
+
+
 class BlockCopier:
     """The CPU tier's rows and block copies for one worker's KV cache."""
 
@@ -61,6 +105,10 @@ class BlockCopier:
         # [num_blocks, piece bytes] byte arrays over the cache (CPU caches only)
         self._np = None if self.cuda else [v.view.numpy().view(np.uint8) for v in self.views]
         self._stages: dict[tuple[int, str], torch.Tensor] = {}
+        try:
+            self._flat = _flat_groups(self.views, self.block_bytes)
+        except (RuntimeError, ValueError):  # an unusual storage: copy piece by piece
+            self._flat = None
 
     # ---- helpers ----
     def compute_event(self) -> torch.cuda.Event | None:
@@ -128,6 +176,45 @@ class BlockCopier:
             cols = dst[:, v.column : v.column + v.length].view(v.view.dtype)
             cols.index_copy_(0, dst_idx, v.view.index_select(0, src))
 
+    def _device_gather(self, ids: torch.Tensor, stage: torch.Tensor) -> None:
+        """Fill ``stage[j]`` (``[n, block_bytes]`` on the cache's device) with block
+        ``ids[j]``; ``ids`` is a long tensor on that device."""
+        n = len(ids)
+        if self._flat is None:
+            for v in self.views:
+                cols = stage[:, v.column : v.column + v.length].view(v.view.dtype)
+                cols.copy_(v.view.index_select(0, ids))
+            return
+        per_row = self.block_bytes // self._flat[0].rows.shape[1]
+        out = stage.view(n * per_row, -1)
+        for g in self._flat:
+            src = (g.starts[None, :] + ids[:, None] * g.strides[None, :]).reshape(-1)
+            if len(self._flat) == 1 and len(g.cols) == per_row:  # every piece, in order
+                torch.index_select(g.rows, 0, src, out=out)
+            else:
+                dst = g.cols[None, :] + per_row * torch.arange(n, device=ids.device)[:, None]
+                out.index_copy_(0, dst.reshape(-1), g.rows.index_select(0, src))
+
+    def _device_scatter(self, ids: torch.Tensor, stage: torch.Tensor) -> None:
+        """Copy ``stage[j]`` (``[n, block_bytes]`` on the cache's device) into block
+        ``ids[j]``; ``ids`` is a long tensor on that device."""
+        n = len(ids)
+        if self._flat is None:
+            for v in self.views:
+                v.view.index_copy_(
+                    0, ids, stage[:, v.column : v.column + v.length].view(v.view.dtype)
+                )
+            return
+        per_row = self.block_bytes // self._flat[0].rows.shape[1]
+        src_rows = stage.view(n * per_row, -1)
+        for g in self._flat:
+            dst = (g.starts[None, :] + ids[:, None] * g.strides[None, :]).reshape(-1)
+            if len(self._flat) == 1 and len(g.cols) == per_row:
+                g.rows.index_copy_(0, dst, src_rows)
+            else:
+                src = g.cols[None, :] + per_row * torch.arange(n, device=ids.device)[:, None]
+                g.rows.index_copy_(0, dst, src_rows.index_select(0, src.reshape(-1)))
+
     def _gather_cuda(self, block_ids, dst, rows, after) -> None:
         per = self._chunk()
         stage = self._stage(per * self.block_bytes, self.device).view(per, self.block_bytes)
@@ -138,9 +225,7 @@ class BlockCopier:
                 ids, rws = block_ids[at : at + per], rows[at : at + per]
                 n = len(ids)
                 idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
-                for v in self.views:
-                    cols = stage[:n, v.column : v.column + v.length].view(v.view.dtype)
-                    cols.copy_(v.view.index_select(0, idx))
+                self._device_gather(idx, stage[:n])
                 for a, b in runs(rws):
                     dst[rws[a] : rws[a] + b - a].copy_(stage[a:b], non_blocking=True)
                 # the staging buffer is reused by the next round: its copies must end first
@@ -194,7 +279,5 @@ class BlockCopier:
                 for a, b in runs(pks):
                     stage[a:b].copy_(src[pks[a] : pks[a] + b - a], non_blocking=True)
                 idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
-                for v in self.views:
-                    cols = stage[:n, v.column : v.column + v.length].view(v.view.dtype)
-                    v.view.index_copy_(0, idx, cols)
+                self._device_scatter(idx, stage[:n])
                 self.stream.synchronize()

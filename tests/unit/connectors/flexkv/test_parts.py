@@ -243,3 +243,64 @@ def test_block_views_over_the_shared_layout():
         block_views(caches, num_blocks=n, block_size=4, model={"m": 2}).fingerprint,
     }
     assert len(prints) == 4
+
+
+def _flash(layers: int, blocks: int, shared_storage: bool):
+    import torch
+
+    per = 2 * blocks * 4 * 2 * 8
+    buf = torch.randn(layers * per).to(torch.bfloat16)
+    caches = {}
+    for i in range(layers):
+        part = buf[i * per : (i + 1) * per]
+        part = part if shared_storage else part.clone()
+        caches[f"l{i}"] = part.view(2, blocks, 4, 2, 8)  # FlashAttention [2, blocks, bs, h, d]
+    return caches
+
+
+@pytest.mark.parametrize("shared_storage", [True, False])
+def test_device_gather_and_scatter_one_kernel_per_storage(shared_storage):
+    """The device-side copies of the GPU path (exercised here on CPU tensors): all K and V
+    pieces of a block move through one index per storage, byte-identical to piece by piece."""
+    import torch
+
+    from vllm_pd_ext.connectors.flexkv.blocks import block_views
+    from vllm_pd_ext.connectors.flexkv.copier import BlockCopier
+
+    blocks = 10
+    caches = _flash(3, blocks, shared_storage)
+    copier = BlockCopier(block_views(caches, num_blocks=blocks, block_size=4, model={}), 2)
+    assert copier._flat is not None and len(copier._flat) == (1 if shared_storage else 3)
+    ids = torch.tensor([7, 2, 5])
+    got = torch.zeros(3, copier.block_bytes, dtype=torch.uint8)
+    copier._device_gather(ids, got)
+    pieces = [(c, kv) for c in caches.values() for kv in (0, 1)]  # layer by layer, K then V
+    rows = [[c[kv, b].reshape(-1).view(torch.uint8) for c, kv in pieces] for b in ids.tolist()]
+    want = torch.stack([torch.cat(r) for r in rows])
+    assert torch.equal(got, want)
+    flat, copier._flat = copier._flat, None  # the piece-by-piece fallback agrees
+    again = torch.zeros_like(got)
+    copier._device_gather(ids, again)
+    assert torch.equal(again, want)
+    copier._flat = flat
+    before = {k: c.clone() for k, c in caches.items()}
+    copier._device_scatter(torch.tensor([0, 9, 3]), got)
+    for k, c in caches.items():
+        assert torch.equal(c[:, [0, 9, 3]], before[k][:, [7, 2, 5]])
+        assert torch.equal(c[:, [1, 2, 4, 5, 6, 7, 8]], before[k][:, [1, 2, 4, 5, 6, 7, 8]])
+
+
+def test_uneven_pieces_fall_back_to_piece_by_piece():
+    import torch
+
+    from vllm_pd_ext.connectors.flexkv.blocks import block_views
+    from vllm_pd_ext.connectors.flexkv.copier import BlockCopier
+
+    caches = {"a": torch.randn(6, 2, 4, 8), "b": torch.randn(6, 1, 4, 8)}
+    copier = BlockCopier(block_views(caches, num_blocks=6, block_size=4, model={}), 2)
+    assert copier._flat is None
+    got = torch.zeros(2, copier.block_bytes, dtype=torch.uint8)
+    copier._device_gather(torch.tensor([4, 1]), got)
+    for j, b in enumerate([4, 1]):
+        want = torch.cat([caches["a"][b].reshape(-1), caches["b"][b].reshape(-1)])
+        assert torch.equal(got[j].view(torch.float32), want)
