@@ -18,7 +18,8 @@ split regex, same byte-level BPE, the merge priority being the id of the merged 
   order is tiktoken's rank order);
 * and a self-check over a varied built-in corpus (ASCII prose, code, whitespace runs, digits,
   CJK, emoji, combining marks, random code points, random bytes as text, the vocabulary's own
-  tokens) gives ids identical to the HF tokenizer.
+  tokens, and every input where the two could break a tie differently, see
+  :func:`overlapping_split_texts`) gives ids identical to the HF tokenizer.
 
 Otherwise it returns None (INFO log saying why) and the caller keeps the HF tokenizer.
 
@@ -30,6 +31,7 @@ is the identity), so normalization is exactly HF's whatever the Unicode versions
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -232,6 +234,26 @@ def check_corpus(seed: int = 0, vocab_tokens: list[bytes] | None = None) -> list
     return texts
 
 
+def overlapping_split_texts(ranks: dict[bytes, int]) -> list[str]:
+    """Texts where HF and tiktoken could break a tie differently, to check they do not.
+
+    The two differ only in ties between *different* splits of one token T that are adjacent
+    pairs at the same time: HF takes the split listed first among the merges, tiktoken the
+    leftmost pair. Overlapping ones come from a token with a border, T = x+y = y+z with x, y,
+    z tokens: the bytes x+y+z hold both (x, y) and (y, z). Each such input, alone and after a
+    space.
+    """
+    texts = []
+    for token in ranks:
+        n = len(token)
+        for k in range(1, n):
+            y = token[:k]
+            if token.endswith(y) and token[: n - k] in ranks and y in ranks and token[k:] in ranks:
+                text = (token[: n - k] + token).decode("utf-8", errors="replace")
+                texts += [text, " " + text]
+    return texts
+
+
 def build_fast_bpe(
     backend: Any, *, exclude: re.Pattern[str] | None = None, corpus: list[str] | None = None
 ) -> FastBPE | None:
@@ -241,30 +263,52 @@ def build_fast_bpe(
     corpus are cut at its matches. ``corpus`` replaces the built-in check corpus (tests).
     """
     started = time.perf_counter()
-    try:
-        fast = _build(backend)
-    except NotApplicable as exc:
-        logger.info("fast BPE path off (HF tokenizer used): %s", exc)
-        return None
-    except Exception as exc:  # e.g. a regex tiktoken cannot compile
-        logger.info("fast BPE path off (HF tokenizer used): %s: %s", type(exc).__name__, exc)
-        return None
+    config_text = backend.to_str()
+    key = hashlib.sha256(
+        f"{exclude.pattern if exclude else ''}\0{config_text}".encode()
+    ).hexdigest()
+    if corpus is None and key in _VERDICTS:  # same tokenizer again in this process
+        fast, message = _VERDICTS[key]
+        logger.info("%s (checked earlier in this process)", message)
+        return fast
+    fast, message = _checked(backend, config_text, exclude, corpus, started)
+    logger.info("%s", message)
     if corpus is None:
-        corpus = check_corpus(0, list(fast.encoding._mergeable_ranks))
+        _VERDICTS[key] = (fast, message)
+    return fast
+
+
+#: Fast paths (or None) already built and checked in this process, by tokenizer config and
+#: added tokens, with the log line that said why.
+_VERDICTS: dict[str, tuple[FastBPE | None, str]] = {}
+
+
+def _checked(
+    backend: Any,
+    config_text: str,
+    exclude: re.Pattern[str] | None,
+    corpus: list[str] | None,
+    started: float,
+) -> tuple[FastBPE | None, str]:
+    off = "fast BPE path off (HF tokenizer used): "
+    try:
+        fast = _build(backend, config_text)
+    except NotApplicable as exc:
+        return None, f"{off}{exc}"
+    except Exception as exc:  # e.g. a regex tiktoken cannot compile
+        return None, f"{off}{type(exc).__name__}: {exc}"
+    if corpus is None:
+        ranks = fast.encoding._mergeable_ranks
+        corpus = check_corpus(0, list(ranks)) + overlapping_split_texts(ranks)
     pieces = _pieces(corpus, exclude)
     mismatch = first_mismatch(fast, backend, pieces)
     if mismatch is not None:
-        logger.info(
-            "fast BPE path off (HF tokenizer used): self-check differs from HF on %r",
-            mismatch[:80],
-        )
-        return None
-    logger.info(
-        "fast BPE path on (tiktoken; self-check of %d texts passed in %.2f s)",
-        len(pieces),
-        time.perf_counter() - started,
+        return None, f"{off}self-check differs from HF on {mismatch[:80]!r}"
+    elapsed = time.perf_counter() - started
+    return (
+        fast,
+        f"fast BPE path on (tiktoken; self-check of {len(pieces)} texts passed in {elapsed:.2f} s)",
     )
-    return fast
 
 
 def first_mismatch(fast: FastBPE, backend: Any, texts: list[str]) -> str | None:
@@ -283,10 +327,10 @@ def _pieces(texts: list[str], exclude: re.Pattern[str] | None) -> list[str]:
     return [p for t in texts for p in exclude.split(t) if p and not exclude.fullmatch(p)]
 
 
-def _build(backend: Any) -> FastBPE:
+def _build(backend: Any, config_text: str) -> FastBPE:
     import tiktoken
 
-    config = json.loads(backend.to_str())
+    config = json.loads(config_text)
     if config.get("truncation") or config.get("padding"):
         raise NotApplicable("truncation or padding configured")
     pattern = _pattern(config.get("pre_tokenizer"))

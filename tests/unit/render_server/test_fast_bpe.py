@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
+from vllm_pd_ext.render_server import fast_bpe
 from vllm_pd_ext.render_server.fast_bpe import (
     BYTE_LEVEL_PATTERN,
     FastBPE,
     build_fast_bpe,
     check_corpus,
+    overlapping_split_texts,
 )
 from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 from vllm_pd_ext.render_server.tokenizer import load_tokenizer
@@ -48,6 +50,12 @@ def random_texts(seed: int, count: int) -> list[str]:
             parts.append(rng.choice(("", "", " ", "\n")))
         texts.append("".join(parts))
     return texts
+
+
+@pytest.fixture(autouse=True)
+def _fresh_verdicts(monkeypatch):
+    """Each test checks its tokenizer itself (the process-wide verdict cache starts empty)."""
+    monkeypatch.setattr(fast_bpe, "_VERDICTS", {})
 
 
 def _hf_ids(backend, texts: list[str], special: bool = False) -> list[list[int]]:
@@ -235,3 +243,22 @@ def test_prompt_ended_reasoning_matches_a_backwards_scan():
                 expected = tid == 8
                 break
         assert parser.prompt_ended_reasoning(ids) is expected
+
+
+def test_qwen_overlapping_splits_identical(qwen):
+    """Where HF (merge order) and tiktoken (leftmost) could break a tie between two splits of
+    one token differently: every such input of the vocabulary, in more contexts than the
+    startup check uses."""
+    texts = overlapping_split_texts(qwen.fast_bpe.encoding._mergeable_ranks)
+    assert len(texts) > 1000  # Qwen2.5 has thousands of tokens with a border
+    texts += ["a" + t for t in texts] + [t + t + "\n" for t in texts]
+    expected = _hf_ids(qwen.backend, texts)
+    fast = qwen.fast_bpe
+    assert [t for t, e in zip(texts, expected, strict=True) if fast.encode(t) != e] == []
+
+
+def test_verdict_is_reused_in_the_process(tiny_qwen, caplog):
+    first = load_tokenizer(tiny_qwen, None).fast_bpe
+    with caplog.at_level(logging.INFO, logger="vllm_pd_ext.render_server.fast_bpe"):
+        assert load_tokenizer(tiny_qwen, None).fast_bpe is first
+    assert "checked earlier in this process" in caplog.text
