@@ -89,7 +89,9 @@ class FakeEngine:
 
         async def complete(request: Request, chat: bool) -> Response:
             body = await request.json()
-            self.requests.append({"body": body, "headers": dict(request.headers)})
+            self.requests.append(
+                {"body": body, "headers": dict(request.headers), "raw": await request.body()}
+            )
             b = self.behavior
             if b.delay_s:
                 try:

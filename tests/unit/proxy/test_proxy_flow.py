@@ -84,6 +84,19 @@ def test_short_prompt_is_served_colocated(engines):
         )
 
 
+def test_pass_through_sends_the_client_body_bytes_unchanged(engines):
+    raw = b'{"model": "m",  "prompt": "hi there", "max_tokens": 2, "temperature": 1.0}'
+    with proxy(engines) as (base, _):
+        resp = httpx.post(
+            f"{base}/v1/completions",
+            content=raw,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+        assert resp.status_code == 200
+        assert engines["d1"].requests[0]["raw"] == raw
+
+
 def test_client_kv_transfer_params_dropped_or_rejected(engines):
     evil = {"do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_port": 1}
     with proxy(engines) as (base, _):
