@@ -41,8 +41,10 @@ PARSER_ARGS = ["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "herme
                "--enable-auto-tool-choice"]  # fmt: skip
 
 
-def _start(argv: list[str], log: Path, model: Path, port: int) -> VllmServer:
-    env = {**os.environ, **CPU_ENV}
+def _start(
+    argv: list[str], log: Path, model: Path, port: int, env_extra: dict | None = None
+) -> VllmServer:
+    env = {**os.environ, **CPU_ENV, **(env_extra or {})}
     with open(log, "ab") as out:
         proc = subprocess.Popen(
             argv,
@@ -55,7 +57,9 @@ def _start(argv: list[str], log: Path, model: Path, port: int) -> VllmServer:
     return VllmServer(model=str(model), port=port, proc=proc, log_path=log, served_name=str(model))
 
 
-def _pair(model: Path, log_dir: Path, extra: list[str]) -> tuple[VllmServer, VllmServer]:
+def _pair(
+    model: Path, log_dir: Path, extra: list[str], env: dict | None = None
+) -> tuple[VllmServer, VllmServer]:
     p_ours, p_vllm = free_port(), free_port()
     ours = _start(
         [
@@ -71,6 +75,7 @@ def _pair(model: Path, log_dir: Path, extra: list[str]) -> tuple[VllmServer, Vll
         log_dir / f"ours-{p_ours}.log",
         model,
         p_ours,
+        env,
     )
     ref = _start(
         [
@@ -87,6 +92,7 @@ def _pair(model: Path, log_dir: Path, extra: list[str]) -> tuple[VllmServer, Vll
         log_dir / f"vllm-{p_vllm}.log",
         model,
         p_vllm,
+        env,
     )
     return ours, ref
 
@@ -491,9 +497,14 @@ def test_mistral_chat_derender_batch_identical(mistral_servers, fmt):
         (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/derender", body) for s in (ours, ref))
         assert sa == sb == 200, (a, b)
         ca, cb = a["choices"][0], b["choices"][0]
-        assert _message_view(ca["message"]) == _message_view(cb["message"]), text
-        assert [c["function"]["arguments"] for c in ca["message"].get("tool_calls") or []] == [
-            c["function"]["arguments"] for c in cb["message"].get("tool_calls") or []
+        assert ca["message"]["content"] == cb["message"]["content"], text
+        assert ca["message"]["reasoning"] == cb["message"]["reasoning"], text
+        assert [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in ca["message"].get("tool_calls") or []
+        ] == [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in cb["message"].get("tool_calls") or []
         ], text
         assert ca["finish_reason"] == cb["finish_reason"], text
         called += bool(ca["message"].get("tool_calls"))
@@ -518,3 +529,229 @@ def test_mistral_chat_derender_stream_identical(mistral_servers, fmt, pattern):
             # and logprobs must still match.
             a.pop("content"), b.pop("content")
         assert a == b, text
+
+
+# ---- tool_choice required / named and structured outputs ---------------------------------------
+
+NOARGS = {"type": "function", "function": {"name": "noargs"}}
+STRICT_WEATHER = {**TOOLS[0], "function": {**TOOLS[0]["function"], "strict": True}}
+FORCED_TOOLS = [*TOOLS, NOARGS]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+JSON_OBJECT = {"type": "json_object"}
+HI = [{"role": "user", "content": "weather?"}]
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+STRUCTURED_CHATS = [
+    {"messages": HI, "response_format": {"type": "json_object"}},
+    {"messages": HI, "response_format": {"type": "text"}, "stream": True},
+    {
+        "messages": HI,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}},
+    },
+    {"messages": HI, "structured_outputs": {"regex": "[a-z]+", "disable_any_whitespace": True}},
+    {"messages": HI, "structured_outputs": {"choice": ["yes", "no"]}},
+    {
+        "messages": HI,
+        "response_format": {
+            "type": "structural_tag",
+            "format": {"type": "const_string", "value": "ok"},
+        },
+    },
+]
+FORCED_CHATS = [
+    {"messages": HI, "tools": FORCED_TOOLS, "tool_choice": "required"},
+    {
+        "messages": HI,
+        "tools": FORCED_TOOLS,
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+    },
+    {"messages": HI, "tools": FORCED_TOOLS, "tool_choice": NAMED},
+    {
+        "messages": HI,
+        "tools": FORCED_TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "noargs"}},
+    },
+    {"messages": HI, "tools": [STRICT_WEATHER, NOARGS], "tool_choice": "required"},
+    {
+        "messages": HI,
+        "tools": FORCED_TOOLS,
+        "tool_choice": "required",
+        "response_format": {"type": "json_object"},
+    },
+    {"messages": HI, "tools": FORCED_TOOLS, "tool_choice": "auto", "parallel_tool_calls": False},
+    {"messages": HI, "tools": [STRICT_WEATHER], "tool_choice": "auto"},
+    {"messages": HI, "tools": FORCED_TOOLS, "response_format": {"type": "json_object"}},
+]
+STRUCTURED_ERRORS = [
+    {"messages": HI, "response_format": {"type": "json_schema"}},
+    {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+    {"messages": HI, "structured_outputs": {"choice": ["a"]}, "response_format": JSON_OBJECT},
+    {"messages": HI, "tool_choice": "required"},
+    {"messages": HI, "tools": FORCED_TOOLS, "tool_choice": {**NAMED, "function": {"name": "x"}}},
+    {"messages": HI, "tools": FORCED_TOOLS, "tool_choice": {"type": "function"}},
+    {"messages": HI, "tools": FORCED_TOOLS, "tool_choice": "bogus"},
+    {"messages": HI, "tools": [], "tool_choice": "auto"},
+    {"messages": HI, "tools": TOOLS, "tool_choice": NAMED, "structured_outputs": {"regex": "a"}},
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def json_servers(tiny_qwen, tmp_path_factory):
+    """The parsed pair with VLLM_ENFORCE_STRICT_TOOL_CALLING=0 on both: JSON-constrained
+    required / named tool calls instead of hermes structural tags."""
+    if not HAVE_VLLM:
+        pytest.skip("vLLM is not installed: the reference `vllm launch render` is needed")
+    log_dir = tmp_path_factory.mktemp("render-diff-json-logs")
+    think = add_think_tokens(Path(tiny_qwen), tmp_path_factory.mktemp("tiny-qwen-think-json"))
+    pair = _pair(think, log_dir, PARSER_ARGS, {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"})
+    try:
+        for server in pair:
+            server.wait_healthy(timeout=300)
+        yield pair
+    finally:
+        for server in pair:
+            server.stop(grace=10)
+
+
+def _same_render(ours: VllmServer, ref: VllmServer, body: dict, status: int | None = 200) -> None:
+    (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/render", body) for s in (ours, ref))
+    assert (sa, sb) == (status, status) if status else sa == sb, (a, b)
+    if sa == 200:
+        diff = {k: (a.get(k), b.get(k)) for k in {*a, *b} if a.get(k) != b.get(k)}
+        assert a == b, f"request {json.dumps(body)[:200]}: {diff}"
+    else:
+        assert a["error"]["message"] == b["error"]["message"], json.dumps(body)[:300]
+
+
+@pytest.mark.parametrize("which", ["plain", "parsed", "json"])
+def test_structured_outputs_render_identical(servers, json_servers, which):
+    ours, ref = json_servers if which == "json" else servers[which]
+    for body in STRUCTURED_CHATS:
+        _same_render(ours, ref, body)
+    for body in STRUCTURED_ERRORS:
+        _same_render(ours, ref, body, status=400)
+    for body in COMPLETIONS[:1]:
+        body = {**body, "response_format": {"type": "json_object"}}
+        assert _post(ours, "/v1/completions/render", body) == _post(
+            ref, "/v1/completions/render", body
+        )
+    if which != "plain":
+        for body in FORCED_CHATS:
+            _same_render(ours, ref, body)
+    else:  # no tool parser: the same 400 on both
+        for body in FORCED_CHATS[:4]:
+            _same_render(ours, ref, body, status=400)
+
+
+FORCED_OUTPUTS = {
+    # JSON-constrained output (VLLM_ENFORCE_STRICT_TOOL_CALLING=0)
+    "json": {
+        "required": [
+            '<think>pick tools</think>[{"name": "get_weather", "parameters": {"city": "Zürich"}}, '
+            '{"name": "noargs", "parameters": {}}]',
+            '</think>\n[{"parameters": {"city": "東京"}, "name": "get_weather"}]',
+            "</think>not json at all",
+        ],
+        "named": [
+            '<think>x</think>{"city": "Oslo"}',
+            '</think>{"city": "Zürich 🎉", "extra": [1, 2, {"k": null}]}',
+        ],
+    },
+    # hermes syntax, read as auto (structural tags under strict tool calling)
+    "parsed": {
+        "required": [
+            "<think>pick</think>"
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
+            '<tool_call>{"name": "noargs", "arguments": {}}</tool_call>',
+            "</think>no call at all",
+        ],
+        "named": [
+            "</think><tool_call>\n"
+            '{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>',
+        ],
+    },
+}
+
+
+def _forced_chat_request(kind: str) -> dict:
+    choice = "required" if kind == "required" else NAMED
+    return {"messages": HI, "tools": FORCED_TOOLS, "tool_choice": choice}
+
+
+@pytest.mark.parametrize("which", ["parsed", "json"])
+@pytest.mark.parametrize("kind", ["required", "named"])
+@pytest.mark.parametrize("eos", [False, True])
+def test_forced_tool_choice_derender_batch_identical(servers, json_servers, which, kind, eos):
+    ours, ref = json_servers if which == "json" else servers[which]
+    chat_request = _forced_chat_request(kind)
+    for text in FORCED_OUTPUTS[which][kind]:
+        ids = [*_ids(ref, text), *([151645] if eos else [])]
+        assert ids == [*_ids(ours, text), *([151645] if eos else [])]
+        body = {
+            "generate_response": {
+                "request_id": "g",
+                "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop"}],
+            },
+            "prompt_tokens": 3,
+            "prompt_token_ids": [151644, 77091, 198],
+            "chat_request": chat_request,
+        }
+        (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/derender", body) for s in (ours, ref))
+        assert sa == sb == 200, (a, b)
+        ca, cb = a["choices"][0], b["choices"][0]
+        assert ca["message"]["content"] == cb["message"]["content"], text
+        assert ca["message"]["reasoning"] == cb["message"]["reasoning"], text
+        assert [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in ca["message"].get("tool_calls") or []
+        ] == [
+            (c["function"]["name"], c["function"]["arguments"])
+            for c in cb["message"].get("tool_calls") or []
+        ], text
+        assert ca["finish_reason"] == cb["finish_reason"], text
+
+
+@pytest.mark.parametrize("which", ["parsed", "json"])
+@pytest.mark.parametrize("kind", ["required", "named"])
+@pytest.mark.parametrize("pattern", [(1,), (2, 3), (5, 1, 7), (64,)])
+def test_forced_tool_choice_derender_stream_identical(servers, json_servers, which, kind, pattern):
+    ours, ref = json_servers if which == "json" else servers[which]
+    extra = {
+        "prompt_token_ids": [151644, 77091, 198],
+        "prompt_tokens": 3,
+        "chat_request": _forced_chat_request(kind),
+    }
+    path = "/v1/chat/completions/derender"
+    for text in FORCED_OUTPUTS[which][kind]:
+        if "not json" in text or "no call" in text:
+            continue  # streamed arguments of a non-call are not JSON; batch covers them
+        ids = _ids(ref, text)
+        a = _stream(ours, ids, itertools.cycle(pattern), extra, path)
+        b = _stream(ref, ids, itertools.cycle(pattern), extra, path)
+        assert a == b, text
+        assert a["calls"], text
+
+
+@pytest.mark.parametrize("fmt", ["v11", "legacy"])
+def test_mistral_forced_tool_choice_identical(mistral_servers, fmt):
+    """mistral: no JSON constraint and no structural tag; the output is read as with auto."""
+    ours, ref = mistral_servers[fmt]
+    for choice in ("required", NAMED):
+        body = {**MISTRAL_CHAT_REQUEST, "tool_choice": choice}
+        _same_render(ours, ref, body)
+        for text in MISTRAL_OUTPUTS[fmt]:
+            ids = [*_ids(ref, text), LLAMA_EOT]
+            req = {
+                "generate_response": {
+                    "request_id": "g",
+                    "choices": [{"index": 0, "token_ids": ids, "finish_reason": "stop"}],
+                },
+                "chat_request": body,
+                "prompt_token_ids": LLAMA_PROMPT,
+            }
+            (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/derender", req) for s in (ours, ref))
+            assert sa == sb == 200, (a, b)
+            ca, cb = a["choices"][0], b["choices"][0]
+            va, vb = _message_view(ca["message"]), _message_view(cb["message"])
+            assert va == vb, (text, va, vb)
+            assert ca["finish_reason"] == cb["finish_reason"], text

@@ -394,6 +394,12 @@ class Derenderer:
                 "content": delta.get("content"),
                 "reasoning": delta.get("reasoning"),
             }
+            if (
+                delta.get("tool_calls")
+                and chat_request is not None
+                and chat_request.parallel_tool_calls is False
+            ):  # vLLM's maybe_filter_parallel_tool_calls
+                delta["tool_calls"] = [tc for tc in delta["tool_calls"] if tc["index"] == 0]
             if delta.get("tool_calls"):
                 out_delta["tool_calls"] = delta["tool_calls"]
             update["role_sent"] = True

@@ -18,12 +18,20 @@ from typing import Any
 from vllm_pd_ext.render_server.errors import RenderError
 from vllm_pd_ext.render_server.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_pd_ext.render_server.sampling import (
+    check_response_format,
     get_max_tokens,
+    request_structured_outputs,
     to_sampling_params,
     validation_error,
 )
 from vllm_pd_ext.render_server.settings import RenderSettings
 from vllm_pd_ext.render_server.tokenizer import TokenizerInfo
+from vllm_pd_ext.render_server.tool_choice import (
+    check_tool_usage,
+    forced_name,
+    is_forced,
+    tool_structured_outputs,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -246,24 +254,18 @@ class Renderer:
                 "must provide a chat template if the tokenizer does not define one."
             )
         tool_choice = request.tool_choice
-        if request.tools and tool_choice not in (None, "none") and not self.tools_enabled:
-            if tool_choice == "auto":
-                raise RenderError(
-                    '"auto" tool choice requires --enable-auto-tool-choice and '
-                    "--tool-call-parser to be set"
-                )
+        if request.tools and tool_choice == "auto" and not self.tools_enabled:
+            raise RenderError(
+                '"auto" tool choice requires --enable-auto-tool-choice and '
+                "--tool-call-parser to be set"
+            )
+        if request.tools and is_forced(tool_choice) and not self.settings.tool_call_parser:
             desc = (
-                f'function "{tool_choice.get("function", {}).get("name")}"'
+                f'function "{forced_name(tool_choice)}"'
                 if isinstance(tool_choice, dict)
                 else f'"{tool_choice}"'
             )
             raise RenderError(f"tool_choice={desc} requires --tool-call-parser to be set")
-        if tool_choice not in (None, "none", "auto"):
-            raise RenderError(
-                "tool_choice 'required' and named tool choice are not supported by this render "
-                "server yet",
-                param="tool_choice",
-            )
         tools = None if request.tools is None else [_tool_dict(t) for t in request.tools]
         kwargs = self.chat_template_kwargs(request)
         accept = self.template_vars | _HF_BASE_PARAMS
@@ -286,6 +288,9 @@ class Renderer:
         self, request: ChatCompletionRequest, request_id: str | None = None
     ) -> dict[str, Any]:
         """The GenerateRequest (as a JSON-ready dict) vLLM's render server returns."""
+        # request-level checks vLLM's pydantic models run before anything else
+        check_tool_usage({"tools": request.tools, "tool_choice": request.tool_choice})
+        check_response_format(request)
         self.check_model(request.model)
         if request.use_beam_search:
             raise RenderError("Beam search is not supported by the render endpoint")
@@ -298,7 +303,8 @@ class Renderer:
             requested,
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
         )
-        if self.tools_enabled and request.tools and request.tool_choice != "none":
+        forced = is_forced(request.tool_choice) and bool(self.settings.tool_call_parser)
+        if (self.tools_enabled or forced) and request.tools and request.tool_choice != "none":
             # hermes' adjust_request: keep <tool_call> markers in the detokenized text
             request = request.model_copy(update={"skip_special_tokens": False})
         text = self.render_chat_text(request)
@@ -321,6 +327,7 @@ class Renderer:
             max_tokens,
             self.default_sampling_params,
             max_logprobs=self.settings.max_logprobs,
+            **self._tool_constraint(request),
         )
         rid = request_id or request.request_id or _random_id()
         return _generate_request(
@@ -331,6 +338,30 @@ class Renderer:
             reasoning_parser_kwargs=self._reasoning_parser_kwargs(request),
             reasoning_ended=self._reasoning_ended(request, ids),
         )
+
+    def _tool_constraint(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """``structured_outputs`` for :func:`to_sampling_params` when the tool parser's
+        ``adjust_request`` replaces the request's own (see :mod:`.tool_choice`)."""
+        parser = self.settings.tool_call_parser
+        if not parser or not request.tools or request.tool_choice == "none":
+            return {}
+        if self.settings.uses_vllm_parsers:
+            if is_forced(request.tool_choice):
+                raise RenderError(
+                    "tool_choice 'required' and named tools are not supported with vLLM's "
+                    "parser registry (use a built-in parser)",
+                    param="tool_choice",
+                )
+            return {}
+        replaced, so = tool_structured_outputs(
+            [_tool_dict(t) for t in request.tools],
+            request.tool_choice,
+            request.parallel_tool_calls,
+            parser,
+            lambda: request_structured_outputs(request),
+            (request.structured_outputs, request.response_format),
+        )
+        return {"structured_outputs": so} if replaced else {}
 
     def _reasoning_ended(self, request: ChatCompletionRequest, ids: list[int]) -> bool | None:
         """vLLM's ``resolve_reasoning_ended``: None without a reasoning parser."""
@@ -361,6 +392,7 @@ class Renderer:
         self, request: CompletionRequest, request_id: str | None = None
     ) -> list[dict[str, Any]]:
         """One GenerateRequest dict per prompt, as vLLM's ``/v1/completions/render``."""
+        check_response_format(request)
         self.check_model(request.model)
         if request.use_beam_search:
             raise RenderError("Beam search is not supported by the render endpoint")

@@ -10,6 +10,7 @@ that ``__post_init__`` fills (``stop``, ``stop_token_ids``, ``bad_words``) alway
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -57,6 +58,7 @@ _FIELDS: tuple[tuple[str, Any], ...] = (
     ("stream_interval", None),
     ("skip_clone", False),
     ("output_text_buffer_length", 0),
+    ("structured_outputs", None),
     ("logit_bias", None),
     ("allowed_token_ids", None),
     ("extra_args", None),
@@ -69,6 +71,179 @@ _FIELDS: tuple[tuple[str, Any], ...] = (
 #: ``RequestOutputKind``: DELTA for streams, FINAL_ONLY otherwise.
 OUTPUT_KIND_DELTA = 1
 OUTPUT_KIND_FINAL_ONLY = 2
+
+
+#: Sentinel: take the structured outputs from the request itself.
+_FROM_REQUEST: Any = object()
+
+#: ``StructuredOutputsParams`` fields in declaration order with their defaults (the dataclass is
+#: sent whole, private fields included).
+_SO_FIELDS: tuple[tuple[str, Any], ...] = (
+    ("json", None),
+    ("regex", None),
+    ("choice", None),
+    ("grammar", None),
+    ("json_object", None),
+    ("disable_any_whitespace", False),
+    ("disable_additional_properties", False),
+    ("whitespace_pattern", None),
+    ("structural_tag", None),
+)
+_SO_CONSTRAINTS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+
+
+def structured_outputs_wire(**fields: Any) -> dict[str, Any]:
+    """A ``StructuredOutputsParams`` as vLLM sends it, checked as its ``__post_init__`` does."""
+    out = {name: fields.get(name, default) for name, default in _SO_FIELDS}
+    out["_backend"] = None
+    out["_backend_was_auto"] = False
+    count = sum(out[name] is not None for name in _SO_CONSTRAINTS)
+    if count > 1:
+        raise validation_error(
+            "You can only use one kind of structured outputs constraint "
+            f"but multiple are specified: {out!r}"
+        )
+    if count < 1:
+        raise validation_error(
+            "You must use one kind of structured outputs constraint "
+            f"but none are specified: {out!r}"
+        )
+    return out
+
+
+def _structured_outputs_fields(raw: Any) -> dict[str, Any]:
+    """The request's ``structured_outputs`` object, with the field types vLLM accepts."""
+    if not isinstance(raw, dict):
+        raise validation_error("structured_outputs must be an object", "structured_outputs")
+    names = {name for name, _ in _SO_FIELDS}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise validation_error(
+            f"structured_outputs has unknown field(s): {', '.join(unknown)}", "structured_outputs"
+        )
+    checks: dict[str, tuple[type, ...]] = {
+        "json": (str, dict),
+        "regex": (str,),
+        "choice": (list,),
+        "grammar": (str,),
+        "json_object": (bool,),
+        "disable_any_whitespace": (bool,),
+        "disable_additional_properties": (bool,),
+        "whitespace_pattern": (str,),
+        "structural_tag": (str,),
+    }
+    for name, value in raw.items():
+        nullable = dict(_SO_FIELDS)[name] is None
+        if (value is None and not nullable) or (
+            value is not None and not isinstance(value, checks[name])
+        ):
+            raise validation_error(
+                f"structured_outputs.{name} has an invalid type", "structured_outputs"
+            )
+    if raw.get("choice") is not None and not all(isinstance(c, str) for c in raw["choice"]):
+        raise validation_error(
+            "structured_outputs.choice must be a list of strings", "structured_outputs"
+        )
+    return dict(raw)
+
+
+def _structural_tag_payload(rf: dict[str, Any]) -> str:
+    """``json.dumps(response_format.model_dump(by_alias=True))`` of a structural-tag format."""
+    bad = validation_error(
+        "Invalid response_format structural_tag specification.", "response_format"
+    )
+    if "format" in rf and "structures" not in rf:
+        return json.dumps({"type": "structural_tag", "format": rf["format"]})
+    structures, triggers = rf.get("structures"), rf.get("triggers")
+    if not isinstance(structures, list) or not isinstance(triggers, list):
+        raise bad
+    if not all(isinstance(t, str) for t in triggers):
+        raise bad
+    out = []
+    for item in structures:
+        if not isinstance(item, dict):
+            raise bad
+        begin, end, schema = item.get("begin"), item.get("end"), item.get("schema")
+        if not isinstance(begin, str) or not isinstance(end, str):
+            raise bad
+        if schema is not None and not isinstance(schema, dict):
+            raise bad
+        out.append({"begin": begin, "schema": schema, "end": end})
+    return json.dumps({"type": "structural_tag", "structures": out, "triggers": triggers})
+
+
+def check_response_format(request: ChatCompletionRequest | CompletionRequest) -> None:
+    """The request-level checks vLLM's models run on ``response_format`` and
+    ``structured_outputs`` (before anything is rendered)."""
+    rf = request.response_format
+    if rf is not None:
+        if not isinstance(rf, dict) or rf.get("type") not in (
+            "text",
+            "json_object",
+            "json_schema",
+            "structural_tag",
+        ):
+            raise validation_error(
+                "response_format.type must be one of 'text', 'json_object', 'json_schema' or "
+                "'structural_tag'",
+                "response_format",
+            )
+        if rf["type"] == "json_schema":
+            js = rf.get("json_schema")
+            if js is None:
+                raise validation_error(
+                    "When response_format type is 'json_schema', the "
+                    "'json_schema' field must be provided.",
+                    "response_format",
+                )
+            if not isinstance(js, dict) or not isinstance(js.get("name"), str):
+                raise validation_error(
+                    "response_format.json_schema needs a string 'name'", "response_format"
+                )
+            if js.get("schema") is not None and not isinstance(js["schema"], dict):
+                raise validation_error(
+                    "response_format.json_schema.schema must be an object", "response_format"
+                )
+        if rf["type"] == "structural_tag":
+            _structural_tag_payload(rf)
+    so = request.structured_outputs
+    if so is not None:
+        fields = _structured_outputs_fields(so)
+        if isinstance(request, ChatCompletionRequest):
+            count = sum(fields.get(k) is not None for k in ("json", "regex", "choice"))
+            if count > 1:
+                raise validation_error(
+                    "You can only use one kind of constraints for structured "
+                    "outputs ('json', 'regex' or 'choice')."
+                )
+            if count > 0 and request.tool_choice not in ("none", "auto", "required"):
+                raise validation_error(
+                    "You can only either use constraints for structured outputs or tools, not both."
+                )
+        structured_outputs_wire(**fields)  # vLLM builds the dataclass while parsing
+
+
+def request_structured_outputs(
+    request: ChatCompletionRequest | CompletionRequest,
+) -> dict[str, Any] | None:
+    """vLLM's ``structured_outputs_from_response_format``: ``response_format`` overrides the
+    matching constraint of ``structured_outputs``; None when neither constrains."""
+    check_response_format(request)
+    fields = (
+        _structured_outputs_fields(request.structured_outputs)
+        if (request.structured_outputs is not None)
+        else None
+    )
+    rf = request.response_format
+    if rf is None or rf["type"] == "text":
+        return None if fields is None else structured_outputs_wire(**fields)
+    if rf["type"] == "json_object":
+        overrides: dict[str, Any] = {"json_object": True}
+    elif rf["type"] == "json_schema":
+        overrides = {"json": rf["json_schema"].get("schema")}
+    else:
+        overrides = {"structural_tag": _structural_tag_payload(rf)}
+    return structured_outputs_wire(**{**(fields or {}), **overrides})
 
 
 def validation_error(message: str, param: str | None = None, value: Any = None) -> RenderError:
@@ -188,17 +363,20 @@ def to_sampling_params(
     default_sampling_params: dict[str, Any],
     *,
     max_logprobs: int = 20,
+    structured_outputs: Any = _FROM_REQUEST,
 ) -> dict[str, Any]:
     """The ``sampling_params`` object of the GenerateRequest vLLM builds for ``request``.
 
-    Raises :class:`RenderError` with vLLM's wording for values vLLM rejects.
+    ``structured_outputs`` (a wire dict or None) replaces what the request's
+    ``structured_outputs`` / ``response_format`` give, as vLLM's tool parsers do for
+    ``tool_choice`` "required" or a named tool. Raises :class:`RenderError` with vLLM's wording
+    for values vLLM rejects.
     """
-    if request.response_format is not None or request.structured_outputs is not None:
-        raise validation_error(
-            "structured outputs (response_format / structured_outputs) are not supported by "
-            "this render server yet",
-            "response_format",
-        )
+    so = (
+        structured_outputs
+        if structured_outputs is not _FROM_REQUEST
+        else (request_structured_outputs(request))
+    )
     sp: dict[str, Any] = {}
     for name, default in _DEFAULT_SAMPLING_PARAMS.items():
         value = getattr(request, name)
@@ -281,6 +459,7 @@ def to_sampling_params(
         output_text_buffer_length=(
             max(len(s) for s in stop) - 1 if stop and not request.include_stop_str_in_output else 0
         ),
+        structured_outputs=so,
         logit_bias=logit_bias,
         allowed_token_ids=request.allowed_token_ids,
         extra_args=extra_args or None,

@@ -13,9 +13,11 @@ from typing import Any
 
 from vllm_pd_ext.render_server.parsers.base import ChatParser
 from vllm_pd_ext.render_server.parsers.buffered import DeepSeekV3ToolParser, Llama3JsonToolParser
+from vllm_pd_ext.render_server.parsers.forced import NamedToolParser, RequiredToolParser
 from vllm_pd_ext.render_server.parsers.hermes import HermesToolParser
 from vllm_pd_ext.render_server.parsers.mistral import mistral_tool_parser
 from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
+from vllm_pd_ext.render_server.tool_choice import forced_mode, forced_name, is_forced
 
 __all__ = ["TOOL_PARSERS", "ChatParser", "make_parser", "reasoning_active"]
 
@@ -45,7 +47,10 @@ def _tool_choice_parsed(tool_choice: Any, parser: Any) -> bool:
         return True
     if tool_choice == "none":
         return False
-    return bool(getattr(parser, "handles_required_and_named", False))
+    handles = getattr(parser, "handles_required_and_named", None)
+    if handles is None:  # hermes / llama3_json / deepseek_v3: as auto under strict tool calling
+        return forced_mode(getattr(parser, "parser_name", None)) == "auto"
+    return bool(handles)
 
 
 def make_parser(
@@ -65,11 +70,18 @@ def make_parser(
     reasoning_parser = None
     if reasoning is not None and reasoning_active(reasoning, template_kwargs or {}):
         reasoning_parser = ThinkReasoningParser(tok)
+    tool_choice = getattr(request, "tool_choice", None)
+    forced = bool(request.tools) and is_forced(tool_choice) and tools in TOOL_PARSERS
+    if forced and forced_mode(tools) == "json":
+        # the output is JSON constrained by the tools' schema (vLLM's standard parsing)
+        name = forced_name(tool_choice)
+        json_parser = NamedToolParser(name) if name is not None else RequiredToolParser()
+        return ChatParser(reasoning_parser, json_parser, forced=True)
     tool_parser = None
     discard_calls: str | None = None
     if tools in TOOL_PARSERS and enable_auto_tools:
         tool_parser = TOOL_PARSERS[tools](tok)
-        tool_choice = getattr(request, "tool_choice", None)
+        tool_parser.parser_name = tools
         if not request.tools or not _tool_choice_parsed(tool_choice, tool_parser):
             # vLLM's parser-engine parsers (mistral v11) still run without tools or with
             # tool_choice "none": the calls are cut from the content and not returned
@@ -77,4 +89,9 @@ def make_parser(
                 discard_calls = "none" if request.tools and tool_choice == "none" else "absent"
             else:
                 tool_parser = None
-    return ChatParser(reasoning_parser, tool_parser, discard_calls=discard_calls)
+    return ChatParser(
+        reasoning_parser,
+        tool_parser,
+        discard_calls=discard_calls,
+        forced=forced and tool_parser is not None,
+    )

@@ -5,9 +5,6 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from vllm_pd_ext.render_server.parsers.buffered import BufferedToolParser
-from vllm_pd_ext.render_server.parsers.hermes import HermesToolParser
-from vllm_pd_ext.render_server.parsers.mistral import MistralToolParser
 from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 
 
@@ -17,12 +14,16 @@ class ChatParser:
     def __init__(
         self,
         reasoning: ThinkReasoningParser | None,
-        tools: HermesToolParser | BufferedToolParser | MistralToolParser | None,
+        tools: Any,
         *,
         discard_calls: str | None = None,
+        forced: bool = False,
     ) -> None:
         self.reasoning = reasoning
         self.tools = tools
+        #: tool_choice "required" / named: an output without calls that is empty or
+        #: whitespace gives no content (vLLM's ``_extract_tool_calls``)
+        self.forced = forced
         #: parse tool calls out of the content but return none (see ``make_parser``):
         #: "absent" (no tools: content as with calls), "none" (tool_choice none: the content
         #: before the calls unstripped, as vLLM's batch parse gives it)
@@ -53,6 +54,8 @@ class ChatParser:
                 calls, content = self.tools.extract(content or "", content)
             if self.discard_calls:
                 calls = []
+            if self.forced and not calls and (content is None or not content.strip()):
+                content = None
         return reasoning, content, calls
 
     def initial_state(self, prompt_token_ids: list[int]) -> dict[str, Any]:

@@ -249,7 +249,8 @@ class MistralLegacyToolParser(BufferedToolParser):
     """pre-v11 ``[TOOL_CALLS][{...}, ...]``: content streams, the calls come with the end."""
 
     markers = (TOOL_CALLS,)
-    handles_required_and_named = False
+    #: vLLM reads required / named output like auto (``supports_required_and_named = False``)
+    handles_required_and_named = True
     make_tool_call_id = staticmethod(mistral_tool_call_id)
 
     def extract(self, text: str, content: str | None) -> tuple[list[dict[str, str]], str | None]:
