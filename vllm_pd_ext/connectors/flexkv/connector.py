@@ -12,12 +12,12 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from vllm_pd_ext.connectors.common.delegating import DelegatingConnector
 from vllm_pd_ext.connectors.flexkv.blocks import model_facts
 from vllm_pd_ext.connectors.flexkv.config import parse_flexkv_config
 from vllm_pd_ext.connectors.flexkv.keys import cache_namespace
@@ -29,9 +29,6 @@ from vllm_pd_ext.connectors.flexkv.worker import FlexKVWorker
 if TYPE_CHECKING:
     import torch
     from vllm.config import VllmConfig
-    from vllm.forward_context import ForwardContext
-    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
-    from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
@@ -57,10 +54,13 @@ def block_bytes_of(kv_cache_config: KVCacheConfig | None) -> int:
     )
 
 
-class PdExtFlexKVConnector(KVConnectorBase_V1):
+class PdExtFlexKVConnector(DelegatingConnector):
     """Tiered KV cache: CPU memory, local SSD and a shared directory, LRU-with-frequency."""
 
     _cache_hit_source = CacheHitSource.HOST
+    _metadata_type = FlexKVMetadata
+    _stats_type = FlexKVStats
+    _prom_type = FlexKVPromMetrics
 
     def __init__(
         self,
@@ -106,32 +106,11 @@ class PdExtFlexKVConnector(KVConnectorBase_V1):
         return False  # a best-effort cache: a dropped save is a future miss
 
     # ---- scheduler side (EngineCore) ----
-    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
-        super().bind_kv_cache_manager(kv_cache_manager)
-        if self._scheduler is not None:
-            self._scheduler.kv_cache_manager = kv_cache_manager
-
-    def get_num_new_matched_tokens(
-        self, request: Request, num_computed_tokens: int
-    ) -> tuple[int | None, bool]:
-        assert self._scheduler is not None
-        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
-
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int
     ) -> dict[CacheHitSource, int]:
         assert self._scheduler is not None
         return self._scheduler.hit_sources(request, num_external_tokens)
-
-    def update_state_after_alloc(
-        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
-    ) -> None:
-        assert self._scheduler is not None
-        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
-
-    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        assert self._scheduler is not None
-        return self._scheduler.build_connector_meta(scheduler_output)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         assert self._scheduler is not None
@@ -147,34 +126,14 @@ class PdExtFlexKVConnector(KVConnectorBase_V1):
         return self._scheduler.reset_cache() if self._scheduler is not None else True
 
     # ---- worker side ----
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        assert self._worker is not None
-        self._worker.register_kv_caches(kv_caches)
-
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        assert self._worker is not None and isinstance(connector_metadata, FlexKVMetadata)
-        self._worker.bind(connector_metadata)
-
-    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        assert self._worker is not None
-        self._worker.start_load_kv()
-
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         assert self._worker is not None and isinstance(kv_connector_metadata, FlexKVMetadata)
         self._worker.handle_preemptions(kv_connector_metadata)
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        return None  # sync loads end in start_load_kv; async ones wait in WAITING_FOR_REMOTE_KVS
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
         return None  # whole blocks are handed to the save thread in wait_for_save
-
-    def wait_for_save(self) -> None:
-        assert self._worker is not None
-        self._worker.wait_for_save()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self._worker is not None
@@ -188,18 +147,3 @@ class PdExtFlexKVConnector(KVConnectorBase_V1):
     def get_kv_connector_stats(self) -> FlexKVStats | None:
         side = self._worker if self._worker is not None else self._scheduler
         return side.stats.take() if side is not None else None
-
-    def shutdown(self) -> None:
-        if self._worker is not None:
-            self._worker.shutdown()
-
-    # ---- metrics (EngineCore / API server) ----
-    @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> FlexKVStats:
-        return FlexKVStats(data=dict(data) if data else {})
-
-    @classmethod
-    def build_prom_metrics(
-        cls, vllm_config, metric_types, labelnames, per_engine_labelvalues
-    ) -> FlexKVPromMetrics:
-        return FlexKVPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
