@@ -36,6 +36,7 @@ from vllm_pd_ext.render_server.protocol import (
 )
 from vllm_pd_ext.render_server.settings import RenderSettings
 from vllm_pd_ext.render_server.tokenizer import TokenizerInfo
+from vllm_pd_ext.render_server.tool_choice import check_tool_usage
 
 logger = logging.getLogger(__name__)
 
@@ -215,6 +216,7 @@ class Derenderer:
         self._check_bounds([gen])
         self._check_prompt_ids(req.prompt_token_ids)
         chat_request = req.chat_request
+        _check_chat_request(chat_request)
         if self.has_parser and chat_request is None:
             raise RenderError(
                 "chat_request is required when a tool or reasoning parser is configured "
@@ -324,6 +326,7 @@ class Derenderer:
         model = self._model(req.model)
         chunk = req.generate_chunk
         chat_request = req.chat_request
+        _check_chat_request(chat_request)
         if self.has_parser and chat_request is None:
             raise RenderError(
                 "chat_request is required when a tool or reasoning parser is configured "
@@ -567,6 +570,13 @@ class Derenderer:
             },
             "stream_state": new_state.model_dump(exclude_none=False),
         }
+
+
+def _check_chat_request(chat_request: ChatCompletionRequest | None) -> None:
+    """The tool-choice checks vLLM's ``ChatCompletionRequest`` runs when it parses the
+    ``chat_request`` a derender call carries (e.g. a named tool that is not in ``tools``)."""
+    if chat_request is not None:
+        check_tool_usage({"tools": chat_request.tools, "tool_choice": chat_request.tool_choice})
 
 
 def _check_window(state: DerenderStreamState) -> None:

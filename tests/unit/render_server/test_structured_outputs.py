@@ -461,3 +461,18 @@ def test_named_parser_batch_whitespace_is_no_call():
     parser = NamedToolParser("f")
     assert parser.extract("  \n", "  \n") == ([], None)
     assert parser.extract("{}", "{}") == ([{"name": "f", "arguments": "{}"}], None)
+
+
+def test_derender_checks_the_chat_request_tool_choice(hermes_json):
+    chat = {"messages": MSGS, "tools": TOOLS, "tool_choice": {**NAMED, "function": {"name": "x"}}}
+    body = {
+        "generate_response": {
+            "request_id": "g",
+            "choices": [{"index": 0, "token_ids": [90, 92], "finish_reason": "stop"}],
+        },
+        "prompt_token_ids": [151644, 77091, 198],
+        "chat_request": chat,
+    }
+    resp = hermes_json.post("/v1/chat/completions/derender", json=body)
+    assert resp.status_code == 400
+    assert "does not match any of the specified `tools`" in resp.json()["error"]["message"]
