@@ -304,7 +304,14 @@ class Renderer:
             "max_completion_tokens" if request.max_completion_tokens is not None else "max_tokens",
         )
         forced = is_forced(request.tool_choice) and bool(self.settings.tool_call_parser)
-        if (self.tools_enabled or forced) and request.tools and request.tool_choice != "none":
+        if forced and request.tools and self.settings.uses_vllm_parsers:
+            # vLLM's own parser's adjust_request decides skip_special_tokens too
+            from vllm_pd_ext.render_server.parsers.vllm_registry import adjusted_constraint
+
+            kwargs = self.chat_template_kwargs(request)
+            _, skip = adjusted_constraint(self.settings, self.tok, request, kwargs)
+            request = request.model_copy(update={"skip_special_tokens": skip})
+        elif (self.tools_enabled or forced) and request.tools and request.tool_choice != "none":
             # hermes' adjust_request: keep <tool_call> markers in the detokenized text
             request = request.model_copy(update={"skip_special_tokens": False})
         text = self.render_chat_text(request)
@@ -346,13 +353,14 @@ class Renderer:
         if not parser or not request.tools or request.tool_choice == "none":
             return {}
         if self.settings.uses_vllm_parsers:
-            if is_forced(request.tool_choice):
-                raise RenderError(
-                    "tool_choice 'required' and named tools are not supported with vLLM's "
-                    "parser registry (use a built-in parser)",
-                    param="tool_choice",
-                )
-            return {}
+            if not is_forced(request.tool_choice):
+                return {}
+            # vLLM's own parser decides the constraint (JSON schema or structural tag)
+            from vllm_pd_ext.render_server.parsers.vllm_registry import adjusted_constraint
+
+            kwargs = self.chat_template_kwargs(request)
+            so, _ = adjusted_constraint(self.settings, self.tok, request, kwargs)
+            return {"structured_outputs": so}
         replaced, so = tool_structured_outputs(
             [_tool_dict(t) for t in request.tools],
             request.tool_choice,

@@ -18,6 +18,8 @@ parser's ``adjust_request`` turns the choice into ``sampling_params.structured_o
   ``auto``; on a non-Mistral (HF) tokenizer, which is all this server loads, its
   ``adjust_request`` constrains required / named to a ``[{"name", "arguments"}]`` array
   (``parser/mistral.py: _build_guided_schema_pre_v11``).
+* A parser taken from vLLM's registry (``--parser-source vllm``) runs vLLM's own
+  ``adjust_request`` (see ``parsers/vllm_registry.py: adjusted_constraint``).
 """
 
 from __future__ import annotations

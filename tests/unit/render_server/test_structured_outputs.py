@@ -476,3 +476,41 @@ def test_derender_checks_the_chat_request_tool_choice(hermes_json):
     resp = hermes_json.post("/v1/chat/completions/derender", json=body)
     assert resp.status_code == 400
     assert "does not match any of the specified `tools`" in resp.json()["error"]["message"]
+
+
+@pytest.mark.skipif(
+    __import__("importlib").util.find_spec("vllm") is None, reason="needs vLLM's parser registry"
+)
+@pytest.mark.parametrize("choice", ["required", NAMED])
+def test_vllm_registry_parser_forced_choice_matches_vllm(tiny_qwen, choice):
+    """--parser-source vllm: the constraint comes from vLLM's own parser's adjust_request."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+    settings = RenderSettings(
+        model=str(tiny_qwen),
+        tool_call_parser="pythonic",
+        enable_auto_tool_choice=True,
+        parser_source="vllm",
+    )
+    body = {"messages": MSGS, "tools": TOOLS, "tool_choice": choice}
+    from vllm.parser import ParserManager
+    from vllm.tokenizers import get_tokenizer
+
+    vreq = ChatCompletionRequest.model_validate(body)
+    want = get_json_schema_from_tools(vreq.tool_choice, vreq.tools, vreq.parallel_tool_calls)
+    cls = ParserManager.get_parser(tool_parser_name="pythonic", enable_auto_tools=True)
+    adjusted = cls(get_tokenizer(str(tiny_qwen)), vreq.tools).adjust_request(request=vreq)
+    with TestClient(create_app(settings)) as client:
+        sp, so = _so(client, body)
+        assert so == {**SO_DEFAULTS, "json": want}
+        assert sp.get("skip_special_tokens", True) is adjusted.skip_special_tokens
+        text = (
+            '[{"name": "get_weather", "parameters": {"city": "Oslo"}}]'
+            if choice == "required"
+            else '{"city": "Oslo"}'
+        )
+        msg = _batch(client, _ids(client, text), body)["message"]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]] == [
+            ("get_weather", '{"city": "Oslo"}')
+        ]

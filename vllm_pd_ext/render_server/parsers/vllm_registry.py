@@ -87,6 +87,31 @@ def _vllm_request(request: ChatCompletionRequest) -> Any:
         raise RenderError(f"chat_request: {message}", param=param) from None
 
 
+def adjusted_constraint(
+    settings: RenderSettings,
+    tok: TokenizerInfo,
+    request: ChatCompletionRequest,
+    template_kwargs: dict[str, Any],
+) -> tuple[dict[str, Any] | None, bool]:
+    """``(structured_outputs, skip_special_tokens)`` after vLLM's parser ``adjust_request``, as
+    ``OnlineRenderer.preprocess_chat`` runs it, in the wire form of the dataclass."""
+    import dataclasses
+
+    cls = parser_class(settings, tok)
+    vreq = _vllm_request(request)
+    if cls is not None:
+        parser = cls(tok.hf, vreq.tools, chat_template_kwargs=template_kwargs)
+        vreq = parser.adjust_request(request=vreq)
+    try:
+        so = vreq.extract_structured_outputs()
+    except ValueError as exc:  # VLLMValidationError: the request's own constraint is invalid
+        raise RenderError(str(exc)) from None
+    if so is None:
+        return None, vreq.skip_special_tokens
+    wire = {f.name: getattr(so, f.name) for f in dataclasses.fields(so)}
+    return wire, vreq.skip_special_tokens
+
+
 def reasoning_ended(
     settings: RenderSettings,
     tok: TokenizerInfo,
