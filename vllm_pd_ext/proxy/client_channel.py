@@ -33,10 +33,11 @@ class DisconnectWatch:
     """Watches one request's ASGI channel for the client going away.
 
     One long-lived watcher per request (a one-shot ``is_disconnected()`` can miss a disconnect
-    while the server has paused reading the socket). While the request's task is inside
-    ``race`` or a ``RelayResponse``, a disconnect cancels that task; elsewhere it only sets
-    ``gone``. ``stop()`` it once the answer is complete: the server then reports the channel
-    as disconnected.
+    while the server has paused reading the socket): under ``HeadWithBodyProtocol`` the
+    protocol's ``connection_lost`` itself, elsewhere a task reading the channel. While the
+    request's task is inside ``race`` or a ``RelayResponse``, a disconnect cancels that task;
+    elsewhere it only sets ``gone``. ``stop()`` it once the answer is complete: the server
+    then reports the channel as disconnected.
     """
 
     def __init__(self, request: Request):
@@ -44,7 +45,25 @@ class DisconnectWatch:
         self._target: asyncio.Task | None = None
         self._cancelled = False
         self._stopped = False
-        self._task = asyncio.ensure_future(self._watch(request))
+        self._task: asyncio.Future | None
+        cycle = _hooked_cycle(request.receive)
+        if cycle is not None:
+            # Our protocol tells us itself (``HeadWithBodyProtocol.connection_lost``): no
+            # watcher task to create, start and wake at the end of every request.
+            cycle.pdx_watch = self
+            if cycle.disconnected:
+                self.gone.set()
+            self._task = None
+        else:
+            self._task = asyncio.ensure_future(self._watch(request))
+
+    def _client_gone(self) -> None:
+        if self._stopped:
+            return
+        self.gone.set()
+        if self._target is not None:
+            self._cancelled = True
+            self._target.cancel()
 
     async def _watch(self, request: Request) -> None:
         while True:
@@ -52,10 +71,7 @@ class DisconnectWatch:
             if self._stopped:
                 return
             if message["type"] == "http.disconnect":
-                self.gone.set()
-                if self._target is not None:
-                    self._cancelled = True
-                    self._target.cancel()
+                self._client_gone()
                 return
 
     @contextlib.contextmanager
@@ -114,11 +130,62 @@ class DisconnectWatch:
         raise ClientGone(phase)
 
     def stop(self) -> None:
-        """Stop acting on what the channel says. The watcher is not cancelled (a cancelled
-        task leaves a reference cycle for the collector, per request): it ends when the
-        server next wakes it, once the response is complete or the connection closes."""
+        """Stop acting on what the channel says. A watcher task is not cancelled (a
+        cancelled task leaves a reference cycle for the collector, per request): it ends
+        when the server next wakes it, once the response is complete or the connection
+        closes."""
         self._target = None
         self._stopped = True
+
+
+class DirectWriter:
+    """Writes body parts of a started chunked response straight to the client's transport,
+    outside the ASGI ``send`` (what uvicorn's httptools cycle writes for a body part, less
+    the coroutine, the message dict and the task wake-up around it).
+
+    ``ready()`` says whether a part may go this way now: not once the client is gone, the
+    response complete, or the transport's buffer over its high-water mark (the ASGI ``send``
+    then waits for it to drain). The last part of a response always goes through ``send``.
+    """
+
+    __slots__ = ("_cycle", "_flow", "_transport")
+
+    def __init__(self, cycle):
+        self._cycle = cycle
+        self._flow = cycle.flow
+        self._transport = cycle.transport
+
+    @staticmethod
+    def for_send(send) -> DirectWriter | None:
+        """A writer for the response ``send`` belongs to, when it is uvicorn's httptools
+        cycle with a chunked response under way; None otherwise (other servers, tests)."""
+        cycle = getattr(send, "__self__", None)
+        cls = _httptools_cycle()
+        if cls is None or type(cycle) is not cls:
+            return None
+        if cycle.chunked_encoding is not True or not cycle.response_started:
+            return None
+        return DirectWriter(cycle)
+
+    def ready(self) -> bool:
+        cycle = self._cycle
+        return not (cycle.disconnected or cycle.response_complete or self._flow.write_paused)
+
+    def write(self, data: bytes) -> None:
+        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+
+_CYCLE: list = []
+
+
+def _httptools_cycle() -> type | None:
+    if not _CYCLE:
+        try:
+            from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+        except ImportError:
+            RequestResponseCycle = None
+        _CYCLE.append(RequestResponseCycle)
+    return _CYCLE[0]
 
 
 class RelayResponse:
@@ -128,6 +195,10 @@ class RelayResponse:
     The body generator sees the disconnect as a cancellation at whatever it awaits (it then
     aborts its upstream request and records the outcome); this response swallows that
     cancellation. Always closes ``body`` and stops ``watch``.
+
+    ``direct``: an object whose ``writer`` attribute this response sets to a
+    ``DirectWriter`` once the head is out (None where there is none), so that the body's
+    source may write parts itself, ahead of the generator, between its yields.
     """
 
     def __init__(
@@ -136,16 +207,19 @@ class RelayResponse:
         watch: DisconnectWatch,
         headers: dict[str, str],
         media_type: str = "text/event-stream",
+        direct=None,
     ):
         self._body = body
         self._watch = watch
+        self._direct = direct
         self._headers = [(b"content-type", media_type.encode())] + [
             (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
         ]
 
     async def __call__(self, scope, receive, send) -> None:
         watch = self._watch
-        done = started = False
+        direct = self._direct
+        done = started = offered = False
         start = {"type": "http.response.start", "status": 200, "headers": self._headers}
         try:
             with watch._cancel_on_gone():
@@ -165,6 +239,9 @@ class RelayResponse:
                         await send(
                             {"type": "http.response.body", "body": chunk, "more_body": not done}
                         )
+                        if not offered and not done and direct is not None:
+                            offered = True  # the head is out: later parts may go direct
+                            direct.writer = DirectWriter.for_send(send)
                 except asyncio.CancelledError:
                     if watch._ours():
                         return
@@ -175,6 +252,8 @@ class RelayResponse:
                     await send(start)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            if direct is not None:
+                direct.writer = None
             watch.stop()
             await self._body.aclose()  # type: ignore[attr-defined]
 
@@ -220,16 +299,42 @@ class _HeadWithBody:
         return getattr(self._transport, name)
 
 
+_PROTOCOL: list = []
+
+
 def head_with_body_protocol() -> type | None:
-    """uvicorn's httptools protocol on ``_HeadWithBody`` transports (None: no httptools,
-    uvicorn's default then)."""
+    """uvicorn's httptools protocol on ``_HeadWithBody`` transports, telling a request's
+    ``DisconnectWatch`` when its client goes (None: no httptools, uvicorn's default then)."""
+    if _PROTOCOL:
+        return _PROTOCOL[0]
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:
+        _PROTOCOL.append(None)
         return None
 
     class HeadWithBodyProtocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:  # type: ignore[override]
             super().connection_made(_HeadWithBody(transport, asyncio.get_running_loop()))
 
+        def connection_lost(self, exc: Exception | None) -> None:
+            cycle = self.cycle
+            super().connection_lost(exc)
+            if cycle is not None and cycle.disconnected:
+                watch = getattr(cycle, "pdx_watch", None)
+                if watch is not None:
+                    watch._client_gone()
+
+    _PROTOCOL.append(HeadWithBodyProtocol)
     return HeadWithBodyProtocol
+
+
+def _hooked_cycle(receive):
+    """The httptools request cycle behind ``receive`` when its connection is served by
+    ``HeadWithBodyProtocol``; else None."""
+    cycle = getattr(receive, "__self__", None)
+    if cycle is None or type(cycle) is not _httptools_cycle() or not _PROTOCOL:
+        return None
+    protocol = getattr(cycle.on_response, "__self__", None)
+    cls = _PROTOCOL[0]
+    return cycle if cls is not None and isinstance(protocol, cls) else None

@@ -35,7 +35,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from vllm_pd_ext.proxy.admission import Admission
-from vllm_pd_ext.proxy.client_channel import ClientGone, DisconnectWatch, RelayResponse
+from vllm_pd_ext.proxy.client_channel import (
+    STREAM_END,
+    ClientGone,
+    DirectWriter,
+    DisconnectWatch,
+    RelayResponse,
+)
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.decision import Decider, Decision
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
@@ -450,10 +456,12 @@ class ProxyService:
                     raise passthrough(resp.status, raw)
                 if ctx.stream:
                     keep = True
+                    relay = _Relay(self, ctx, decision, cached, start, prefill_done)
                     return RelayResponse(
-                        self._relay(resp, ctx, inst, decision, cached, start, prefill_done, slot),
+                        self._relay(resp, ctx, inst, decision, slot, relay),
                         watch,
                         headers={"X-Request-Id": ctx.request_id},
+                        direct=relay,
                     )
                 try:
                     raw = await watch.race(resp.read(), "decode")
@@ -483,52 +491,39 @@ class ProxyService:
         ctx: RequestContext,
         inst: Instance,
         decision: Decision,
-        cached: int | None,
-        start: float,
-        prefill_done: float | None,
         slot: _Slot,
+        relay: _Relay,
     ) -> AsyncIterator[bytes]:
-        """Forward the decode stream; measure TTFT, ITL and the transfer gap.
+        """Forward the decode stream; measure TTFT, ITL and the transfer gap (``_Relay``).
 
-        Complete SSE events go out as they arrive, those that arrived together in one write
-        (fewer writes under load); a trailing partial event waits for its end. Events are
-        parsed only to hide ``kv_transfer_params`` or to report the prefill's cache hits.
+        In text mode, once the response's head is out, ``relay`` takes the engine's bytes as
+        they are parsed and writes its events to the client itself (``DirectWriter``); what
+        it leaves (the last event, anything while the client's buffer is full, the end of
+        the stream or a break in it) comes through here, in order.
         """
         outcome = "ok"
-        buffer = b""
-        first: float | None = None
-        last = 0.0
-        itl = self.metrics.child(self.metrics.itl, decision.label)
         derender = None
         if ctx.tokens is not None:
             assert self.render is not None
             derender = DerenderStream(self.render, ctx.route, ctx.body, ctx.tokens, ctx.request_id)
+        else:
+            resp.set_sink(relay.sink)
         try:
             async for chunk in resp.chunks():
                 now = time.perf_counter()
-                buffer += chunk
-                end = buffer.rfind(b"\n\n") + 2
-                if end < 2:
-                    continue
-                ready, buffer = buffer[:end], buffer[end:]
-                if derender is not None:
-                    ready = await derender.feed(ready)
-                elif b'"kv_transfer_params"' in ready or (
-                    cached is not None and b'"prompt_tokens_details"' in ready
-                ):
-                    ready = b"".join(
-                        _patch_event(event, cached) + b"\n\n" for event in ready[:-2].split(b"\n\n")
-                    )
-                if first is None:
-                    if ready.startswith(b"data: {") or b"\n\ndata: {" in ready:
-                        first = now
-                        self._observe_first(ctx, decision, start, prefill_done, now)
+                if derender is None:
+                    ready = relay.events(chunk, now)
+                    if ready is None:
+                        continue
                 else:
-                    itl.observe(now - last)
-                last = now
+                    ready = relay.split(chunk)
+                    if ready is None:
+                        continue
+                    ready = await derender.feed(ready)
+                    relay.observe(ready, now)
                 yield ready
-            if buffer.strip():
-                yield buffer
+            if relay.buffer.strip():
+                yield relay.buffer
         except UpstreamError as exc:
             outcome = "decode_failed_mid_stream"
             self._upstream_failed(inst, exc)
@@ -545,6 +540,7 @@ class ProxyService:
             raise
         finally:
             resp.close()
+            relay.writer = None
             inst.in_flight -= 1
             slot.release()
             self.metrics.in_flight.dec()
@@ -646,6 +642,109 @@ class ProxyService:
         if exc.down:
             inst.mark_failed(str(exc), self.config.health_backoff_max_s)
         logger.warning("upstream %s failed: %s", inst.label, exc)
+
+
+class _Relay:
+    """One stream's events on their way to the client, and the timings taken from them.
+
+    ``events`` turns the engine's bytes into complete SSE events (a trailing partial event
+    waits in ``buffer`` for its end; events that arrived together leave together, fewer
+    writes under load), hides ``kv_transfer_params``, reports the prefill's cache hits, and
+    observes the first token and the gaps between arrivals. ``sink`` does the same from the
+    upstream connection's ``data_received`` and writes the events to the client with
+    ``writer`` (set by ``RelayResponse``), no task woken, when it may.
+    """
+
+    __slots__ = (
+        "buffer",
+        "cached",
+        "ctx",
+        "decision",
+        "first",
+        "itl",
+        "last",
+        "prefill_done",
+        "service",
+        "start",
+        "writer",
+    )
+
+    def __init__(
+        self,
+        service: ProxyService,
+        ctx: RequestContext,
+        decision: Decision,
+        cached: int | None,
+        start: float,
+        prefill_done: float | None,
+    ):
+        self.service = service
+        self.ctx = ctx
+        self.decision = decision
+        self.cached = cached
+        self.start = start
+        self.prefill_done = prefill_done
+        self.itl = service.metrics.child(service.metrics.itl, decision.label)
+        self.buffer = b""
+        self.first: float | None = None
+        self.last = 0.0
+        self.writer: DirectWriter | None = None
+
+    def split(self, chunk: bytes) -> bytes | None:
+        """The complete events ``chunk`` ends (None: none yet), as the engine sent them."""
+        buffer = self.buffer + chunk if self.buffer else chunk
+        end = buffer.rfind(b"\n\n") + 2
+        if end < 2:
+            self.buffer = buffer
+            return None
+        if end == len(buffer):
+            self.buffer = b""
+            return buffer
+        self.buffer = buffer[end:]
+        return buffer[:end]
+
+    def events(self, chunk: bytes, now: float) -> bytes | None:
+        """Text mode: the complete events ``chunk`` ends (None: none yet), as the client
+        gets them; their arrival at ``now`` observed."""
+        ready = self.split(chunk)
+        if ready is None:
+            return None
+        cached = self.cached
+        if b'"kv_transfer_params"' in ready or (
+            cached is not None and b'"prompt_tokens_details"' in ready
+        ):
+            ready = b"".join(
+                _patch_event(event, cached) + b"\n\n" for event in ready[:-2].split(b"\n\n")
+            )
+        self.observe(ready, now)
+        return ready
+
+    def observe(self, ready: bytes, now: float) -> None:
+        """Events going to the client at ``now``: the first token, or the gap since the
+        last events."""
+        if self.first is None:
+            if ready.startswith(b"data: {") or b"\n\ndata: {" in ready:
+                self.first = now
+                self.service._observe_first(
+                    self.ctx, self.decision, self.start, self.prefill_done, now
+                )
+        else:
+            self.itl.observe(now - self.last)
+        self.last = now
+
+    def sink(self, chunk: bytes) -> bool:
+        """``UpstreamResponse.set_sink``'s sink: True when ``chunk`` was taken (its events,
+        if any, written to the client). The end of the stream is left to the relay task, so
+        that it leaves with the end of the response in one write."""
+        writer = self.writer
+        if writer is None or not writer.ready():
+            return False
+        if (self.buffer + chunk if self.buffer else chunk).endswith(STREAM_END):
+            return False
+        ready = self.events(chunk, time.perf_counter())
+        if ready is not None:
+            writer.write(ready)
+        return True
 
 
 async def _discard(task: asyncio.Task) -> None:

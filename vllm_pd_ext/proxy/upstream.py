@@ -20,7 +20,7 @@ import contextlib
 import json
 import ssl
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -83,7 +83,9 @@ class _Conn(asyncio.Protocol):
     """One keep-alive connection to an engine; one exchange at a time.
 
     ``data_received`` parses in place: the head once, then the body's payload bytes go to
-    ``chunks`` (chunk framing removed) and whoever waits is woken.
+    ``chunks`` (chunk framing removed) and whoever waits is woken. A ``sink`` (see
+    ``UpstreamResponse.set_sink``) may take payload pieces first, as they are parsed; what it
+    takes wakes nobody.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -107,6 +109,9 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = False
         self.head_only = False
         self.waiter: asyncio.Future | None = None
+        self.timer: asyncio.TimerHandle | None = None
+        self.sink: Callable[[bytes], bool] | None = None
+        self.rx_at = 0.0  # when the sink last got bytes (loop time)
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -128,6 +133,10 @@ class _Conn(asyncio.Protocol):
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
+        if self.sink is not None:
+            self.rx_at = self.loop.time()
+            if not self.chunks and self.state != _DONE and self.error is None:
+                return  # the sink took it all: nothing for the waiting task
         self._wake()
 
     def eof_received(self) -> bool:
@@ -213,6 +222,9 @@ class _Conn(asyncio.Protocol):
 
     def _payload(self, data: bytes) -> None:
         if data:
+            sink = self.sink
+            if sink is not None and not self.chunks and sink(data):
+                return
             self.chunks.append(data)
             self.buffered += len(data)
 
@@ -282,25 +294,36 @@ class _Conn(asyncio.Protocol):
             if timeout is None or left < timeout:
                 timeout, kind = max(left, 0.0), "timeout"
         waiter = self.waiter = loop.create_future()
-        timer = loop.call_later(timeout, _expire, waiter) if timeout is not None else None
+        if timeout is not None:
+            self.timer = loop.call_later(timeout, self._expire, waiter, timeout, kind)
         try:
             expired = await waiter
         finally:
             self.waiter = None
-            if timer is not None:
-                timer.cancel()
+            if self.timer is not None:
+                self.timer.cancel()
+                self.timer = None
         if expired:
             raise UpstreamError(kind, f"no answer within {timeout:.3g} s")
 
+    def _expire(self, waiter: asyncio.Future, timeout: float, kind: str) -> None:
+        if waiter.done():
+            return
+        if kind == "read_timeout" and self.sink is not None:
+            # bytes the sink took count as read: the limit runs from the last of them
+            idle = self.loop.time() - self.rx_at
+            if idle < timeout:
+                self.timer = self.loop.call_later(
+                    timeout - idle, self._expire, waiter, timeout, kind
+                )
+                return
+        waiter.set_result(True)
+
     def close(self) -> None:
         self.closed = True
+        self.sink = None
         if self.transport is not None:
             self.transport.close()
-
-
-def _expire(waiter: asyncio.Future) -> None:
-    if not waiter.done():
-        waiter.set_result(True)
 
 
 def _disconnected(exc: BaseException) -> UpstreamError:
@@ -348,12 +371,26 @@ class UpstreamResponse:
             else:
                 await conn.wait(read_s, deadline)
 
+    def set_sink(self, sink: Callable[[bytes], bool] | None) -> None:
+        """Offer each body piece to ``sink`` as it is parsed, before ``chunks`` sees it.
+
+        ``sink(piece)`` returns True when it took the piece (``chunks`` never yields it), False
+        to leave it to ``chunks``; once a piece is left there, later ones are too until
+        ``chunks`` has yielded them (order kept). It runs inside the connection's
+        ``data_received``, so it must not raise. Pieces it takes count as read for the read
+        timeout. The end of the body, an error and pieces left over still reach ``chunks``.
+        """
+        conn = self._conn
+        conn.sink = sink
+        conn.rx_at = conn.loop.time()
+
     def close(self) -> None:
         """Give the connection back to the pool if the body was read to its end; otherwise
         close it, so the engine sees the disconnect and aborts the request."""
         conn, self._conn = self._conn, None  # type: ignore[assignment]
         if conn is None:
             return
+        conn.sink = None
         if conn.state == _DONE and not conn.chunks and conn.keep_alive and not conn.closed:
             self._pool._release(conn)
         else:

@@ -297,6 +297,44 @@ def test_disconnect_while_streaming_aborts_decode(engines):
         assert engines["d1"].running == 0 and engines["d2"].running == 0
 
 
+def test_pass_through_stream_events_go_straight_to_the_client_in_order(engines, monkeypatch):
+    """Once the head is out, the events between the first and the last are written to the
+    client from the engine connection's data_received (DirectWriter), in order, each timed;
+    the disconnect watch is the protocol itself, no watcher task."""
+    from vllm_pd_ext.proxy import client_channel
+
+    direct: list[bytes] = []
+    real_write = client_channel.DirectWriter.write
+
+    def write(self, data):
+        direct.append(data)
+        real_write(self, data)
+
+    watcher_tasks: list[object] = []
+
+    async def no_task(self, request):
+        watcher_tasks.append(request)
+
+    monkeypatch.setattr(client_channel.DirectWriter, "write", write)
+    monkeypatch.setattr(client_channel.DisconnectWatch, "_watch", no_task)
+    for d in ("d1", "d2"):
+        engines[d].behavior.token_delay_s = 0.02
+    with proxy(engines) as (base, _):
+        body = {"model": "m", "prompt": SHORT, "max_tokens": 6, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]"
+        texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
+        assert len("".join(texts).split()) == 6
+        assert direct and all(b"[DONE]" not in d for d in direct)
+        assert b"".join(direct).decode() in "\n\n".join(events)  # a run of the middle events
+        assert metric(base, "vllm_pd_ttft_seconds_count") == 1
+        assert metric(base, "vllm_pd_itl_seconds_count") >= len(direct)
+        assert metric(base, "vllm_pd_requests_total", outcome="ok") == 1
+    assert watcher_tasks == []
+
+
 def test_admission_limit_answers_429_with_retry_after(engines):
     for d in ("d1", "d2"):
         engines[d].behavior.delay_s = 1.0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
@@ -201,3 +202,52 @@ def test_total_timeout_bounds_a_trickling_body():
 
     error = asyncio.run(go())
     assert error.kind == "timeout" and not error.down
+
+
+def test_a_sink_takes_pieces_in_order_and_what_it_takes_counts_as_read():
+    """Pieces the sink takes never reach ``chunks`` and wake nobody, yet keep the read
+    timeout from firing while they flow; what it refuses, and what follows until ``chunks``
+    yields it, comes through ``chunks``; a silence past the read timeout still ends it."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(HEAD)
+        for i in range(8):  # 0.8 s of events, each gap well under the 0.3 s read timeout
+            writer.write(_chunk(b"data: %d\n\n" % i))
+            await asyncio.sleep(0.1)
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(1)  # then silence past it
+        writer.close()
+
+    async def go():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        up = Upstream(_url(server), max_connections=4)
+        taken: list[bytes] = []
+        got: list[bytes] = []
+
+        def sink(piece: bytes) -> bool:
+            if piece == b"data: 5\n\n":
+                return False  # refused: left to chunks
+            taken.append(piece)
+            return True
+
+        try:
+            resp = await up.send("GET", "/", Timeouts(read=0.3).client())
+            resp.set_sink(sink)
+            with pytest.raises(UpstreamError) as info:
+                async for chunk in resp.chunks():
+                    got.append(chunk)
+            resp.close()
+        finally:
+            await up.close()
+            server.close()
+        return taken, got, info.value
+
+    taken, got, error = asyncio.run(go())
+    # every event once (the first may come with the head, before the sink was set); all
+    # eight arrived, over 0.8 s, before the read timeout ended the stream
+    events = [e + b"\n\n" for e in b"".join(got).split(b"\n\n")[:-1]]
+    assert sorted(taken + events) == [b"data: %d\n\n" % i for i in range(8)]
+    assert b"data: 5\n\n" in events and len(taken) >= 5
+    assert taken == sorted(taken)
+    assert error.kind == "read_timeout"
