@@ -268,7 +268,12 @@ def _message_view(msg: dict) -> dict:
         (c["function"]["name"], json.loads(c["function"]["arguments"]))
         for c in (msg.get("tool_calls") or [])
     ]
-    return {"content": msg.get("content"), "reasoning": msg.get("reasoning"), "calls": calls}
+    return {
+        "content": msg.get("content"),
+        "reasoning": msg.get("reasoning"),
+        "calls": calls,
+        "keys": sorted(msg),  # e.g. vLLM leaves out an empty tool_calls list
+    }
 
 
 @pytest.mark.parametrize("which", ["plain", "parsed"])

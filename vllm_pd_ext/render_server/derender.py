@@ -262,14 +262,15 @@ class Derenderer:
                     content = content or ""
                 message["content"] = content
                 message["reasoning"] = reasoning
-                message["tool_calls"] = [
-                    {
-                        "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
-                        "type": "function",
-                        "function": {"name": c["name"], "arguments": c["arguments"]},
-                    }
-                    for c in calls
-                ]
+                if calls:  # vLLM's ChatMessage drops an empty tool_calls list
+                    message["tool_calls"] = [
+                        {
+                            "id": f"chatcmpl-tool-{uuid.uuid4().hex[:16]}",
+                            "type": "function",
+                            "function": {"name": c["name"], "arguments": c["arguments"]},
+                        }
+                        for c in calls
+                    ]
             choices.append(
                 {
                     "index": choice.index,

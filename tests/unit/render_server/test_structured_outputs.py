@@ -416,7 +416,7 @@ def test_json_mode_invalid_required_output_gives_no_calls(hermes_json):
     chat = {"messages": MSGS, "tools": TOOLS, "tool_choice": "required"}
     ids = [*_ids(hermes_json, 'not json {"name": "x"}'), 151645]
     msg = _batch(hermes_json, ids, chat)["message"]
-    assert msg["content"] == "" and msg["tool_calls"] == []
+    assert msg["content"] == "" and "tool_calls" not in msg  # vLLM drops an empty list
 
 
 @pytest.mark.parametrize("step", [1, 4, 100])
