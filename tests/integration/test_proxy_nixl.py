@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import nixl_pair, running_proxy, wait_idle
+from tests.integration.fleet_helpers import nixl_pair, run_doctor, running_proxy, wait_idle
 from vllm_pd_ext.tools.pd_demo import EXTERNAL, PROMPT_TOKENS_BY_SOURCE, make_prompt_ids
 
 pytestmark = pytest.mark.integration
@@ -197,28 +197,7 @@ def test_disconnect_mid_stream_leaves_both_engines_idle(fleet, proxy_url, tiny_l
 
 def test_doctor_reports_real_transfer_numbers(fleet):
     prefill, decode = fleet
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "vllm_pd_ext.cli",
-            "doctor",
-            "--prefill",
-            prefill.base_url,
-            "--decode",
-            decode.base_url,
-            "--prompts",
-            "2",
-            "--prompt-tokens",
-            "300",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout)
+    report = run_doctor(prefill, decode)
     # tiny-llama: 2 layers x 2 KV heads x 64 dim x K,V x 2 bytes
     assert report["kv_bytes_per_token"] == 2 * 2 * 64 * 2 * 2
     assert len(report["rounds"]) == 2
