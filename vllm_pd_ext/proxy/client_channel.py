@@ -163,9 +163,13 @@ class DirectWriter:
         cls = _httptools_cycle()
         if cls is None or type(cycle) is not cls:
             return None
-        if cycle.chunked_encoding is not True or not cycle.response_started:
+        try:  # uvicorn internals: a version without them keeps the ASGI path
+            if cycle.chunked_encoding is not True or not cycle.response_started:
+                return None
+            _ = cycle.disconnected, cycle.response_complete, cycle.flow.write_paused
+            return DirectWriter(cycle)
+        except AttributeError:
             return None
-        return DirectWriter(cycle)
 
     def ready(self) -> bool:
         cycle = self._cycle
@@ -318,9 +322,9 @@ def head_with_body_protocol() -> type | None:
             super().connection_made(_HeadWithBody(transport, asyncio.get_running_loop()))
 
         def connection_lost(self, exc: Exception | None) -> None:
-            cycle = self.cycle
+            cycle = getattr(self, "cycle", None)
             super().connection_lost(exc)
-            if cycle is not None and cycle.disconnected:
+            if cycle is not None and getattr(cycle, "disconnected", False):
                 watch = getattr(cycle, "pdx_watch", None)
                 if watch is not None:
                     watch._client_gone()
@@ -335,6 +339,8 @@ def _hooked_cycle(receive):
     cycle = getattr(receive, "__self__", None)
     if cycle is None or type(cycle) is not _httptools_cycle() or not _PROTOCOL:
         return None
-    protocol = getattr(cycle.on_response, "__self__", None)
+    if not isinstance(getattr(cycle, "disconnected", None), bool):
+        return None  # a uvicorn without the internals this relies on: the watcher task
+    protocol = getattr(getattr(cycle, "on_response", None), "__self__", None)
     cls = _PROTOCOL[0]
     return cycle if cls is not None and isinstance(protocol, cls) else None

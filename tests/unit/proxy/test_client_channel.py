@@ -1,11 +1,14 @@
 """The client connection's transport wrapper: a response head leaves with the first body
-part, in one write."""
+part, in one write; stream parts go straight to the transport only where uvicorn's internals
+are as expected."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
-from vllm_pd_ext.proxy.client_channel import _HeadWithBody
+from vllm_pd_ext.proxy import client_channel
+from vllm_pd_ext.proxy.client_channel import DirectWriter, _HeadWithBody
 
 
 class _Transport:
@@ -57,3 +60,32 @@ def test_a_head_alone_leaves_at_the_end_of_the_turn_or_on_close():
     assert alone == [b"HTTP/1.1 200 OK\r\n\r\n"]
     assert writes == [b"HTTP/1.1 200 OK\r\n\r\n", b"HTTP/1.1 204 No Content\r\n\r\n"]
     assert closed
+
+
+class _Cycle:
+    """Stands in for uvicorn's httptools request cycle (matched by exact type)."""
+
+    chunked_encoding = True
+    response_started = True
+
+    async def send(self, message) -> None:
+        return None
+
+
+def test_direct_writes_only_where_uvicorn_has_the_internals_they_use(monkeypatch):
+    monkeypatch.setattr(client_channel, "_CYCLE", [_Cycle])
+    assert DirectWriter.for_send(_Cycle().send) is None  # renamed internals: the ASGI path
+
+    class Full(_Cycle):
+        disconnected = False
+        response_complete = False
+        flow = SimpleNamespace(write_paused=False)
+        transport = _Transport()
+
+    monkeypatch.setattr(client_channel, "_CYCLE", [Full])
+    writer = DirectWriter.for_send(Full().send)
+    assert writer is not None and writer.ready()
+    writer.write(b"data: x\n\n")
+    assert Full.transport.writes == [b"9\r\ndata: x\n\n\r\n"]
+    Full.flow.write_paused = True  # the client's buffer is full: back to send()
+    assert not writer.ready()
