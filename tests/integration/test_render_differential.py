@@ -276,6 +276,27 @@ def _message_view(msg: dict) -> dict:
     }
 
 
+def _chat_derender_both(ours, ref, body: dict) -> tuple[dict, dict]:
+    """Each server's chat derender answer to ``body`` (both must answer 200)."""
+    (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/derender", body) for s in (ours, ref))
+    assert sa == sb == 200, (a, b)
+    return a, b
+
+
+def _assert_same_choice(ca: dict, cb: dict, text: str) -> None:
+    """Content, reasoning, tool calls (arguments as raw strings) and finish reason agree."""
+    assert ca["message"]["content"] == cb["message"]["content"], text
+    assert ca["message"]["reasoning"] == cb["message"]["reasoning"], text
+    assert [
+        (c["function"]["name"], c["function"]["arguments"])
+        for c in ca["message"].get("tool_calls") or []
+    ] == [
+        (c["function"]["name"], c["function"]["arguments"])
+        for c in cb["message"].get("tool_calls") or []
+    ], text
+    assert ca["finish_reason"] == cb["finish_reason"], text
+
+
 @pytest.mark.parametrize("which", ["plain", "parsed"])
 def test_chat_derender_batch_identical(servers, which):
     ours, ref = servers[which]
@@ -309,8 +330,7 @@ def test_chat_derender_batch_identical(servers, which):
         }
         if which == "parsed":
             body["chat_request"] = chat_request
-        (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/derender", body) for s in (ours, ref))
-        assert sa == sb == 200, (a, b)
+        a, b = _chat_derender_both(ours, ref, body)
         ca, cb = a["choices"][0], b["choices"][0]
         assert _message_view(ca["message"]) == _message_view(cb["message"]), text
         assert ca["finish_reason"] == cb["finish_reason"]
@@ -499,19 +519,9 @@ def test_mistral_chat_derender_batch_identical(mistral_servers, fmt):
             "chat_request": MISTRAL_CHAT_REQUEST,
             "prompt_token_ids": LLAMA_PROMPT,
         }
-        (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/derender", body) for s in (ours, ref))
-        assert sa == sb == 200, (a, b)
+        a, b = _chat_derender_both(ours, ref, body)
         ca, cb = a["choices"][0], b["choices"][0]
-        assert ca["message"]["content"] == cb["message"]["content"], text
-        assert ca["message"]["reasoning"] == cb["message"]["reasoning"], text
-        assert [
-            (c["function"]["name"], c["function"]["arguments"])
-            for c in ca["message"].get("tool_calls") or []
-        ] == [
-            (c["function"]["name"], c["function"]["arguments"])
-            for c in cb["message"].get("tool_calls") or []
-        ], text
-        assert ca["finish_reason"] == cb["finish_reason"], text
+        _assert_same_choice(ca, cb, text)
         called += bool(ca["message"].get("tool_calls"))
     assert called == len(MISTRAL_OUTPUTS[fmt]) - 1  # every output but the plain one calls
 
@@ -701,19 +711,9 @@ def test_forced_tool_choice_derender_batch_identical(servers, json_servers, whic
             "prompt_token_ids": [151644, 77091, 198],
             "chat_request": chat_request,
         }
-        (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/derender", body) for s in (ours, ref))
-        assert sa == sb == 200, (a, b)
+        a, b = _chat_derender_both(ours, ref, body)
         ca, cb = a["choices"][0], b["choices"][0]
-        assert ca["message"]["content"] == cb["message"]["content"], text
-        assert ca["message"]["reasoning"] == cb["message"]["reasoning"], text
-        assert [
-            (c["function"]["name"], c["function"]["arguments"])
-            for c in ca["message"].get("tool_calls") or []
-        ] == [
-            (c["function"]["name"], c["function"]["arguments"])
-            for c in cb["message"].get("tool_calls") or []
-        ], text
-        assert ca["finish_reason"] == cb["finish_reason"], text
+        _assert_same_choice(ca, cb, text)
 
 
 @pytest.mark.parametrize("which", ["parsed", "json"])
@@ -754,8 +754,7 @@ def test_mistral_forced_tool_choice_identical(mistral_servers, fmt):
                 "chat_request": body,
                 "prompt_token_ids": LLAMA_PROMPT,
             }
-            (sa, a), (sb, b) = (_post(s, "/v1/chat/completions/derender", req) for s in (ours, ref))
-            assert sa == sb == 200, (a, b)
+            a, b = _chat_derender_both(ours, ref, req)
             ca, cb = a["choices"][0], b["choices"][0]
             va, vb = _message_view(ca["message"]), _message_view(cb["message"])
             assert va == vb, (text, va, vb)
