@@ -1,10 +1,14 @@
-"""The proxy's Prometheus metrics (``vllm_pd_`` prefix), in a registry of its own."""
+"""The proxy's Prometheus metrics (``vllm_pd_`` prefix), in a registry of its own.
+
+The types are the lock-free ones of ``metric_types`` (updated from the event loop only)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry
+
+from vllm_pd_ext.proxy.metric_types import Counter, Gauge, Histogram
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -15,7 +19,7 @@ class ProxyMetrics:
 
     def child(self, metric: Any, *values: str) -> Any:
         """``metric.labels(*values)``, remembered: the hot path asks for the same few
-        children on every request, and ``labels()`` validates and locks each time."""
+        children on every request."""
         key = (id(metric), values)
         found = self._children.get(key)
         if found is None:
