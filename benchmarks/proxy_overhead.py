@@ -579,6 +579,10 @@ def summarize(rounds: list[dict[str, dict]], pooled: dict[str, list[Sample]]) ->
         row = {k: _median([r[name][k] for r in rounds]) for k in keys}
         good = [s.ttft for s in pooled[name] if s.ok]
         row["pooled_ttft_p99_ms"] = ms(pct(good, 99))
+        # The tail's shape: a few far outliers and a fat shoulder call for different fixes.
+        row["pooled_ttft_quantiles_ms"] = {
+            f"p{q:g}": ms(pct(good, q)) for q in (50, 90, 95, 98, 99, 99.5, 99.9, 100)
+        }
         row["pooled_n"] = len(good)
         row["errors"] = sum(r[name]["errors"] for r in rounds)
         summary[name] = row

@@ -127,7 +127,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from vllm_pd_ext.proxy.client_channel import head_with_body_protocol
+    from vllm_pd_ext.proxy.front_protocol import front_protocol
 
     app = create_app(config, freeze_gc=True)
     # The request path leaves no reference cycles behind, so collections only walk the young
@@ -140,7 +140,7 @@ def main(args: argparse.Namespace) -> int:
         port=config.port,
         log_level=args.log_level.lower(),
         access_log=False,
-        http=head_with_body_protocol() or "auto",
+        http=front_protocol(config.max_body_bytes) or "auto",
         proxy_headers=False,  # the proxy never reads the client's address
     )
     return 0

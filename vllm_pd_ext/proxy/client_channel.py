@@ -15,6 +15,8 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
+from vllm_pd_ext.proxy.front_protocol import FastCycle, is_front_protocol
+
 T = TypeVar("T")
 
 #: The last event of an OpenAI-style stream.
@@ -33,7 +35,7 @@ class DisconnectWatch:
     """Watches one request's ASGI channel for the client going away.
 
     One long-lived watcher per request (a one-shot ``is_disconnected()`` can miss a disconnect
-    while the server has paused reading the socket): under ``HeadWithBodyProtocol`` the
+    while the server has paused reading the socket): under ``FrontProtocol`` the
     protocol's ``connection_lost`` itself, elsewhere a task reading the channel. While the
     request's task is inside ``race`` or a ``RelayResponse``, a disconnect cancels that task;
     elsewhere it only sets ``gone``. ``stop()`` it once the answer is complete: the server
@@ -48,7 +50,7 @@ class DisconnectWatch:
         self._task: asyncio.Future | None
         cycle = _hooked_cycle(request.receive)
         if cycle is not None:
-            # Our protocol tells us itself (``HeadWithBodyProtocol.connection_lost``): no
+            # Our protocol tells us itself (``FrontProtocol.connection_lost``): no
             # watcher task to create, start and wake at the end of every request.
             cycle.pdx_watch = self
             if cycle.disconnected:
@@ -160,9 +162,10 @@ class DirectWriter:
         """A writer for the response ``send`` belongs to, when it is uvicorn's httptools
         cycle with a chunked response under way; None otherwise (other servers, tests)."""
         cycle = getattr(send, "__self__", None)
-        cls = _httptools_cycle()
-        if cls is None or type(cycle) is not cls:
-            return None
+        if type(cycle) is not FastCycle:
+            cls = _httptools_cycle()
+            if cls is None or type(cycle) is not cls:
+                return None
         try:  # uvicorn internals: a version without them keeps the ASGI path
             if cycle.chunked_encoding is not True or not cycle.response_started:
                 return None
@@ -233,7 +236,7 @@ class RelayResponse:
                             continue  # nothing follows the end of an OpenAI stream
                         if not started:
                             # The head goes with the first event (one write, see
-                            # HeadWithBodyProtocol), not ahead of it on its own.
+                            # front_protocol), not ahead of it on its own.
                             started = True
                             await send(start)
                         if chunk.endswith(STREAM_END):
@@ -262,85 +265,15 @@ class RelayResponse:
             await self._body.aclose()  # type: ignore[attr-defined]
 
 
-class _HeadWithBody:
-    """A client connection's transport that holds a response head until the next write.
-
-    uvicorn writes a response's head and each body part separately; on a busy host every
-    write to a client on the same core wakes it, so a head written alone costs the client a
-    wake-up and a read before the first token. Held here, the head leaves with the first
-    body part when that is written in the same event-loop turn (``RelayResponse`` and
-    FastAPI's responses do so), or alone at the end of the turn otherwise.
-    """
-
-    __slots__ = ("_held", "_loop", "_transport")
-
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop):
-        self._transport = transport
-        self._loop = loop
-        self._held: bytes | None = None
-
-    def write(self, data: bytes) -> None:
-        held = self._held
-        if held is not None:
-            self._held = None
-            self._transport.write(held + data)
-        elif data[:5] == b"HTTP/":
-            self._held = bytes(data)
-            self._loop.call_soon(self._flush)
-        else:
-            self._transport.write(data)
-
-    def _flush(self) -> None:
-        held, self._held = self._held, None
-        if held is not None and not self._transport.is_closing():
-            self._transport.write(held)
-
-    def close(self) -> None:
-        self._flush()
-        self._transport.close()
-
-    def __getattr__(self, name: str):
-        return getattr(self._transport, name)
-
-
-_PROTOCOL: list = []
-
-
-def head_with_body_protocol() -> type | None:
-    """uvicorn's httptools protocol on ``_HeadWithBody`` transports, telling a request's
-    ``DisconnectWatch`` when its client goes (None: no httptools, uvicorn's default then)."""
-    if _PROTOCOL:
-        return _PROTOCOL[0]
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        _PROTOCOL.append(None)
-        return None
-
-    class HeadWithBodyProtocol(HttpToolsProtocol):
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(_HeadWithBody(transport, asyncio.get_running_loop()))
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            cycle = getattr(self, "cycle", None)
-            super().connection_lost(exc)
-            if cycle is not None and getattr(cycle, "disconnected", False):
-                watch = getattr(cycle, "pdx_watch", None)
-                if watch is not None:
-                    watch._client_gone()
-
-    _PROTOCOL.append(HeadWithBodyProtocol)
-    return HeadWithBodyProtocol
-
-
 def _hooked_cycle(receive):
-    """The httptools request cycle behind ``receive`` when its connection is served by
-    ``HeadWithBodyProtocol``; else None."""
+    """The request cycle behind ``receive`` when its connection is served by
+    ``FrontProtocol`` (a ``FastCycle``, or uvicorn's httptools cycle); else None."""
     cycle = getattr(receive, "__self__", None)
-    if cycle is None or type(cycle) is not _httptools_cycle() or not _PROTOCOL:
+    if type(cycle) is FastCycle:
+        return cycle
+    if cycle is None or type(cycle) is not _httptools_cycle():
         return None
     if not isinstance(getattr(cycle, "disconnected", None), bool):
         return None  # a uvicorn without the internals this relies on: the watcher task
     protocol = getattr(getattr(cycle, "on_response", None), "__self__", None)
-    cls = _PROTOCOL[0]
-    return cycle if cls is not None and isinstance(protocol, cls) else None
+    return cycle if is_front_protocol(protocol) else None

@@ -11,8 +11,8 @@ import pytest
 
 from tests.unit.proxy.fake_engine import FakeEngine, ServerThread
 from vllm_pd_ext.proxy.app import create_app
-from vllm_pd_ext.proxy.client_channel import head_with_body_protocol
 from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.proxy.front_protocol import front_protocol
 from vllm_pd_ext.tools.prom import parse_metrics
 
 LONG = "word " * 400  # ~500 estimated tokens: above the default split threshold
@@ -35,9 +35,10 @@ def proxy(engines, **overrides) -> Iterator[tuple[str, object]]:
         "decode_policy": "round-robin",
         **overrides,
     }
-    app = create_app(ProxyConfig.model_validate(data))
+    config = ProxyConfig.model_validate(data)
+    app = create_app(config)
     # the protocol `vllm-pd proxy` serves with
-    with ServerThread(app, http=head_with_body_protocol()) as server:
+    with ServerThread(app, http=front_protocol(config.max_body_bytes)) as server:
         yield f"http://127.0.0.1:{server.port}", app.state.service
 
 

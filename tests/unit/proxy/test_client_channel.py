@@ -8,7 +8,8 @@ import asyncio
 from types import SimpleNamespace
 
 from vllm_pd_ext.proxy import client_channel
-from vllm_pd_ext.proxy.client_channel import DirectWriter, _HeadWithBody
+from vllm_pd_ext.proxy.client_channel import DirectWriter
+from vllm_pd_ext.proxy.front_protocol import _HeadWithBody
 
 
 class _Transport:

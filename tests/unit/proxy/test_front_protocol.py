@@ -1,0 +1,180 @@
+"""The proxy's server protocol: the lean cycle for the completion routes and uvicorn's path
+for everything else, on one keep-alive connection, as a raw HTTP/1.1 client sees them."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from tests.unit.proxy.fake_engine import ServerThread
+from vllm_pd_ext.proxy.front_protocol import front_protocol
+
+LIMIT = 1000
+
+
+async def app(scope, receive, send) -> None:
+    """Echoes what it got: the cycle type, method, path, query and body size."""
+    if scope["type"] != "http":
+        return
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    if scope["query_string"] == b"boom=1":
+        raise RuntimeError("boom")
+    cycle = type(getattr(receive, "__self__", None)).__name__
+    payload = json.dumps(
+        {"cycle": cycle, "method": scope["method"], "path": scope["path"], "size": len(body)}
+    ).encode()
+    if scope["query_string"] == b"stream=1":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for part in (b"data: 1\n\n", b"data: 2\n\n"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", b"r1")]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": payload})
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerThread(app, http=front_protocol(LIMIT)) as srv:
+        yield srv
+
+
+class Conn:
+    def __init__(self, port: int):
+        self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        self.buf = b""
+
+    def send(self, data: bytes) -> None:
+        self.sock.sendall(data)
+
+    def _fill(self) -> None:
+        chunk = self.sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("closed")
+        self.buf += chunk
+
+    def response(self) -> tuple[int, dict[bytes, bytes], bytes]:
+        while b"\r\n\r\n" not in self.buf:
+            self._fill()
+        head, _, self.buf = self.buf.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split()[1])
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(b":")
+            headers[k.strip().lower()] = v.strip()
+        if b"content-length" in headers:
+            n = int(headers[b"content-length"])
+            while len(self.buf) < n:
+                self._fill()
+            body, self.buf = self.buf[:n], self.buf[n:]
+            return status, headers, body
+        assert headers.get(b"transfer-encoding") == b"chunked"
+        body = b""
+        while True:
+            while b"\r\n" not in self.buf:
+                self._fill()
+            size_line, _, rest = self.buf.partition(b"\r\n")
+            size = int(size_line, 16)
+            while len(rest) < size + 2:
+                self._fill()
+                size_line, _, rest = self.buf.partition(b"\r\n")
+            self.buf = rest[size + 2 :]
+            if size == 0:
+                return status, headers, body
+            body += rest[:size]
+
+    def closed(self) -> bool:
+        try:
+            return self.sock.recv(1) == b""
+        except (ConnectionError, TimeoutError):
+            return True
+
+
+def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
+    return (
+        b"POST %b HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: %d\r\n%b\r\n%b" % (path.encode(), len(body), extra, body)
+    )
+
+
+def test_fast_and_uvicorn_routes_share_one_keep_alive_connection(server):
+    c = Conn(server.port)
+    seen = []
+    for path, method in [
+        ("/v1/completions", "POST"),
+        ("/v1/models", "GET"),
+        ("/v1/chat/completions", "POST"),
+        ("/v1/completions?stream=1", "POST"),
+        ("/v1/completions", "POST"),
+    ]:
+        if method == "POST":
+            c.send(post(path, b'{"prompt": "hi"}'))
+        else:
+            c.send(b"GET %b HTTP/1.1\r\nhost: x\r\n\r\n" % path.encode())
+        status, headers, body = c.response()
+        assert status == 200
+        assert b"date" in headers and b"server" in headers  # uvicorn's default headers
+        seen.append(body if b"stream" in path.encode() else json.loads(body))
+    assert [s["cycle"] for s in seen if isinstance(s, dict)] == [
+        "FastCycle",
+        "RequestResponseCycle",
+        "FastCycle",
+        "FastCycle",
+    ]
+    assert seen[0]["size"] == len(b'{"prompt": "hi"}')
+    assert seen[3] == b"data: 1\n\ndata: 2\n\n"
+
+
+def test_pipelined_requests_are_answered_in_order(server):
+    c = Conn(server.port)
+    c.send(
+        post("/v1/completions", b"{}")
+        + post("/v1/chat/completions", b'{"a": 1}')
+        + b"GET /v1/models HTTP/1.1\r\nhost: x\r\n\r\n"
+    )
+    answers = [json.loads(c.response()[2]) for _ in range(3)]
+    assert [a["path"] for a in answers] == ["/v1/completions", "/v1/chat/completions", "/v1/models"]
+    assert [a["size"] for a in answers] == [2, 8, 0]
+
+
+def test_chunked_body_arrives_whole_and_an_oversized_one_is_cut_past_the_limit(server):
+    c = Conn(server.port)
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+    c.send(head + b"5\r\nhello\r\n")
+    c.send(b"6\r\n world\r\n0\r\n\r\n")
+    assert json.loads(c.response()[2])["size"] == 11
+    big = b"x" * (LIMIT + 500)
+    c.send(head + b"%x\r\n%b\r\n0\r\n\r\n" % (len(big), big))
+    answer = json.loads(c.response()[2])
+    assert answer["cycle"] == "FastCycle" and answer["size"] == LIMIT + 1  # the app says 413
+
+
+def test_declared_oversized_body_goes_uvicorns_way(server):
+    c = Conn(server.port)
+    big = b"x" * (LIMIT + 1)
+    c.send(post("/v1/completions", big))
+    answer = json.loads(c.response()[2])
+    assert answer["cycle"] == "RequestResponseCycle" and answer["size"] == LIMIT + 1
+
+
+def test_connection_close_and_app_errors(server):
+    c = Conn(server.port)
+    c.send(post("/v1/completions", b"{}", b"connection: close\r\n"))
+    status, headers, _ = c.response()
+    assert status == 200 and headers[b"connection"] == b"close"
+    assert c.closed()
+
+    c = Conn(server.port)
+    c.send(post("/v1/completions?boom=1", b"{}"))
+    status, headers, body = c.response()
+    assert status == 500 and body == b"Internal Server Error"
+    assert c.closed()
