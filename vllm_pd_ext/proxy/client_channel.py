@@ -76,14 +76,13 @@ class DisconnectWatch:
                 self._client_gone()
                 return
 
-    @contextlib.contextmanager
-    def _cancel_on_gone(self):
-        task = asyncio.current_task()
-        self._target, self._cancelled = task, False
-        try:
-            yield
-        finally:
-            self._target = None
+    def _arm(self) -> None:
+        """From now on a disconnect cancels the current task (until ``_disarm``). A pair of
+        calls, not a context manager: this runs twice per request on the hot path."""
+        self._target, self._cancelled = asyncio.current_task(), False
+
+    def _disarm(self) -> None:
+        self._target = None
 
     def _ours(self) -> bool:
         """Was the cancellation being handled ours? Then take it back (Python 3.11+)."""
@@ -107,13 +106,15 @@ class DisconnectWatch:
         if self.gone.is_set():
             work.close()  # type: ignore[attr-defined]
             raise ClientGone(phase)
-        with self._cancel_on_gone():
-            try:
-                return await work
-            except asyncio.CancelledError:
-                if self._ours():
-                    raise ClientGone(phase) from None
-                raise
+        self._arm()
+        try:
+            return await work
+        except asyncio.CancelledError:
+            if self._ours():
+                raise ClientGone(phase) from None
+            raise
+        finally:
+            self._disarm()
 
     async def _race_future(self, fut: asyncio.Future, phase: str) -> T:
         gone = asyncio.ensure_future(self.gone.wait())
@@ -229,30 +230,30 @@ class RelayResponse:
         done = started = offered = False
         start = {"type": "http.response.start", "status": 200, "headers": self._headers}
         try:
-            with watch._cancel_on_gone():
-                try:
-                    async for chunk in self._body:
-                        if done:
-                            continue  # nothing follows the end of an OpenAI stream
-                        if not started:
-                            # The head goes with the first event (one write, see
-                            # front_protocol), not ahead of it on its own.
-                            started = True
-                            await send(start)
-                        if chunk.endswith(STREAM_END):
-                            # The last event and the end of the response in one write.
-                            watch.stop()  # the server now reads as disconnected to the watch
-                            done = True
-                        await send(
-                            {"type": "http.response.body", "body": chunk, "more_body": not done}
-                        )
-                        if not offered and not done and direct is not None:
-                            offered = True  # the head is out: later parts may go direct
-                            direct.writer = DirectWriter.for_send(send)
-                except asyncio.CancelledError:
-                    if watch._ours():
-                        return
-                    raise
+            watch._arm()
+            try:
+                async for chunk in self._body:
+                    if done:
+                        continue  # nothing follows the end of an OpenAI stream
+                    if not started:
+                        # The head goes with the first event (one write, see
+                        # front_protocol), not ahead of it on its own.
+                        started = True
+                        await send(start)
+                    if chunk.endswith(STREAM_END):
+                        # The last event and the end of the response in one write.
+                        watch.stop()  # the server now reads as disconnected to the watch
+                        done = True
+                    await send({"type": "http.response.body", "body": chunk, "more_body": not done})
+                    if not offered and not done and direct is not None:
+                        offered = True  # the head is out: later parts may go direct
+                        direct.writer = DirectWriter.for_send(send)
+            except asyncio.CancelledError:
+                if watch._ours():
+                    return
+                raise
+            finally:
+                watch._disarm()
             if not done:
                 watch.stop()
                 if not started:

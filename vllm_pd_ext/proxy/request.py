@@ -6,6 +6,7 @@ check only what the proxy itself relies on, so a malformed body never becomes a 
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import time
@@ -22,6 +23,20 @@ if TYPE_CHECKING:
     from vllm_pd_ext.proxy.token_mode import TokenRequest
 
 Route = Literal["chat", "completions"]
+
+#: Request ids the proxy makes up: a random per-process prefix and a counter (no system call
+#: for randomness per request); 32 hex digits like a UUID's.
+_ID_PREFIX = os.urandom(8).hex()
+_ID_COUNTER = itertools.count(1)
+
+
+def _new_id_prefix() -> None:
+    global _ID_PREFIX
+    _ID_PREFIX = os.urandom(8).hex()
+
+
+if hasattr(os, "register_at_fork"):  # a forked worker never repeats ids
+    os.register_at_fork(after_in_child=_new_id_prefix)
 PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
@@ -178,7 +193,7 @@ def parse_request(
                 param="prompt",
             )
     given = _header(request, b"x-request-id")
-    request_id = given.decode("latin-1") if given else f"pdx-{os.urandom(16).hex()}"
+    request_id = given.decode("latin-1") if given else f"pdx-{_ID_PREFIX}{next(_ID_COUNTER):016x}"
     return RequestContext(
         route=route,
         body=body,
