@@ -160,8 +160,9 @@ class DirectWriter:
 
     @staticmethod
     def for_send(send) -> DirectWriter | None:
-        """A writer for the response ``send`` belongs to, when it is uvicorn's httptools
-        cycle with a chunked response under way; None otherwise (other servers, tests)."""
+        """A writer for the response ``send`` belongs to, when it is a ``FastCycle`` or
+        uvicorn's httptools cycle with a chunked response under way; None otherwise (other
+        servers, tests)."""
         cycle = getattr(send, "__self__", None)
         if type(cycle) is not FastCycle:
             cls = _httptools_cycle()
