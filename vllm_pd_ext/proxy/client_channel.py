@@ -48,7 +48,7 @@ class DisconnectWatch:
         self._cancelled = False
         self._stopped = False
         self._task: asyncio.Future | None
-        cycle = _hooked_cycle(request.receive)
+        cycle = self.cycle = _hooked_cycle(request.receive)
         if cycle is not None:
             # Our protocol tells us itself (``FrontProtocol.connection_lost``): no
             # watcher task to create, start and wake at the end of every request.
@@ -151,12 +151,29 @@ class DirectWriter:
     then waits for it to drain). The last part of a response always goes through ``send``.
     """
 
-    __slots__ = ("_cycle", "_flow", "_transport")
+    __slots__ = ("_cycle", "_flow", "_headers", "_transport")
 
-    def __init__(self, cycle):
+    def __init__(self, cycle, headers: list[tuple[bytes, bytes]] | None = None):
         self._cycle = cycle
         self._flow = cycle.flow
         self._transport = cycle.transport
+        self._headers = headers  # not None: the response is not started yet
+
+    @staticmethod
+    def before_start(watch: DisconnectWatch, headers: list[tuple[bytes, bytes]]):
+        """A writer whose first write starts the response itself (status 200, ``headers``,
+        chunked) ahead of the ASGI ``send``: the first events go out from the engine
+        connection's receive callback instead of after the request's task wakes. Only on a
+        ``FastCycle`` not started yet; None otherwise."""
+        cycle = watch.cycle
+        if type(cycle) is not FastCycle or cycle.response_started:
+            return None
+        return DirectWriter(cycle, headers)
+
+    @property
+    def started(self) -> bool:
+        """Has this writer started the response (or found it started)?"""
+        return self._headers is None
 
     @staticmethod
     def for_send(send) -> DirectWriter | None:
@@ -178,9 +195,17 @@ class DirectWriter:
 
     def ready(self) -> bool:
         cycle = self._cycle
+        if self._headers is not None and cycle.response_started:
+            return False  # started through ``send``: its head may not be out yet
         return not (cycle.disconnected or cycle.response_complete or self._flow.write_paused)
 
     def write(self, data: bytes) -> None:
+        headers = self._headers
+        if headers is not None:
+            self._headers = None
+            head = self._cycle.begin(200, headers)
+            self._transport.write(b"%b%x\r\n%b\r\n" % (head, len(data), data))
+            return
         self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
 
 
@@ -207,23 +232,22 @@ class RelayResponse:
 
     ``direct``: an object whose ``writer`` attribute this response sets to a
     ``DirectWriter`` once the head is out (None where there is none), so that the body's
-    source may write parts itself, ahead of the generator, between its yields.
+    source may write parts itself, ahead of the generator, between its yields. A writer
+    already there (``DirectWriter.before_start``) may have started the response before this
+    runs: then the head is not sent again.
     """
 
     def __init__(
         self,
         body: AsyncIterator[bytes],
         watch: DisconnectWatch,
-        headers: dict[str, str],
-        media_type: str = "text/event-stream",
+        headers: list[tuple[bytes, bytes]],
         direct=None,
     ):
         self._body = body
         self._watch = watch
         self._direct = direct
-        self._headers = [(b"content-type", media_type.encode())] + [
-            (k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()
-        ]
+        self._headers = headers  # the response's, content type included
 
     async def __call__(self, scope, receive, send) -> None:
         watch = self._watch
@@ -240,7 +264,8 @@ class RelayResponse:
                         # The head goes with the first event (one write, see
                         # front_protocol), not ahead of it on its own.
                         started = True
-                        await send(start)
+                        if not _started_direct(direct):
+                            await send(start)
                     if chunk.endswith(STREAM_END):
                         # The last event and the end of the response in one write.
                         watch.stop()  # the server now reads as disconnected to the watch
@@ -257,7 +282,7 @@ class RelayResponse:
                 watch._disarm()
             if not done:
                 watch.stop()
-                if not started:
+                if not started and not _started_direct(direct):
                     await send(start)
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
@@ -265,6 +290,12 @@ class RelayResponse:
                 direct.writer = None
             watch.stop()
             await self._body.aclose()  # type: ignore[attr-defined]
+
+
+def _started_direct(direct) -> bool:
+    """Did the body's source start the response itself (``DirectWriter.before_start``)?"""
+    writer = getattr(direct, "writer", None)
+    return writer is not None and writer.started
 
 
 def _hooked_cycle(receive):

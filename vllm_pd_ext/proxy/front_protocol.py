@@ -219,8 +219,7 @@ class FastCycle:
         if not self.response_started:
             if message["type"] != "http.response.start":
                 raise RuntimeError(f"expected http.response.start, got {message['type']}")
-            self.response_started = True
-            self._head = self._build_head(message["status"], message.get("headers", ()))
+            self._head = self.begin(message["status"], message.get("headers", ()))
             return
         if self.response_complete or message["type"] != "http.response.body":
             raise RuntimeError(f"unexpected ASGI message {message['type']}")
@@ -245,6 +244,12 @@ class FastCycle:
             on_response = self._on_response
             if on_response is not None:
                 on_response()
+
+    def begin(self, status: int, headers) -> bytes:
+        """Start the response: its head, for the caller to write (with the first body part).
+        ``send`` does this for ``http.response.start``; ``DirectWriter`` may, ahead of it."""
+        self.response_started = True
+        return self._build_head(status, headers)
 
     def _build_head(self, status: int, headers) -> bytes:
         parts = [_status_line(status)]

@@ -28,7 +28,7 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 from fastapi import Request
@@ -386,10 +386,22 @@ class ProxyService:
             return plan.decode_params, pending, usage
         raise LegFailed("; ".join(errors) or "no healthy prefill instance")
 
+    @staticmethod
+    def _stream_headers(ctx: RequestContext) -> list[tuple[bytes, bytes]]:
+        return [
+            (b"content-type", b"text/event-stream"),
+            (b"x-request-id", ctx.request_id.encode("latin-1")),
+        ]
+
     async def _open_decode(
-        self, inst: Instance, ctx: RequestContext, params: dict[str, Any] | None
+        self,
+        inst: Instance,
+        ctx: RequestContext,
+        params: dict[str, Any] | None,
+        sink: Callable[[bytes], bool] | None = None,
     ) -> UpstreamResponse:
-        """Send the decode leg to ``inst``; return the response with its body unread."""
+        """Send the decode leg to ``inst``; return the response with its body unread.
+        ``sink``: the body's sink from the moment a 200 head arrives."""
         body: dict[str, Any] | bytes = ctx.engine_body
         if params is not None:
             body = {**ctx.engine_body, "kv_transfer_params": params}
@@ -398,7 +410,12 @@ class ProxyService:
         if ctx.tokens is not None:
             ctx.engines.append(inst)
         return await inst.client.send(
-            "POST", ctx.path, self._decode_timeout, body, {"X-Request-Id": ctx.request_id}
+            "POST",
+            ctx.path,
+            self._decode_timeout,
+            body,
+            {"X-Request-Id": ctx.request_id},
+            sink_on_ok=sink,
         )
 
     async def _decode(
@@ -427,13 +444,22 @@ class ProxyService:
                 self.metrics.fallbacks.labels("decode_retry").inc()
             inst.in_flight += 1
             keep = False
+            relay: _Relay | None = None
             try:
                 try:
-                    opening = (
-                        pending
-                        if attempt == 0 and pending is not None
-                        else (self._open_decode(inst, ctx, params))
-                    )
+                    if attempt == 0 and pending is not None:
+                        opening = pending
+                    else:
+                        sink = None
+                        if ctx.stream and ctx.tokens is None:
+                            # Pass-through streaming: the first events may go to the client
+                            # from the engine connection as they come (the response started
+                            # there), ahead of this task waking.
+                            relay = _Relay(self, ctx, decision, cached, start, prefill_done)
+                            writer = DirectWriter.before_start(watch, self._stream_headers(ctx))
+                            relay.writer = writer
+                            sink = relay.sink if writer is not None else None
+                        opening = self._open_decode(inst, ctx, params, sink)
                     resp = await watch.race(opening, "decode_wait")
                 except UpstreamError as exc:
                     self._upstream_failed(inst, exc)
@@ -456,11 +482,12 @@ class ProxyService:
                     raise passthrough(resp.status, raw)
                 if ctx.stream:
                     keep = True
-                    relay = _Relay(self, ctx, decision, cached, start, prefill_done)
+                    if relay is None:
+                        relay = _Relay(self, ctx, decision, cached, start, prefill_done)
                     return RelayResponse(
                         self._relay(resp, ctx, inst, decision, slot, relay),
                         watch,
-                        headers={"X-Request-Id": ctx.request_id},
+                        self._stream_headers(ctx),
                         direct=relay,
                     )
                 try:

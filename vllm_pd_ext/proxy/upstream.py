@@ -111,6 +111,8 @@ class _Conn(asyncio.Protocol):
         self.waiter: asyncio.Future | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.sink: Callable[[bytes], bool] | None = None
+        #: Becomes ``sink`` when the head says 200 (``Upstream.send(sink_on_ok=...)``).
+        self.sink_on_ok: Callable[[bytes], bool] | None = None
         self.rx_at = 0.0  # when the sink last got bytes (loop time)
 
     # -- asyncio.Protocol --------------------------------------------------------------
@@ -123,6 +125,7 @@ class _Conn(asyncio.Protocol):
         if self.state == _DONE or self.error is not None:
             self.keep_alive = False  # bytes nobody asked for: never reuse this connection
             return
+        in_head = self.state == _HEAD
         try:
             self._parse(self.buf + data if self.buf else data)
         except (_Protocol, ValueError, IndexError) as exc:
@@ -135,7 +138,7 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
         if self.sink is not None:
             self.rx_at = self.loop.time()
-            if not self.chunks and self.state != _DONE and self.error is None:
+            if not (in_head or self.chunks) and self.state != _DONE and self.error is None:
                 return  # the sink took it all: nothing for the waiting task
         self._wake()
 
@@ -256,6 +259,9 @@ class _Conn(asyncio.Protocol):
                     keep_alive = True
         self.status = status
         self.keep_alive = keep_alive
+        if status == 200 and self.sink_on_ok is not None:
+            self.sink, self.rx_at = self.sink_on_ok, self.loop.time()
+        self.sink_on_ok = None
         if self.head_only or status in (204, 304):
             self.state = _DONE
         elif chunked:
@@ -491,9 +497,12 @@ class Upstream:
         timeouts: Timeouts,
         body: dict[str, Any] | bytes | None = None,
         headers: dict[str, str] | None = None,
+        sink_on_ok: Callable[[bytes], bool] | None = None,
     ) -> UpstreamResponse:
         """Send one request; return once the head is in, the body unread. ``body``: an
-        object sent as JSON, or JSON already encoded.
+        object sent as JSON, or JSON already encoded. ``sink_on_ok``: when the head says 200,
+        the response's sink from then on (``UpstreamResponse.set_sink``), so that body bytes
+        that come with the head or before the caller wakes are offered to it at once.
 
         ``timeouts`` comes from ``Timeouts.client()``. Raises ``UpstreamError``. Cancelling
         the caller closes the connection.
@@ -514,6 +523,7 @@ class Upstream:
         try:
             while True:
                 conn.head_only = method == "HEAD"
+                conn.sink_on_ok = sink_on_ok
                 conn.transport.write(payload)  # type: ignore[union-attr]
                 while conn.state == _HEAD:
                     if conn.error is not None:

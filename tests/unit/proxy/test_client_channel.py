@@ -90,3 +90,66 @@ def test_direct_writes_only_where_uvicorn_has_the_internals_they_use(monkeypatch
     assert Full.transport.writes == [b"9\r\ndata: x\n\n\r\n"]
     Full.flow.write_paused = True  # the client's buffer is full: back to send()
     assert not writer.ready()
+
+
+def _fast_cycle():
+    from vllm_pd_ext.proxy.front_protocol import FastCycle
+
+    protocol = SimpleNamespace(
+        server=("127.0.0.1", 1),
+        client=("127.0.0.1", 2),
+        transport=_Transport(),
+        flow=SimpleNamespace(write_paused=False),
+        on_response_complete=lambda: None,
+        server_state=SimpleNamespace(default_headers=[(b"server", b"t")]),
+    )
+    return FastCycle(protocol, b"/v1/completions", b"", [], True), protocol.transport
+
+
+HEADERS = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"r1")]
+
+
+def test_a_writer_before_start_starts_the_response_once_and_the_relay_does_not_again():
+    from starlette.requests import Request
+
+    async def go():
+        cycle, transport = _fast_cycle()
+        await cycle.receive()  # the body, as the app reads it first
+        watch = client_channel.DisconnectWatch(Request(cycle.scope, cycle.receive))
+        writer = DirectWriter.before_start(watch, HEADERS)
+        assert writer is not None and writer.ready() and not writer.started
+        writer.write(b"data: 1\n\n")  # from the engine connection, ahead of the task
+        direct = SimpleNamespace(writer=writer)
+
+        async def body():
+            yield b"data: 2\n\n"
+            yield client_channel.STREAM_END
+
+        response = client_channel.RelayResponse(body(), watch, HEADERS, direct=direct)
+        await response(cycle.scope, cycle.receive, cycle.send)
+        return transport.writes, cycle.response_complete
+
+    writes, complete = asyncio.run(go())
+    data = b"".join(writes)
+    assert data.count(b"HTTP/1.1 200") == 1 and writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+    assert b"x-request-id: r1\r\n" in writes[0] and b"transfer-encoding: chunked" in writes[0]
+    assert data.endswith(
+        b"9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\ne\r\ndata: [DONE]\n\n\r\n0\r\n\r\n"
+    )
+    assert complete
+
+
+def test_a_writer_before_start_stands_back_once_send_started_the_response():
+    from starlette.requests import Request
+
+    async def go():
+        cycle, transport = _fast_cycle()
+        watch = client_channel.DisconnectWatch(Request(cycle.scope, cycle.receive))
+        writer = DirectWriter.before_start(watch, HEADERS)
+        await cycle.send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+        ready_after_start = writer.ready()  # the head is held by the cycle, not written yet
+        late = DirectWriter.before_start(watch, HEADERS)
+        return ready_after_start, late, transport.writes
+
+    ready_after_start, late, writes = asyncio.run(go())
+    assert not ready_after_start and late is None and writes == []

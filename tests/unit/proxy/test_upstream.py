@@ -251,3 +251,34 @@ def test_a_sink_takes_pieces_in_order_and_what_it_takes_counts_as_read():
     assert b"data: 5\n\n" in events and len(taken) >= 5
     assert taken == sorted(taken)
     assert error.kind == "read_timeout"
+
+
+def test_sink_on_ok_takes_the_body_that_comes_with_a_200_head_and_not_an_error_body():
+    async def go():
+        taken: dict[int, list[bytes]] = {200: [], 503: []}
+        results = {}
+        for status in (200, 503):
+            head = HEAD if status == 200 else HEAD.replace(b"200 OK", b"503 Unavailable")
+            server = await _serve(head + _chunk(b"data: a\n\n") + b"0\r\n\r\n", False)
+            up = Upstream(_url(server), max_connections=4)
+            try:
+                resp = await up.send(
+                    "POST",
+                    "/",
+                    Timeouts(total=10).client(),
+                    b"{}",
+                    sink_on_ok=lambda piece, s=status: taken[s].append(piece) or True,
+                )
+                # Taken as the head was parsed, before send() returned to this task.
+                results[status] = (resp.status, list(taken[status]))
+                rest = b"" if status == 200 else await asyncio.wait_for(resp.read(), 5)
+                results[status] += (rest,)
+                resp.close()
+            finally:
+                await up.close()
+                server.close()
+        return results
+
+    results = asyncio.run(go())
+    assert results[200][:2] == (200, [b"data: a\n\n"])
+    assert results[503] == (503, [], b"data: a\n\n")  # an error body stays for read()
