@@ -18,6 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, error_body, error_response
+from vllm_pd_ext.proxy.front_protocol import FastCycle
 from vllm_pd_ext.proxy.request import PATHS, Route
 from vllm_pd_ext.proxy.service import ProxyService
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
@@ -165,8 +166,10 @@ class FrontDoor:
         await self.app(scope, receive, send)
 
     async def _complete(self, scope, receive, send, route: Route) -> None:
+        cycle = getattr(receive, "__self__", None)
+        request = cycle if type(cycle) is FastCycle else Request(scope, receive)
         try:
-            response = await self.service.handle(Request(scope, receive), route)
+            response = await self.service.handle(request, route)
         except ProxyError as exc:
             response = error_response(exc)
         except Exception:

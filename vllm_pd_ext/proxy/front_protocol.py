@@ -100,7 +100,9 @@ class _HeadWithBody:
 
 class FastCycle:
     """One request on a fast route: its body, and the ASGI ``receive``/``send`` the app
-    answers it through.
+    answers it through. It also serves as the request itself (``scope`` and ``receive``,
+    what the proxy reads of a Starlette ``Request``), and ``take_body`` hands the body over
+    without an ASGI message.
 
     Keeps the attribute names of uvicorn's request cycle that the protocol (connection
     lost, shutdown) and ``DirectWriter`` read. ``message_event`` is the cycle itself: the
@@ -200,11 +202,17 @@ class FastCycle:
         )
         await self.send({"type": "http.response.body", "body": b"Internal Server Error"})
 
-    async def receive(self) -> dict:
+    def take_body(self) -> bytes | None:
+        """The request body, once (None after); ``receive`` hands it out the same way."""
         body = self._body
-        if body is not None:
-            self._body = None  # type: ignore[assignment]
-            data = body[0] if len(body) == 1 else b"".join(body)
+        if body is None:
+            return None
+        self._body = None  # type: ignore[assignment]
+        return body[0] if len(body) == 1 else b"".join(body)
+
+    async def receive(self) -> dict:
+        data = self.take_body()
+        if data is not None:
             return {"type": "http.request", "body": data, "more_body": False}
         if not (self.disconnected or self.response_complete):
             self._waiter = asyncio.get_running_loop().create_future()

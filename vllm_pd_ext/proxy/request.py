@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError
+from vllm_pd_ext.proxy.front_protocol import FastCycle
 
 if TYPE_CHECKING:
     from vllm_pd_ext.proxy.token_mode import TokenRequest
@@ -81,12 +82,17 @@ def _header(request: Request, name: bytes) -> bytes | None:
     return None
 
 
-async def read_body(request: Request, limit: int) -> tuple[dict[str, Any], bytes]:
+async def read_body(request: Request | FastCycle, limit: int) -> tuple[dict[str, Any], bytes]:
     """The JSON object in the request body and the body's bytes; 413 past ``limit`` bytes,
-    400 when malformed."""
+    400 when malformed. ``request``: a Starlette request, or the ``FastCycle`` serving it."""
     declared = _header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    if type(request) is FastCycle:
+        raw = request.take_body() or b""
+        if len(raw) > limit:
+            raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        return _json_object(raw), raw
     receive = request.receive
     chunks: list[bytes] = []
     size = 0
@@ -103,13 +109,17 @@ async def read_body(request: Request, limit: int) -> tuple[dict[str, Any], bytes
         if not message.get("more_body", False):
             break
     raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+    return _json_object(raw), raw
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ProxyError(400, f"request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ProxyError(400, "request body must be a JSON object")
-    return body, raw
+    return body
 
 
 def _expect(body: dict, key: str, types: tuple[type, ...], what: str) -> None:

@@ -143,6 +143,23 @@ def test_bad_bodies_get_openai_errors(engines, content, status, fragment):
     assert not any(e.requests for e in engines.values())
 
 
+def test_oversized_chunked_body_is_413_and_the_connection_serves_on(engines):
+    """No Content-Length: the body is cut past the limit as it arrives, then refused."""
+
+    def pieces():
+        yield b'{"prompt": "'
+        for _ in range(10):
+            yield b"x" * 1000
+        yield b'"}'
+
+    with proxy(engines, max_body_bytes=4096) as (base, _), httpx.Client(timeout=60) as client:
+        resp = client.post(f"{base}/v1/completions", content=pieces())
+        assert resp.status_code == 413 and "exceeds" in resp.json()["error"]["message"]
+        again = client.post(f"{base}/v1/completions", json={"model": "m", "prompt": SHORT})
+        assert again.status_code == 200
+    assert len([r for e in engines.values() for r in e.requests]) == 1
+
+
 def test_chat_without_messages_and_engine_4xx_pass_through(engines):
     with proxy(engines) as (base, _):
         resp = httpx.post(f"{base}/v1/chat/completions", json={"model": "m"}, timeout=60)
