@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from vllm_pd_ext.proxy.token_mode import TokenRequest
 
 Route = Literal["chat", "completions"]
+PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 #: Request ids the proxy makes up: a random per-process prefix and a counter (no system call
 #: for randomness per request); 32 hex digits like a UUID's.
@@ -38,7 +39,6 @@ def _new_id_prefix() -> None:
 
 if hasattr(os, "register_at_fork"):  # a forked worker never repeats ids
     os.register_at_fork(after_in_child=_new_id_prefix)
-PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 
 
 @dataclass
