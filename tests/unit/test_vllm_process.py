@@ -8,12 +8,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 
 import pytest
 
+from vllm_pd_ext.tools import vllm_process
 from vllm_pd_ext.tools.vllm_process import (
     VllmServer,
     VllmServerError,
+    _ephemeral_range,
     cpu_env,
     free_port,
 )
@@ -31,6 +34,31 @@ def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as s:
         s.bind(("127.0.0.1", port))
+
+
+def test_free_ports_stay_out_of_the_outgoing_range_and_do_not_repeat():
+    low, _ = _ephemeral_range()
+    ports = [free_port() for _ in range(300)]
+    assert len(set(ports)) == len(ports)
+    if low > 11_000:  # Linux's default range: room below it
+        assert all(p < low for p in ports)
+
+
+def test_free_port_skips_a_port_in_use(monkeypatch):
+    low, _ = _ephemeral_range()
+    if low <= 11_000:
+        pytest.skip("no room below this machine's outgoing port range")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        taken = busy.getsockname()[1]
+        # the random draw offers the busy port first: it is passed over for the next ones
+        others = [taken - k for k in range(1, 30)]
+        offers = iter([taken, taken, *others])
+        monkeypatch.setattr(vllm_process._RANDOM, "randrange", lambda a, b: next(offers))
+        monkeypatch.setattr(vllm_process, "_HANDED_OUT", deque(maxlen=8))
+        port = free_port()
+    assert port in others
 
 
 def _server(tmp_path, argv) -> VllmServer:

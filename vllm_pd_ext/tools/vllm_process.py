@@ -9,12 +9,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,11 +46,48 @@ class VllmServerError(RuntimeError):
     """A ``vllm serve`` process exited early or never became healthy."""
 
 
+#: Ports ``free_port`` handed out lately in this process: not handed out again before they
+#: are bound (a listener may bind its port tens of seconds after being told it).
+_HANDED_OUT: deque[int] = deque(maxlen=2048)
+_RANDOM = random.Random()
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The local ports the kernel gives outgoing connections (Linux; its default otherwise)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that was free on ``host`` a moment ago."""
+    """A TCP port that was free on ``host`` a moment ago, outside the kernel's range for
+    outgoing connections where it can.
+
+    vLLM binds some ports it is told long after start (NIXL's side channel, once the model
+    is loaded); a port from the ephemeral range may meanwhile become the local end of some
+    outgoing connection (every HTTP poll opens one) and the bind then fails. Falls back to a
+    port the kernel picks when no port below that range can be bound.
+    """
+    low, _ = _ephemeral_range()
+    if low > 11_000:
+        for _ in range(64):
+            port = _RANDOM.randrange(10_000, low)
+            if port in _HANDED_OUT:
+                continue
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+                try:
+                    sock.bind((host, port))
+                except OSError:
+                    continue
+            _HANDED_OUT.append(port)
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    _HANDED_OUT.append(port)
+    return port
 
 
 def vllm_executable() -> list[str]:
