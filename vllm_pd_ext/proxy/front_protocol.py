@@ -21,40 +21,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 
 logger = logging.getLogger(__name__)
 
 #: The routes ``FastCycle`` serves, as the request line spells them.
 FAST_PATHS = (b"/v1/completions", b"/v1/chat/completions")
 
-_HEADER_VALUE = re.compile(b"[\x00-\x08\x0a-\x1f\x7f]")  # what uvicorn refuses too
-_REASONS = {
-    200: b"OK",
-    400: b"Bad Request",
-    401: b"Unauthorized",
-    404: b"Not Found",
-    405: b"Method Not Allowed",
-    413: b"Request Entity Too Large",
-    429: b"Too Many Requests",
-    499: b"",
-    500: b"Internal Server Error",
-    502: b"Bad Gateway",
-    503: b"Service Unavailable",
-    504: b"Gateway Timeout",
-}
-
-
-def _status_line(status: int) -> bytes:
-    reason = _REASONS.get(status)
-    if reason is None:
-        from http import HTTPStatus
-
-        try:
-            reason = HTTPStatus(status).phrase.encode()
-        except ValueError:
-            reason = b""
-    return b"HTTP/1.1 %d %b\r\n" % (status, reason)
+try:  # uvicorn's status lines and its header-value check, for the responses written here
+    from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE
+except ImportError:  # front_protocol() returns None then: no FastCycle is ever made
+    HEADER_VALUE_RE, STATUS_LINE = None, {}
 
 
 class _HeadWithBody:
@@ -260,12 +236,12 @@ class FastCycle:
         return self._build_head(status, headers)
 
     def _build_head(self, status: int, headers) -> bytes:
-        parts = [_status_line(status)]
+        parts = [STATUS_LINE[status]]
         parts.extend(b"%b: %b\r\n" % nv for nv in self._defaults.default_headers)
         chunked = None
         close = False
         for name, value in headers:
-            if _HEADER_VALUE.search(value):
+            if HEADER_VALUE_RE.search(value):
                 raise RuntimeError("invalid HTTP header value")
             name = name.lower()
             if name == b"content-length":

@@ -438,6 +438,7 @@ class ProxyService:
         When the protocol bound the KV to ``first``, a retry elsewhere runs colocated.
         """
         errors: list[str] = []
+        headers = self._stream_headers(ctx) if ctx.stream else []
         for attempt, inst in enumerate(self._candidates(ctx, pool, "decode", first)):
             if attempt and params is not None and self.protocol.binds_decode:
                 params, cached = None, None
@@ -456,7 +457,7 @@ class ProxyService:
                             # from the engine connection as they come (the response started
                             # there), ahead of this task waking.
                             relay = _Relay(self, ctx, decision, cached, start, prefill_done)
-                            writer = DirectWriter.before_start(watch, self._stream_headers(ctx))
+                            writer = DirectWriter.before_start(watch, headers)
                             relay.writer = writer
                             sink = relay.sink if writer is not None else None
                         opening = self._open_decode(inst, ctx, params, sink)
@@ -487,7 +488,7 @@ class ProxyService:
                     return RelayResponse(
                         self._relay(resp, ctx, inst, decision, slot, relay),
                         watch,
-                        self._stream_headers(ctx),
+                        headers,
                         direct=relay,
                     )
                 try:
