@@ -30,8 +30,12 @@ recorded: what our proxy's health loop parses every 2 s (the engine's ``/metrics
 
 Processes: the upstream is pinned to ``--upstream-core`` (vLLM's OpenMP threads bound there),
 the load generator and both proxies to ``--front-core``. Every process started here runs in
-its own process group and is stopped on exit, Ctrl-C or SIGTERM. Requests are bounded in
-number, each phase in time, and no round starts after ``--max-minutes``.
+its own process group and is stopped on exit, Ctrl-C or SIGTERM. Both proxies are started
+afresh (and warmed up) before every round: a tail percentile of one process also reflects the
+luck of its launch (two launches of the same proxy differed by ~0.15 ms at p99 here), and new
+processes every round spread that luck over the rounds for both alike (``--same-proxies``: one
+launch for all rounds). Requests are bounded in number, each phase in time, and no round
+starts after ``--max-minutes``.
 
 Writes ``benchmarks/results/proxy_overhead.json`` (``proxy_overhead_fake.json`` with
 ``--upstream fake``). Run: ``.venv/bin/python benchmarks/proxy_overhead.py``: about 2 min on
@@ -179,7 +183,6 @@ class Fleet:
     def start(self) -> None:
         args = self.args
         up_cpus = {args.upstream_core} if args.pin else None
-        front_cpus = {args.front_core} if args.pin else None
         if args.upstream == "vllm":
             upstream_url = self._start_vllm(up_cpus)
         else:
@@ -202,7 +205,13 @@ class Fleet:
             wait_ready(fake, upstream_url + "/health", 30)
             self.pids["upstream"] = fake.proc.pid
         self.urls["direct"] = upstream_url
+        self.start_proxies()
 
+    def start_proxies(self) -> None:
+        """Start our proxy and vllm-router in front of the upstream (fresh processes)."""
+        args = self.args
+        front_cpus = {args.front_core} if args.pin else None
+        upstream_url = self.urls["direct"]
         ours_port = free_port()
         ours = spawn(
             "ours",
@@ -252,6 +261,15 @@ class Fleet:
             self.pids["vllm-router"] = router.proc.pid
             wait_ready(router, self.urls["vllm-router"] + "/v1/models", 60)
         wait_ready(ours, self.urls["ours"] + "/health", 60)
+
+    def restart_proxies(self) -> None:
+        """Stop both proxies and start new processes: each launch has its own luck (memory
+        layout, cache placement), which a tail percentile sees; fresh ones every round
+        spread it over the rounds for both proxies alike."""
+        for child in [c for c in self.children if c.name in ("ours", "vllm-router")]:
+            child.stop()
+            self.children.remove(child)
+        self.start_proxies()
 
     def _start_vllm(self, cpus: set[int] | None) -> str:
         from vllm_pd_ext.tools.tiny_model import ensure_model
@@ -599,28 +617,42 @@ def summarize(rounds: list[dict[str, dict]], pooled: dict[str, list[Sample]]) ->
 async def run_rounds(fleet: Fleet, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     names = [n for n in TARGETS if n in fleet.urls]
     conn_limit = max(args.sat_concurrency * 2, 8)
-    sessions = {
-        n: aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=conn_limit, ttl_dns_cache=None),
-            timeout=aiohttp.ClientTimeout(total=args.request_timeout_s),
+    clients: dict[str, Client] = {}
+
+    def connect(targets: list[str]) -> None:
+        for n in targets:
+            session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=conn_limit, ttl_dns_cache=None),
+                timeout=aiohttp.ClientTimeout(total=args.request_timeout_s),
+            )
+            clients[n] = Client(n, fleet.urls[n], session)
+
+    async def warm_up(targets: list[str]) -> None:
+        """Every path used once (connections, engine caches, first-call imports)."""
+        warm = await latency_phase(
+            [clients[n] for n in targets], fleet.model, 5, args.max_tokens, 0
         )
-        for n in names
-    }
-    clients = {n: Client(n, fleet.urls[n], sessions[n]) for n in names}
-    try:
-        # Warm up every path (connections, engine caches, first-call imports).
-        warm = await latency_phase(list(clients.values()), fleet.model, 5, args.max_tokens, 0)
         await asyncio.gather(
             *(
                 saturation_phase(
-                    c, fleet.model, args.sat_concurrency, args.sat_concurrency, args.max_tokens, 30
+                    clients[n],
+                    fleet.model,
+                    args.sat_concurrency,
+                    args.sat_concurrency,
+                    args.max_tokens,
+                    30,
                 )
-                for c in clients.values()
+                for n in targets
             )
         )
         failures = {n: [s.error for s in ss if not s.ok] for n, ss in warm.items()}
         if any(failures.values()):
             raise RuntimeError(f"warm-up requests failed: {failures}")
+
+    proxies = [n for n in names if n != "direct"]
+    connect(names)
+    try:
+        await warm_up(names)
 
         # Background CPU of each proxy with no requests (health checks): subtracted below.
         idle0 = {n: group_cpu_s(pid) for n, pid in fleet.pids.items() if n in clients}
@@ -638,8 +670,14 @@ async def run_rounds(fleet: Fleet, args: argparse.Namespace, log_dir: Path) -> d
             if time.monotonic() > deadline:
                 print(f"--max-minutes reached: stopping after {r} rounds", flush=True)
                 break
-            order = names[r % len(names) :] + names[: r % len(names)]
             t_round = time.perf_counter()
+            if r and args.fresh_proxies and proxies:
+                for n in proxies:
+                    await clients.pop(n).session.close()
+                await asyncio.to_thread(fleet.restart_proxies)
+                connect(proxies)
+                await warm_up(proxies)
+            order = names[r % len(names) :] + names[: r % len(names)]
             cpu0 = {n: group_cpu_s(pid) for n, pid in fleet.pids.items()}
             t_lat = time.perf_counter()
             lat = await latency_phase(
@@ -706,8 +744,8 @@ async def run_rounds(fleet: Fleet, args: argparse.Namespace, log_dir: Path) -> d
             "profile_ours": profile,
         }
     finally:
-        for s in sessions.values():
-            await s.close()
+        for c in clients.values():
+            await c.session.close()
 
 
 async def health_scrape_cost(upstream: str) -> dict[str, Any]:
@@ -907,6 +945,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--front-core", type=int, default=0, help="load generator and proxies")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="no CPU pinning")
     p.add_argument("--skip-router", action="store_true")
+    p.add_argument(
+        "--same-proxies",
+        dest="fresh_proxies",
+        action="store_false",
+        help="keep both proxies' processes for all rounds (default: new ones every round)",
+    )
     p.add_argument("--py-spy", action="store_true", help="profile ours in one extra phase")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--keep-logs", action="store_true", help="keep the process logs directory")
