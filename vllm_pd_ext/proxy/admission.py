@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 
 from vllm_pd_ext.proxy.errors import ProxyError
 
@@ -10,12 +11,21 @@ from vllm_pd_ext.proxy.errors import ProxyError
 class Admission:
     """Hands out in-flight slots; callers ``release()`` each slot they ``acquire()``."""
 
-    def __init__(self, max_in_flight: int, max_queued: int, queue_timeout_s: float):
+    def __init__(
+        self,
+        max_in_flight: int,
+        max_queued: int,
+        queue_timeout_s: float,
+        on_queued: Callable[[int], None] | None = None,
+    ):
         self._slots = asyncio.Semaphore(max_in_flight)
         self.max_queued = max_queued
         self.queue_timeout_s = queue_timeout_s
         self.queued = 0
         self.in_flight = 0
+        #: Told the number queued whenever it changes (a request only queues when no slot
+        #: is free: the common case never calls it).
+        self._on_queued = on_queued or (lambda n: None)
 
     async def acquire(self) -> None:
         """Wait for a slot. Raises 429 when the queue is full, 503 on queue timeout."""
@@ -28,6 +38,7 @@ class Admission:
                     retry_after=1,
                 )
             self.queued += 1
+            self._on_queued(self.queued)
             try:
                 await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
             except asyncio.TimeoutError:
@@ -39,6 +50,7 @@ class Admission:
                 ) from None
             finally:
                 self.queued -= 1
+                self._on_queued(self.queued)
         else:
             await self._slots.acquire()
         self.in_flight += 1

@@ -26,9 +26,10 @@ STREAM_END = b"data: [DONE]\n\n"
 class ClientGone(Exception):
     """The client disconnected while the proxy was waiting on an engine."""
 
-    def __init__(self, phase: str):
+    def __init__(self, phase: str, decision: str = "-"):
         super().__init__(phase)
         self.phase = phase
+        self.decision = decision  # the request's, when it was made
 
 
 class DisconnectWatch:

@@ -30,7 +30,7 @@ from vllm_pd_ext.proxy.request import RequestContext
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Decision:
     split: bool
     reason: str

@@ -85,14 +85,14 @@ def _header(request: Request, name: bytes) -> bytes | None:
 async def read_body(request: Request | FastCycle, limit: int) -> tuple[dict[str, Any], bytes]:
     """The JSON object in the request body and the body's bytes; 413 past ``limit`` bytes,
     400 when malformed. ``request``: a Starlette request, or the ``FastCycle`` serving it."""
-    declared = _header(request, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-    if type(request) is FastCycle:
+    if type(request) is FastCycle:  # it never keeps more than ``limit`` + 1 bytes
         raw = request.take_body() or b""
         if len(raw) > limit:
             raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
         return _json_object(raw), raw
+    declared = _header(request, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
     receive = request.receive
     chunks: list[bytes] = []
     size = 0
@@ -122,11 +122,27 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     return body
 
 
-def _expect(body: dict, key: str, types: tuple[type, ...], what: str) -> None:
-    value = body.get(key)
-    ok = isinstance(value, types) and not (isinstance(value, bool) and bool not in types)
-    if value is not None and not ok:
-        raise ProxyError(400, f"'{key}' must be {what}", param=key)
+#: The fields whose JSON type the proxy relies on: (key, its type, what the error says, must
+#: not be negative). Exact types, as ``json.loads`` makes them: an integer field takes no bool.
+_TYPED: tuple[tuple[str, type, str, bool], ...] = (
+    ("model", str, "a string", False),
+    ("stream", bool, "a boolean", False),
+    ("max_tokens", int, "an integer", True),
+    ("max_completion_tokens", int, "an integer", True),
+    ("n", int, "an integer", False),
+    ("stream_options", dict, "an object", False),
+)
+
+
+def _check_types(body: dict[str, Any]) -> None:
+    for key, kind, what, non_negative in _TYPED:
+        value = body.get(key)
+        if value is None:
+            continue
+        if type(value) is not kind:
+            raise ProxyError(400, f"'{key}' must be {what}", param=key)
+        if non_negative and value < 0:
+            raise ProxyError(400, f"'{key}' must be non-negative", param=key)
 
 
 def _text_of_messages(messages: list) -> str:
@@ -155,15 +171,7 @@ def parse_request(
 ) -> RequestContext:
     """Validate what routing needs and strip what the proxy owns. ``raw``: the bytes
     ``body`` was read from, kept on the context while nothing was stripped."""
-    _expect(body, "model", (str,), "a string")
-    _expect(body, "stream", (bool,), "a boolean")
-    _expect(body, "max_tokens", (int,), "an integer")
-    _expect(body, "max_completion_tokens", (int,), "an integer")
-    _expect(body, "n", (int,), "an integer")
-    _expect(body, "stream_options", (dict,), "an object")
-    for key in ("max_tokens", "max_completion_tokens"):
-        if isinstance(body.get(key), int) and body[key] < 0:
-            raise ProxyError(400, f"'{key}' must be non-negative", param=key)
+    _check_types(body)
 
     if "kv_transfer_params" in body:
         if config.client_kv_transfer_params == "reject":

@@ -135,7 +135,12 @@ class ProxyService:
         self.config = config
         self.fleet = Fleet(config)
         self.metrics = ProxyMetrics()
-        self.admission = Admission(config.max_in_flight, config.max_queued, config.queue_timeout_s)
+        self.admission = Admission(
+            config.max_in_flight,
+            config.max_queued,
+            config.queue_timeout_s,
+            on_queued=self.metrics.queued.set,
+        )
         self.decider = Decider(config.decision)
         self.prefill_policy = make_policy(config.prefill_policy)
         self.decode_policy = make_policy(config.decode_policy)
@@ -184,14 +189,11 @@ class ProxyService:
         """Serve one OpenAI request. Raises ``ProxyError`` for answers the app maps."""
         body, raw = await read_body(request, self.config.max_body_bytes)
         ctx = parse_request(route, body, request, self.config, raw)
-        self.metrics.queued.set(self.admission.queued + 1)
         try:
             await self.admission.acquire()
         except ProxyError as exc:
             self.metrics.rejected.labels(exc.code or "saturated").inc()
             raise
-        finally:
-            self.metrics.queued.set(self.admission.queued)
         slot = _Slot(self.admission)
         self.metrics.in_flight.inc()
         handed_over = False
@@ -204,7 +206,7 @@ class ProxyService:
             self.metrics.aborts.labels(gone.phase).inc()
             if ctx.tokens is not None and gone.phase != "between_legs":
                 self._abort_engines(ctx)
-            self._finished(ctx, "-", f"client_gone_{gone.phase}", "client_gone")
+            self._finished(ctx, gone.decision, f"client_gone_{gone.phase}", "client_gone")
             return Response(status_code=499)
         finally:
             if not handed_over:
@@ -461,7 +463,13 @@ class ProxyService:
                             relay.writer = writer
                             sink = relay.sink if writer is not None else None
                         opening = self._open_decode(inst, ctx, params, sink)
-                    resp = await watch.race(opening, "decode_wait")
+                    try:
+                        resp = await watch.race(opening, "decode_wait")
+                    except ClientGone:
+                        if relay is not None and relay.writer is not None and relay.writer.started:
+                            # the stream was under way, from the engine connection's side
+                            raise ClientGone("decode_stream", decision.label) from None
+                        raise
                 except UpstreamError as exc:
                     self._upstream_failed(inst, exc)
                     errors.append(f"{inst.label}: {exc.kind}")

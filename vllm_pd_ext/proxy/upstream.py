@@ -125,7 +125,6 @@ class _Conn(asyncio.Protocol):
         if self.state == _DONE or self.error is not None:
             self.keep_alive = False  # bytes nobody asked for: never reuse this connection
             return
-        in_head = self.state == _HEAD
         try:
             self._parse(self.buf + data if self.buf else data)
         except (_Protocol, ValueError, IndexError) as exc:
@@ -138,8 +137,10 @@ class _Conn(asyncio.Protocol):
             self.transport.pause_reading()
         if self.sink is not None:
             self.rx_at = self.loop.time()
-            if not (in_head or self.chunks) and self.state != _DONE and self.error is None:
-                return  # the sink took it all: nothing for the waiting task
+            if not self.chunks and self.state not in (_HEAD, _DONE) and self.error is None:
+                # The sink took it all (a head that installed it included): nothing for the
+                # waiting task, which wakes for what the sink leaves, the end or an error.
+                return
         self._wake()
 
     def eof_received(self) -> bool:
@@ -501,8 +502,9 @@ class Upstream:
     ) -> UpstreamResponse:
         """Send one request; return once the head is in, the body unread. ``body``: an
         object sent as JSON, or JSON already encoded. ``sink_on_ok``: when the head says 200,
-        the response's sink from then on (``UpstreamResponse.set_sink``), so that body bytes
-        that come with the head or before the caller wakes are offered to it at once.
+        the response's sink from then on (``UpstreamResponse.set_sink``): the body's bytes
+        go to it as they come, and this returns only once the sink leaves some, the body
+        ends or the connection fails (a stream the sink takes whole needs no task woken).
 
         ``timeouts`` comes from ``Timeouts.client()``. Raises ``UpstreamError``. Cancelling
         the caller closes the connection.

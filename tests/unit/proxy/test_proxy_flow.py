@@ -311,6 +311,8 @@ def test_disconnect_while_streaming_aborts_decode(engines):
         wait_until(lambda: engines["d1"].disconnects + engines["d2"].disconnects == 1)
         wait_until(lambda: svc.admission.in_flight == 0)
         assert metric(base, "vllm_pd_aborts_total", phase="decode_stream") == 1
+        assert metric(base, "vllm_pd_requests_total", outcome="client_gone") == 1
+        assert metric(base, "vllm_pd_requests_total", decision="colocated") == 1
         assert engines["d1"].running == 0 and engines["d2"].running == 0
 
 

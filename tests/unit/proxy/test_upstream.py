@@ -282,3 +282,57 @@ def test_sink_on_ok_takes_the_body_that_comes_with_a_200_head_and_not_an_error_b
     results = asyncio.run(go())
     assert results[200][:2] == (200, [b"data: a\n\n"])
     assert results[503] == (503, [], b"data: a\n\n")  # an error body stays for read()
+
+
+def test_send_with_sink_on_ok_returns_once_the_sink_leaves_bytes_or_the_body_ends():
+    """A stream the sink takes whole needs no task woken: ``send`` returns at the body's end
+    (or at the first piece the sink refuses), not at the head."""
+
+    async def go(refuse: bytes | None):
+        finish = asyncio.Event()
+
+        async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(HEAD)
+            await writer.drain()
+            for event in (b"data: a\n\n", b"data: b\n\n"):
+                await asyncio.sleep(0.05)
+                writer.write(_chunk(event))
+                await writer.drain()
+            await finish.wait()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        up = Upstream(_url(server), max_connections=4)
+        taken: list[bytes] = []
+        left: list[bytes] = []
+
+        def sink(piece: bytes) -> bool:
+            if piece == refuse:
+                return False
+            taken.append(piece)
+            return True
+
+        try:
+            sending = asyncio.ensure_future(
+                up.send("POST", "/", Timeouts(read=10).client(), b"{}", sink_on_ok=sink)
+            )
+            for _ in range(500):  # bounded: 5 s
+                if sending.done() or len(taken) + (refuse is not None) >= 2:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            returned_before_end = sending.done()
+            finish.set()
+            resp = await asyncio.wait_for(sending, 5)
+            async for chunk in resp.chunks():
+                left.append(chunk)
+            resp.close()
+        finally:
+            await up.close()
+            server.close()
+        return returned_before_end, resp.status, taken, b"".join(left)
+
+    assert asyncio.run(go(None)) == (False, 200, [b"data: a\n\n", b"data: b\n\n"], b"")
+    assert asyncio.run(go(b"data: b\n\n")) == (True, 200, [b"data: a\n\n"], b"data: b\n\n")
