@@ -334,6 +334,8 @@ class _Conn(asyncio.Protocol):
 
 
 def _disconnected(exc: BaseException) -> UpstreamError:
+    if isinstance(exc, UpstreamError):
+        return exc
     detail = str(exc) or type(exc).__name__
     return UpstreamError("disconnected", f"{type(exc).__name__}: {detail}")
 
@@ -530,7 +532,14 @@ class Upstream:
                 while conn.state == _HEAD:
                     if conn.error is not None:
                         break
-                    await conn.wait(read_s, deadline)
+                    try:
+                        await conn.wait(read_s, deadline)
+                    except UpstreamError as exc:
+                        if conn.state == _HEAD:
+                            raise
+                        # The head is in and the sink took the body since: whoever reads
+                        # the response meets the timeout, after what came before it.
+                        conn.error = exc
                 if conn.state != _HEAD:
                     return UpstreamResponse(self, conn, read_s, deadline)
                 if reused and not conn.got_bytes and not isinstance(conn.error, _Protocol):

@@ -251,6 +251,29 @@ def test_decode_dying_mid_stream_ends_with_one_error_event(engines):
         assert metric(base, "vllm_pd_in_flight") == 0
 
 
+def test_decode_going_silent_mid_stream_ends_with_one_error_event_and_no_retry(engines):
+    """The read timeout fires while the stream flows from the engine connection (no task
+    woken since the head): still one error event after the tokens, never a second engine's
+    answer appended to the first's."""
+    for d in ("d1", "d2"):
+        engines[d].behavior.token_delay_s = 5.0
+    timeouts = {"decode_first_byte_s": 0.5, "decode_idle_s": 0.5}
+    with proxy(engines, timeouts=timeouts) as (base, _):
+        with httpx.stream(
+            "POST",
+            f"{base}/v1/completions",
+            timeout=60,
+            json={"model": "m", "prompt": SHORT, "max_tokens": 4, "stream": True},
+        ) as r:
+            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        assert len(events) == 2
+        assert json.loads(events[-1][6:])["error"]["code"] == 502
+        assert len(engines["d1"].requests) + len(engines["d2"].requests) == 1
+        assert metric(base, "vllm_pd_requests_total", outcome="decode_failed_mid_stream") == 1
+        assert metric(base, "vllm_pd_retries_total", leg="decode") == 0
+        assert metric(base, "vllm_pd_in_flight") == 0
+
+
 def _disconnect_after(base: str, body: dict, seconds: float, path="/v1/completions") -> None:
     async def go():
         async with httpx.AsyncClient(timeout=60) as client:
