@@ -256,8 +256,8 @@ def test_decode_going_silent_mid_stream_ends_with_one_error_event_and_no_retry(e
     woken since the head): still one error event after the tokens, never a second engine's
     answer appended to the first's."""
     for d in ("d1", "d2"):
-        engines[d].behavior.token_delay_s = 5.0
-    timeouts = {"decode_first_byte_s": 0.5, "decode_idle_s": 0.5}
+        engines[d].behavior.token_delay_s = 30.0
+    timeouts = {"decode_first_byte_s": 2.0, "decode_idle_s": 2.0}
     with proxy(engines, timeouts=timeouts) as (base, _):
         with httpx.stream(
             "POST",
