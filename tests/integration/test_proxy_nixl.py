@@ -6,12 +6,14 @@ import asyncio
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.integration.fleet_helpers import nixl_pair, run_doctor, running_proxy, wait_idle
 from vllm_pd_ext.tools.pd_demo import EXTERNAL, PROMPT_TOKENS_BY_SOURCE, make_prompt_ids
+from vllm_pd_ext.tools.prom import parse_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -257,3 +259,59 @@ def test_bench_compares_colocated_and_pd(fleet, proxy_url, tmp_path):
     assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     metrics = httpx.get(f"{proxy_url}/metrics").text
     assert 'decision="split"' in metrics
+
+
+def test_vllm_bench_serve_runs_against_the_proxy_unchanged(fleet, proxy_url, tiny_llama, tmp_path):
+    """vLLM's own load generator, pointed at the proxy: every request split and answered, the
+    streamed usage (restored on the decode leg) counting the tokens asked for."""
+    _, decode = fleet
+
+    def decisions() -> tuple[float, list[str]]:
+        text = httpx.get(f"{proxy_url}/metrics", timeout=30).text
+        lines = [x for x in text.splitlines() if x.startswith("vllm_pd_decisions_total{")]
+        return parse_metrics(text).total("vllm_pd_decisions_total", decision="split"), lines
+
+    before, _ = decisions()
+    proc = subprocess.run(
+        [
+            str(Path(sys.executable).with_name("vllm")),
+            "bench",
+            "serve",
+            "--backend",
+            "openai",
+            "--base-url",
+            proxy_url,
+            "--model",
+            decode.served_name,
+            "--tokenizer",
+            str(tiny_llama),
+            "--dataset-name",
+            "random",
+            "--random-input-len",
+            "300",  # well past --min-split-prompt-tokens 64, as the proxy estimates text
+            "--random-output-len",
+            "8",
+            "--num-prompts",
+            "6",
+            "--max-concurrency",
+            "3",
+            "--ignore-eos",
+            "--seed",
+            "0",
+            "--disable-tqdm",
+            "--save-result",
+            "--result-dir",
+            str(tmp_path),
+            "--result-filename",
+            "bench.json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    result = json.loads((tmp_path / "bench.json").read_text())
+    assert result["completed"] == 6 and result["failed"] == 0, proc.stdout[-3000:]
+    assert result["total_output_tokens"] == 6 * 8
+    after, lines = decisions()
+    assert after - before == 6, lines
