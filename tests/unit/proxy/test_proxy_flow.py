@@ -234,17 +234,18 @@ def test_decode_error_before_first_byte_retries_other_decode(engines):
         assert metric(base, "vllm_pd_retries_total", leg="decode") == 1
 
 
+def _stream_events(base: str, max_tokens: int) -> list[str]:
+    """The ``data:`` lines of a streamed completion of the short prompt."""
+    body = {"model": "m", "prompt": SHORT, "max_tokens": max_tokens, "stream": True}
+    with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json=body) as r:
+        return [line for line in r.iter_lines() if line.startswith("data: ")]
+
+
 def test_decode_dying_mid_stream_ends_with_one_error_event(engines):
     for d in ("d1", "d2"):
         engines[d].behavior.die_after_tokens = 2
     with proxy(engines) as (base, _):
-        with httpx.stream(
-            "POST",
-            f"{base}/v1/completions",
-            timeout=60,
-            json={"model": "m", "prompt": SHORT, "max_tokens": 8, "stream": True},
-        ) as r:
-            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        events = _stream_events(base, 8)
         assert len(events) == 3
         assert json.loads(events[-1][6:])["error"]["code"] == 502
         assert metric(base, "vllm_pd_requests_total", outcome="decode_failed_mid_stream") == 1
@@ -259,13 +260,7 @@ def test_decode_going_silent_mid_stream_ends_with_one_error_event_and_no_retry(e
         engines[d].behavior.token_delay_s = 30.0
     timeouts = {"decode_first_byte_s": 2.0, "decode_idle_s": 2.0}
     with proxy(engines, timeouts=timeouts) as (base, _):
-        with httpx.stream(
-            "POST",
-            f"{base}/v1/completions",
-            timeout=60,
-            json={"model": "m", "prompt": SHORT, "max_tokens": 4, "stream": True},
-        ) as r:
-            events = [line for line in r.iter_lines() if line.startswith("data: ")]
+        events = _stream_events(base, 4)
         assert len(events) == 2
         assert json.loads(events[-1][6:])["error"]["code"] == 502
         assert len(engines["d1"].requests) + len(engines["d2"].requests) == 1
