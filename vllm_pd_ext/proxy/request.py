@@ -82,17 +82,21 @@ def _header(request: Request, name: bytes) -> bytes | None:
     return None
 
 
+def _too_large(limit: int) -> ProxyError:
+    return ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+
+
 async def read_body(request: Request | FastCycle, limit: int) -> tuple[dict[str, Any], bytes]:
     """The JSON object in the request body and the body's bytes; 413 past ``limit`` bytes,
     400 when malformed. ``request``: a Starlette request, or the ``FastCycle`` serving it."""
     if type(request) is FastCycle:  # it never keeps more than ``limit`` + 1 bytes
         raw = request.take_body() or b""
         if len(raw) > limit:
-            raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+            raise _too_large(limit)
         return _json_object(raw), raw
     declared = _header(request, b"content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+        raise _too_large(limit)
     receive = request.receive
     chunks: list[bytes] = []
     size = 0
@@ -104,7 +108,7 @@ async def read_body(request: Request | FastCycle, limit: int) -> tuple[dict[str,
         if chunk:
             size += len(chunk)
             if size > limit:
-                raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+                raise _too_large(limit)
             chunks.append(chunk)
         if not message.get("more_body", False):
             break
