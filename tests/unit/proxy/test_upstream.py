@@ -36,6 +36,18 @@ def _url(server) -> str:
     return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
+def _sink_into(taken: list[bytes], refuse: bytes | None):
+    """A sink that takes every piece into ``taken`` but ``refuse`` (left to ``chunks``)."""
+
+    def sink(piece: bytes) -> bool:
+        if piece == refuse:
+            return False
+        taken.append(piece)
+        return True
+
+    return sink
+
+
 def test_events_before_a_broken_stream_are_delivered_then_the_error():
     async def go():
         body = _chunk(b"data: a\n\n") + _chunk(b"data: b\n\n")  # no final 0-chunk: cut short
@@ -225,12 +237,7 @@ def test_a_sink_takes_pieces_in_order_and_what_it_takes_counts_as_read():
         taken: list[bytes] = []
         got: list[bytes] = []
 
-        def sink(piece: bytes) -> bool:
-            if piece == b"data: 5\n\n":
-                return False  # refused: left to chunks
-            taken.append(piece)
-            return True
-
+        sink = _sink_into(taken, refuse=b"data: 5\n\n")
         try:
             resp = await up.send("GET", "/", Timeouts(read=0.3).client())
             resp.set_sink(sink)
@@ -308,12 +315,7 @@ def test_send_with_sink_on_ok_returns_once_the_sink_leaves_bytes_or_the_body_end
         taken: list[bytes] = []
         left: list[bytes] = []
 
-        def sink(piece: bytes) -> bool:
-            if piece == refuse:
-                return False
-            taken.append(piece)
-            return True
-
+        sink = _sink_into(taken, refuse)
         try:
             sending = asyncio.ensure_future(
                 up.send("POST", "/", Timeouts(read=10).client(), b"{}", sink_on_ok=sink)
