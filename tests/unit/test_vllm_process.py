@@ -12,6 +12,7 @@ from collections import deque
 
 import pytest
 
+from tests.skips import not_applicable
 from vllm_pd_ext.tools import vllm_process
 from vllm_pd_ext.tools.vllm_process import (
     VllmServer,
@@ -47,7 +48,7 @@ def test_free_ports_stay_out_of_the_outgoing_range_and_do_not_repeat():
 def test_free_port_skips_a_port_in_use(monkeypatch):
     low, _ = _ephemeral_range()
     if low <= 11_000:
-        pytest.skip("no room below this machine's outgoing port range")
+        not_applicable("no room below the outgoing port range")
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()

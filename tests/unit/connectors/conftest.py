@@ -2,20 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
+from tests.skips import need, requires
 
-import pytest
+# Every module below imports vLLM: without it this folder is skipped (failed under CI).
+need("vllm", why="connector tests drive its Scheduler", allow_module_level=True)
 
-if importlib.util.find_spec("vllm") is None:
-    pytest.skip(
-        "vLLM is not installed (connector tests drive its Scheduler)", allow_module_level=True
-    )
-
-from vllm_pd_ext import plugin
+from vllm_pd_ext import plugin  # noqa: E402
 
 plugin.register()
 
-HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
-requires_mooncake = pytest.mark.skipif(
-    not HAVE_MOONCAKE, reason="mooncake-transfer-engine(-non-cuda) is not installed"
-)
+requires_mooncake = requires("mooncake", why="mooncake-transfer-engine(-non-cuda) moves the KV")

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.skips import requires
 from vllm_pd_ext.render_server.app import create_app
 from vllm_pd_ext.render_server.errors import RenderError
 from vllm_pd_ext.render_server.parsers import TOOL_PARSERS
@@ -21,7 +21,6 @@ from vllm_pd_ext.render_server.parsers.mistral import (
 from vllm_pd_ext.render_server.settings import RenderSettings
 from vllm_pd_ext.render_server.tokenizer import load_tokenizer
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 TC, ARGS = "[TOOL_CALLS]", "[ARGS]"
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
 
@@ -295,7 +294,7 @@ def _vllm_stream(ref, pieces):
     return content, [tuple(calls[k]) for k in sorted(calls)]
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM's mistral parser is the reference")
+@requires("vllm", why="vLLM's mistral parser is the reference")
 @pytest.mark.parametrize("fmt", ["v11", "legacy"])
 def test_batch_equals_vllm(fmt, tiny_mistral, tiny_mistral_v3):
     model = tiny_mistral if fmt == "v11" else tiny_mistral_v3
@@ -309,7 +308,7 @@ def test_batch_equals_vllm(fmt, tiny_mistral, tiny_mistral_v3):
         assert (content, [(c["name"], c["arguments"]) for c in calls]) == want, text
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM's mistral parser is the reference")
+@requires("vllm", why="vLLM's mistral parser is the reference")
 @pytest.mark.parametrize("size", [1, 3, 1000])
 def test_v11_stream_equals_vllm_on_well_formed_output(tiny_mistral, size):
     ref = _vllm_reference(tiny_mistral)
@@ -330,7 +329,7 @@ def test_v11_stream_equals_vllm_on_well_formed_output(tiny_mistral, size):
         assert (content, calls) == _vllm_stream(ref, pieces), text
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM's mistral parser is the reference")
+@requires("vllm", why="vLLM's mistral parser is the reference")
 @pytest.mark.parametrize("tools", ["absent", "tool_choice none"])
 def test_v11_without_tools_equals_vllm(tiny_mistral, tools):
     """vLLM's v11 parser still runs: special-token text dropped, calls cut and not returned."""

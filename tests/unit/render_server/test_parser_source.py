@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,10 +10,10 @@ import pytest
 from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
+from tests.skips import requires
 from vllm_pd_ext.render_server.app import create_app
 from vllm_pd_ext.render_server.settings import RenderSettings
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 TOOLS = [
     {
         "type": "function",
@@ -65,7 +64,7 @@ def test_vllm_source_without_vllm_is_a_clear_error(tiny_qwen):
     assert "vLLM is not installed" in out["error"] and "'pythonic'" in out["error"]
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM's parser registry")
+@requires("vllm", why="needs vLLM's parser registry")
 def test_vllm_source_unknown_name(tiny_qwen):
     with pytest.raises(ValidationError, match="neither built in nor registered in vLLM"):
         RenderSettings(model=str(tiny_qwen), tool_call_parser="no_such", parser_source="vllm")
@@ -82,7 +81,7 @@ def _vllm_reference(model_dir):
     return tok, cls, request
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="needs vLLM's parser registry")
+@requires("vllm", why="needs vLLM's parser registry")
 @pytest.mark.parametrize("size", [1, 4, 1000])
 def test_vllm_source_parser_batch_and_stream(tiny_qwen, size):
     settings = RenderSettings(

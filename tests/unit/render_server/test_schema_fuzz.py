@@ -6,7 +6,10 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-schemathesis = pytest.importorskip("schemathesis")
+from tests.skips import need
+
+need("schemathesis", why="the fuzzer", allow_module_level=True)
+import schemathesis  # noqa: E402
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 
 from vllm_pd_ext.render_server.app import create_app  # noqa: E402

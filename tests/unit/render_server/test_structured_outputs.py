@@ -12,6 +12,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.skips import requires
 from vllm_pd_ext.render_server.app import create_app
 from vllm_pd_ext.render_server.parsers.forced import NamedToolParser, RequiredToolParser
 from vllm_pd_ext.render_server.settings import RenderSettings
@@ -478,9 +479,7 @@ def test_derender_checks_the_chat_request_tool_choice(hermes_json):
     assert "does not match any of the specified `tools`" in resp.json()["error"]["message"]
 
 
-@pytest.mark.skipif(
-    __import__("importlib").util.find_spec("vllm") is None, reason="needs vLLM's parser registry"
-)
+@requires("vllm", why="needs vLLM's parser registry")
 @pytest.mark.parametrize("choice", ["required", NAMED])
 def test_vllm_registry_parser_forced_choice_matches_vllm(tiny_qwen, choice):
     """--parser-source vllm: the constraint comes from vLLM's own parser's adjust_request."""

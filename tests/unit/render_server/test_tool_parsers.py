@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
+from tests.skips import requires
 from vllm_pd_ext.render_server.parsers import TOOL_PARSERS
 from vllm_pd_ext.render_server.parsers.base import ChatParser
 from vllm_pd_ext.render_server.parsers.buffered import DS_CALL_BEGIN, DS_CALL_END, DS_CALLS_BEGIN
 from vllm_pd_ext.render_server.parsers.buffered import DS_SEP as SEP
 
-HAVE_VLLM = importlib.util.find_spec("vllm") is not None
 DS_END = DS_CALLS_BEGIN.replace("begin", "end")
 
 
@@ -63,7 +62,7 @@ def _vllm_parser(name: str, tiny_llama):
     return ToolParserManager.get_tool_parser(name)(tok)
 
 
-@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM's parsers are the reference for this check")
+@requires("vllm", why="vLLM's parsers are the reference for this check")
 @pytest.mark.parametrize("name", list(OUTPUTS))
 def test_batch_equals_vllm(name, tiny_llama):
     ref = _vllm_parser(name, tiny_llama)

@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
-
 from vllm_pd_ext.transport import Transport, get_backend
-
-HAVE_MOONCAKE = importlib.util.find_spec("mooncake") is not None
 
 #: Backends the contract suite runs over.
 BACKENDS = ["mooncake", "mori", "tcp"]

@@ -12,7 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import pytest
 
-from tests.unit.transport.backends import BACKENDS, HAVE_MOONCAKE, make_transport
+from tests.skips import need
+from tests.unit.transport.backends import BACKENDS, make_transport
 from tests.unit.transport.peer import PeerProcess, pattern
 from vllm_pd_ext.transport import Transport
 
@@ -23,8 +24,8 @@ PEER_SEED, LOCAL_SEED = 1, 2
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def backend(request: pytest.FixtureRequest) -> str:
-    if request.param == "mooncake" and not HAVE_MOONCAKE:
-        pytest.skip("mooncake-transfer-engine(-non-cuda) is not installed")
+    if request.param == "mooncake":
+        need("mooncake", why="mooncake-transfer-engine(-non-cuda) is the backend under test")
     return request.param
 
 

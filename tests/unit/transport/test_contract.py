@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from tests.skips import need, not_applicable
 from tests.unit.transport.backends import make_transport
 from tests.unit.transport.conftest import PEER_SEED, REGION, Local, Remote
 from tests.unit.transport.peer import PeerProcess, pattern
@@ -221,7 +222,9 @@ def test_peer_can_write_into_us(local: Local, remote: Remote) -> None:
 
 
 def test_tensor_regions(backend: str, local: Local, remote: Remote) -> None:
-    torch = pytest.importorskip("torch")
+    need("torch", why="register_tensor takes a torch tensor")
+    import torch
+
     t = torch.arange(4096, dtype=torch.int32)  # 16 KiB
     local.transport.register_tensor("tensor", t)
     with pytest.raises(RegistrationError):
@@ -273,7 +276,7 @@ def test_transfer_to_a_dead_peer_fails(backend: str) -> None:
 
 def test_connect_to_a_dead_peer_is_refused(backend: str, local: Local) -> None:
     if backend not in ("mooncake", "tcp"):
-        pytest.skip("only mooncake and tcp reach the peer in connect()")
+        not_applicable("only mooncake and tcp reach the peer in connect()")
     desc = local.transport.descriptor().to_dict()
     dead = TransportDescriptor.from_dict({**desc, "engine_id": "x", "address": "127.0.0.1:1"})
     with pytest.raises(PeerUnreachable):

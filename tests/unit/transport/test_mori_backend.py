@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
+from tests.skips import missing, not_applicable
 from tests.unit.transport import fake_mori
 from vllm_pd_ext.transport import (
     PeerMismatch,
@@ -111,8 +111,9 @@ def test_rdma_backend_config_reaches_the_engine() -> None:
         t.close()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("mori") is not None, reason="mori is installed")
 def test_missing_mori_module_is_a_clear_error() -> None:
+    if not missing("mori"):
+        not_applicable("mori is installed: this checks the error when it is not")
     with pytest.raises(TransportError, match="amd-mori"):
         get_backend("mori")
 

@@ -13,6 +13,7 @@ import numpy as np
 import pydantic
 import pytest
 
+from tests.skips import need
 from tests.unit.transport.peer import PeerProcess, pattern
 from vllm_pd_ext.transport import (
     RegistrationError,
@@ -214,7 +215,9 @@ def test_settings_and_host_memory_only() -> None:
         port = int(t.descriptor().address.rpartition(":")[2])
         with pytest.raises(TransportError, match="bind"):
             _local(port=port)
-        torch = pytest.importorskip("torch")
+        need("torch", why="register_tensor takes a torch tensor")
+        import torch
+
         with pytest.raises(RegistrationError, match="host memory"):
             t.register_tensor("meta", torch.empty(16, device="meta"))
     finally:
