@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, error_body, error_response
-from vllm_pd_ext.proxy.front_protocol import FastCycle
+from vllm_pd_ext.proxy.front_protocol import FastCycle, front_protocol
 from vllm_pd_ext.proxy.request import PATHS, Route
 from vllm_pd_ext.proxy.service import ProxyService
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
@@ -38,7 +38,8 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
     own process only): once started, everything alive is moved out of the collector's
     reach, since it lives as long as the process; full passes over it would pause requests
     for tens of milliseconds."""
-    service = ProxyService(config)
+    fast_path = config.fast_path and front_protocol(config.max_body_bytes) is not None
+    service = ProxyService(config, fast_path=fast_path)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -137,6 +138,9 @@ class FrontDoor:
         self.app = app
         self.state = app.state
         self.service = service
+        #: Serve through ``front_protocol``'s request cycle (the HTTP server to run this app
+        #: with is ``server_protocol()``'s).
+        self.fast_path = service.fast_path
         self.api_key = config.api_key.get_secret_value() if config.api_key else None
         self.admin_token = config.admin_token.get_secret_value() if config.admin_token else None
 
@@ -165,8 +169,16 @@ class FrontDoor:
                 return
         await self.app(scope, receive, send)
 
+    def server_protocol(self) -> type | str:
+        """uvicorn's ``http`` setting to serve this app with."""
+        if self.fast_path:
+            protocol = front_protocol(self.service.config.max_body_bytes)
+            if protocol is not None:
+                return protocol
+        return "auto"
+
     async def _complete(self, scope, receive, send, route: Route) -> None:
-        cycle = getattr(receive, "__self__", None)
+        cycle = getattr(receive, "__self__", None) if self.fast_path else None
         request = cycle if type(cycle) is FastCycle else Request(scope, receive)
         try:
             response = await self.service.handle(request, route)

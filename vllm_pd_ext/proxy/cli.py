@@ -127,8 +127,6 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from vllm_pd_ext.proxy.front_protocol import front_protocol
-
     app = create_app(config, freeze_gc=True)
     # The request path leaves no reference cycles behind, so collections only walk the young
     # objects of requests in flight: collect every 10,000 net allocations, not every 700
@@ -140,7 +138,7 @@ def main(args: argparse.Namespace) -> int:
         port=config.port,
         log_level=args.log_level.lower(),
         access_log=False,
-        http=front_protocol(config.max_body_bytes) or "auto",
+        http=app.server_protocol(),
         proxy_headers=False,  # the proxy never reads the client's address
     )
     return 0

@@ -9,7 +9,6 @@ stream (Starlette's ``StreamingResponse``).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
@@ -26,10 +25,9 @@ STREAM_END = b"data: [DONE]\n\n"
 class ClientGone(Exception):
     """The client disconnected while the proxy was waiting on an engine."""
 
-    def __init__(self, phase: str, decision: str = "-"):
+    def __init__(self, phase: str):
         super().__init__(phase)
         self.phase = phase
-        self.decision = decision  # the request's, when it was made
 
 
 class DisconnectWatch:
@@ -43,13 +41,13 @@ class DisconnectWatch:
     then reports the channel as disconnected.
     """
 
-    def __init__(self, request: Request):
+    def __init__(self, request: Request, *, hooked: bool = True):
         self.gone = asyncio.Event()
         self._target: asyncio.Task | None = None
         self._cancelled = False
         self._stopped = False
         self._task: asyncio.Future | None
-        cycle = self.cycle = _hooked_cycle(request.receive)
+        cycle = self.cycle = _hooked_cycle(request.receive) if hooked else None
         if cycle is not None:
             # Our protocol tells us itself (``FrontProtocol.connection_lost``): no
             # watcher task to create, start and wake at the end of every request.
@@ -129,8 +127,11 @@ class DisconnectWatch:
         if fut in done:
             return fut.result()
         fut.cancel()
-        with contextlib.suppress(BaseException):
-            await fut
+        await asyncio.wait((fut,))  # a cancellation of the caller itself propagates
+        if not fut.cancelled() and fut.exception() is None:
+            close = getattr(fut.result(), "close", None)
+            if close is not None:
+                close()  # what it opened as the client left (a response) is not kept
         raise ClientGone(phase)
 
     def stop(self) -> None:

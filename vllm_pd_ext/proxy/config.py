@@ -151,6 +151,12 @@ class ProxyConfig(_Strict):
     max_queued: int = Field(512, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    fast_path: bool = Field(
+        True,
+        description="serve the completion routes through the proxy's lean HTTP request cycle "
+        "(built on uvicorn internals, checked at start-up; falls back to uvicorn's own cycle "
+        "when they are missing). false: uvicorn's own cycle only",
+    )
     health_interval_s: float = Field(2.0, gt=0)
     health_backoff_max_s: float = Field(30.0, gt=0)
     unhealthy_after: int = Field(

@@ -40,6 +40,14 @@ class ProxyError(Exception):
         self.code = code
         self.retry_after = retry_after
 
+    @property
+    def outcome(self) -> str:
+        """The request's outcome label when it ends with this error: ``client_error`` for
+        a 4xx, else the error's code."""
+        if 400 <= self.status < 500:
+            return "client_error"
+        return self.code if isinstance(self.code, str) else "error"
+
 
 def error_body(
     status: int, message: str, param: str | None = None, code: str | None = None

@@ -3,7 +3,9 @@
 Health is checked actively (``GET /health`` with exponential backoff after failures) and
 passively (a connection error while proxying marks the instance down at once). Load comes from
 the engine's ``/metrics`` (running and waiting requests, KV usage) plus the proxy's own
-in-flight count, which moves the moment a request is routed.
+in-flight count, which moves the moment a request is routed (``Instance.lease``). Engine
+figures older than ``stale_after_rounds`` health rounds (``/metrics`` stopped answering) are
+dropped: the instance then counts only what this proxy has in flight on it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ LOAD_METRICS = (
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
 )
+
+#: Health rounds without a readable ``/metrics`` after which an instance's engine figures
+#: (running, waiting, KV usage) are dropped.
+STALE_AFTER_ROUNDS = 3
 
 _LOAD_NEEDLES = tuple(b"\n" + name.encode() for name in LOAD_METRICS)
 
@@ -62,7 +68,8 @@ class Instance:
     waiting: float = 0.0
     kv_usage: float = 0.0
     last_error: str = ""
-    _metrics_at: float = field(default=0.0, repr=False)
+    #: When the engine figures were last read (monotonic; 0: never).
+    metrics_at: float = field(default=0.0, repr=False)
 
     @property
     def url(self) -> str:
@@ -83,6 +90,10 @@ class Instance:
         """In-flight through us, plus what the engine reported running and waiting."""
         return self.in_flight + self.running + 2.0 * self.waiting
 
+    def lease(self) -> Lease:
+        """Count one request in flight here until the lease is released (see ``Lease``)."""
+        return Lease(self)
+
     def mark_ok(self) -> None:
         self.healthy = True
         self.failures = 0
@@ -94,6 +105,39 @@ class Instance:
         self.failures = max(self.failures, 1)
         self.last_error = error
         self.next_check = time.monotonic() + min(backoff_max, 0.5 * 2 ** min(self.failures, 8))
+
+
+class Lease:
+    """One request's share of an instance's in-flight count: taken when made, given back
+    exactly once by ``release()`` or by leaving its ``with`` block, on every path.
+
+    ``handover()`` moves it to a longer-lived owner (a stream that outlives the block that
+    opened it): the block's exit then gives nothing back.
+    """
+
+    __slots__ = ("instance",)
+
+    def __init__(self, instance: Instance):
+        instance.in_flight += 1
+        self.instance: Instance | None = instance
+
+    def release(self) -> None:
+        inst = self.instance
+        if inst is not None:
+            self.instance = None
+            inst.in_flight -= 1
+
+    def handover(self) -> Lease:
+        """A lease holding this one's count; this one then holds nothing."""
+        moved = Lease.__new__(Lease)
+        moved.instance, self.instance = self.instance, None
+        return moved
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.release()
 
 
 class Fleet:
@@ -141,6 +185,13 @@ class Fleet:
 
     def healthy(self, role: str) -> list[Instance]:
         return [i for i in self._instances.values() if i.healthy and i.serves(role)]
+
+    def upstream_failed(self, inst: Instance, exc: UpstreamError) -> None:
+        """A request to ``inst`` failed: take it out of rotation when the failure says it is
+        gone (not on timeouts, which a busy engine causes)."""
+        if exc.down:
+            inst.mark_failed(str(exc), self.config.health_backoff_max_s)
+        logger.warning("upstream %s failed: %s", inst.label, exc)
 
     # -- lifecycle ----------------------------------------------------------------------
 
@@ -209,26 +260,43 @@ class Fleet:
                 inst.mark_failed(str(exc), self.config.health_backoff_max_s)
                 if was:
                     logger.warning("fleet: %s is down: %s", inst.label, inst.last_error)
+            self._drop_stale_load(inst)
             return
         if not inst.healthy:
             logger.info("fleet: %s is healthy", inst.label)
         inst.mark_ok()
-        if status == 200:
-            self._read_load(inst, text)
+        if status != 200 or not self._read_load(inst, text):
+            self._drop_stale_load(inst)
+
+    def _drop_stale_load(self, inst: Instance) -> None:
+        """Forget engine figures that no scrape has confirmed for a few rounds."""
+        if not inst.metrics_at:
+            return
+        stale_s = STALE_AFTER_ROUNDS * self.config.health_interval_s
+        if time.monotonic() - inst.metrics_at > stale_s:
+            logger.warning(
+                "fleet: %s: no readable /metrics for %.0f s; its load figures are dropped",
+                inst.label,
+                stale_s,
+            )
+            inst.running = inst.waiting = inst.kv_usage = 0.0
+            inst.metrics_at = 0.0
 
     @staticmethod
-    def _read_load(inst: Instance, raw: bytes) -> None:
+    def _read_load(inst: Instance, raw: bytes) -> bool:
+        """Read the load gauges of a scrape into ``inst``; False when it holds none."""
         # vLLM's /metrics is ~50 KB; parsing all of it costs ~30 ms of event-loop time per
         # scrape, which every in-flight request would wait for, and even splitting it into
         # lines ~0.3 ms. Find the three gauges' lines with bytes.find and parse only those.
         wanted = _load_lines(raw)
-        if not wanted:  # not a vLLM scrape: keep the last values
-            return
+        if not wanted:  # not a vLLM scrape
+            return False
         try:
             m = parse_metrics(wanted)
-        except Exception:  # a scrape we cannot parse leaves the last values
-            return
+        except Exception:  # a scrape we cannot parse
+            return False
         inst.running = m.total("vllm:num_requests_running")
         inst.waiting = m.total("vllm:num_requests_waiting")
         inst.kv_usage = m.total("vllm:kv_cache_usage_perc")
-        inst._metrics_at = time.monotonic()
+        inst.metrics_at = time.monotonic()
+        return True

@@ -83,6 +83,12 @@ class ProxyMetrics:
             ["outcome"],
             registry=r,
         )
+        self.background_skipped = Counter(
+            "vllm_pd_background_skipped",
+            "Drains and aborts not run because the background task limit was reached",
+            ["kind"],
+            registry=r,
+        )
         self.rejected = Counter(
             "vllm_pd_rejected", "Requests refused before routing", ["reason"], registry=r
         )

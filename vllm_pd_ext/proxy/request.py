@@ -24,7 +24,9 @@ if TYPE_CHECKING:
     from vllm_pd_ext.proxy.token_mode import TokenRequest
 
 Route = Literal["chat", "completions"]
+#: The engines' OpenAI routes (text mode), and their token-in token-out route (token mode).
 PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+GENERATE_PATH = "/inference/v1/generate"
 
 #: Request ids the proxy makes up: a random per-process prefix and a counter (no system call
 #: for randomness per request); 32 hex digits like a UUID's.
@@ -53,8 +55,6 @@ class RequestContext:
     received: float = field(default_factory=time.perf_counter)
     #: Token mode: the rendered request; the engines see it instead of ``body``.
     tokens: TokenRequest | None = None
-    #: Token mode: the engines this request was sent to (for aborts).
-    engines: list[Any] = field(default_factory=list)
     #: The client's body as it came, while ``body`` says the same (text mode sends it on
     #: unchanged instead of encoding ``body`` again).
     raw: bytes | None = None
@@ -62,11 +62,7 @@ class RequestContext:
     @property
     def path(self) -> str:
         """The engines' route for this request."""
-        if self.tokens is not None:
-            from vllm_pd_ext.proxy.token_mode import GENERATE_PATH
-
-            return GENERATE_PATH
-        return PATHS[self.route]
+        return GENERATE_PATH if self.tokens is not None else PATHS[self.route]
 
     @property
     def engine_body(self) -> dict[str, Any]:

@@ -21,12 +21,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
+from vllm_pd_ext.proxy.request import RequestContext
 from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
 
 logger = logging.getLogger(__name__)
 
-#: The engines' token-in token-out route and its abort twin.
-GENERATE_PATH = "/inference/v1/generate"
+#: The engines' abort route for requests sent to ``request.GENERATE_PATH``.
 ABORT_PATH = "/inference/v1/abort_requests"
 
 _RENDER_PATHS = {"chat": "/v1/chat/completions/render", "completions": "/v1/completions/render"}
@@ -149,6 +149,19 @@ class RenderTier:
         raise ProxyError(
             502, "no render server reachable: " + "; ".join(errors), code="render_failed"
         )
+
+    async def render_request(self, ctx: RequestContext) -> TokenRequest:
+        """Render the client's request; the prompt's exact length replaces the estimate."""
+        started = time.perf_counter()
+        tokens = await self.render(ctx.route, ctx.body, ctx.request_id, ctx.stream)
+        ctx.est_prompt_tokens = len(tokens.prompt_ids)
+        logger.debug(
+            "request %s: rendered %d prompt tokens in %.1f ms",
+            ctx.request_id,
+            len(tokens.prompt_ids),
+            (time.perf_counter() - started) * 1e3,
+        )
+        return tokens
 
     async def render(
         self, route: str, body: dict[str, Any], request_id: str, stream: bool

@@ -333,6 +333,15 @@ class _Conn(asyncio.Protocol):
             self.transport.close()
 
 
+def json_object(raw: bytes) -> dict[str, Any] | None:
+    """An answer's body as the JSON object it should be; None when it is not one."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def _disconnected(exc: BaseException) -> UpstreamError:
     if isinstance(exc, UpstreamError):
         return exc

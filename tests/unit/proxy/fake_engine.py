@@ -93,6 +93,21 @@ class FakeEngine:
                 {"body": body, "headers": dict(request.headers), "raw": await request.body()}
             )
             b = self.behavior
+            max_tokens = body.get("max_tokens") or body.get("max_completion_tokens")
+            if max_tokens is not None and (body.get("min_tokens") or 0) > max_tokens:
+                # vLLM's SamplingParams check, answered as its 400
+                return JSONResponse(
+                    {
+                        "error": {
+                            "message": "min_tokens must be less than or equal to "
+                            f"max_tokens={max_tokens}, got {body['min_tokens']}.",
+                            "type": "BadRequestError",
+                            "param": None,
+                            "code": 400,
+                        }
+                    },
+                    status_code=400,
+                )
             if b.delay_s:
                 try:
                     await _sleep_unless_disconnected(request, b.delay_s)

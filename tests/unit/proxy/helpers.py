@@ -12,7 +12,6 @@ import pytest
 from tests.unit.proxy.fake_engine import FakeEngine, ServerThread
 from vllm_pd_ext.proxy.app import create_app
 from vllm_pd_ext.proxy.config import ProxyConfig
-from vllm_pd_ext.proxy.front_protocol import front_protocol
 from vllm_pd_ext.tools.prom import parse_metrics
 
 LONG = "word " * 400  # ~500 estimated tokens: above the default split threshold
@@ -38,7 +37,7 @@ def proxy(engines, **overrides) -> Iterator[tuple[str, object]]:
     config = ProxyConfig.model_validate(data)
     app = create_app(config)
     # the protocol `vllm-pd proxy` serves with
-    with ServerThread(app, http=front_protocol(config.max_body_bytes)) as server:
+    with ServerThread(app, http=app.server_protocol()) as server:
         yield f"http://127.0.0.1:{server.port}", app.state.service
 
 

@@ -291,26 +291,41 @@ def test_disconnect_while_waiting_for_prefill_cancels_it(engines):
 
 
 def test_disconnect_between_legs_drains_prefill_kv(engines, monkeypatch):
-    from vllm_pd_ext.proxy import service as service_mod
+    """The client leaves once the prefill has answered (its KV held), before the decode leg
+    is sent: a one-token drain (without the client's min_tokens, which an engine refuses
+    above max_tokens) lets the decode side pull the KV, so the prefill side frees it now."""
+    from vllm_pd_ext.proxy.prefill import PrefillLeg
 
-    real = service_mod.DisconnectWatch.race
+    real = PrefillLeg.run
 
-    async def slow_after_prefill(self, work, phase):
-        result = await real(self, work, phase)
-        if phase == "prefill":
-            await asyncio.sleep(1.0)  # the client leaves while the proxy holds P's answer
-        return result
+    async def run_then_wait_for_the_client_to_leave(self, call, route):
+        prefilled = await real(self, call, route)
+        await asyncio.wait_for(call.watch.gone.wait(), 30)
+        return prefilled
 
-    monkeypatch.setattr(service_mod.DisconnectWatch, "race", slow_after_prefill)
+    monkeypatch.setattr(PrefillLeg, "run", run_then_wait_for_the_client_to_leave)
+    body = {"model": "m", "prompt": LONG, "max_tokens": 50, "min_tokens": 5}
     with proxy(engines) as (base, svc):
-        _disconnect_after(base, {"model": "m", "prompt": LONG, "max_tokens": 50}, 0.5)
-        wait_until(lambda: metric(base, "vllm_pd_drains_total", outcome="ok") == 1)
+
+        async def leave_once_the_prefill_holds_kv():
+            async with httpx.AsyncClient(timeout=60) as client:
+                post = asyncio.ensure_future(client.post(f"{base}/v1/completions", json=body))
+                deadline = time.monotonic() + 30
+                while not engines["p1"].held_blocks:
+                    assert time.monotonic() < deadline and not post.done()
+                    await asyncio.sleep(0.01)
+                post.cancel()
+                await asyncio.gather(post, return_exceptions=True)
+
+        asyncio.run(leave_once_the_prefill_holds_kv())
+        wait_until(lambda: metric(base, "vllm_pd_drains_total") == 1)
+        assert metric(base, "vllm_pd_drains_total", outcome="ok") == 1
         assert engines["p1"].held_blocks == {} and engines["p1"].pulls == 1
         drain = (engines["d1"].requests + engines["d2"].requests)[-1]
-        assert drain["body"]["max_tokens"] == 1
+        assert drain["body"]["max_tokens"] == 1 and "min_tokens" not in drain["body"]
         assert drain["headers"]["x-request-id"].endswith("-drain")
         assert metric(base, "vllm_pd_aborts_total", phase="between_legs") == 1
-        wait_until(lambda: not svc._tasks and svc.admission.in_flight == 0)
+        wait_until(lambda: not svc.background.tasks and svc.admission.in_flight == 0)
 
 
 def test_disconnect_while_streaming_aborts_decode(engines):

@@ -1,0 +1,124 @@
+"""One client request in flight: the state the stages share, and what it holds.
+
+A ``Call`` is made once a request is admitted and lives until its last byte is written. It
+owns:
+
+* what the stages decided and measured: the decision, the decode leg's
+  ``kv_transfer_params`` and the prefill side's cache hits, the leg timings;
+* what the request holds: its admission slot, the in-flight leases of the instances serving
+  it, the disconnect watch, the proxy's in-flight gauge. ``close()`` gives all of it back,
+  once, whoever ends the request (the orchestrator, or the relay of a streamed answer);
+* its outcome: ``finish()`` counts it and writes the request's one INFO line, once.
+
+States: admitted -> decided (``decision`` set) -> [prefilled (``prefill_done`` set)] ->
+answering (a decode instance's lease held) -> finished -> closed. A request can finish from
+any state (client gone, an error); ``close()`` always follows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm_pd_ext.proxy.admission import Admission
+    from vllm_pd_ext.proxy.client_channel import DisconnectWatch
+    from vllm_pd_ext.proxy.decision import Decision
+    from vllm_pd_ext.proxy.fleet import Instance, Lease
+    from vllm_pd_ext.proxy.metrics import ProxyMetrics
+    from vllm_pd_ext.proxy.request import RequestContext
+
+logger = logging.getLogger(__name__)
+
+
+class Call:
+    """See the module docstring. Used from the proxy's event loop only."""
+
+    __slots__ = (
+        "_admission",
+        "_closed",
+        "_leases",
+        "_metrics",
+        "cached",
+        "ctx",
+        "decision",
+        "engines",
+        "outcome",
+        "params",
+        "prefill_done",
+        "start",
+        "watch",
+    )
+
+    def __init__(
+        self,
+        ctx: RequestContext,
+        watch: DisconnectWatch,
+        admission: Admission,
+        metrics: ProxyMetrics,
+    ):
+        self.ctx = ctx
+        self.watch = watch
+        self._admission: Admission | None = admission  # its slot, already acquired
+        self._metrics = metrics
+        self._leases: list[Lease] = []
+        self._closed = False
+        self.decision: Decision | None = None
+        #: The decode leg's ``kv_transfer_params`` (None: the decode leg runs colocated).
+        self.params: dict[str, Any] | None = None
+        #: Prompt tokens the prefill instance found in its own prefix cache, when it said.
+        self.cached: int | None = None
+        #: When the legs started (after render and the decision), and the prefill leg ended.
+        self.start = 0.0
+        self.prefill_done: float | None = None
+        #: Token mode: every engine the request was sent to (aborted if the client leaves).
+        self.engines: list[Instance] = []
+        self.outcome: str | None = None
+        metrics.in_flight.inc()
+
+    @property
+    def label(self) -> str:
+        """The decision's metric label ("-" before one is made)."""
+        decision = self.decision
+        return "-" if decision is None else decision.label
+
+    def colocate(self) -> None:
+        """From now on the decode leg runs without KV from a prefill."""
+        self.params = self.cached = None
+
+    def hold(self, lease: Lease) -> None:
+        """Keep ``lease`` until the call is closed."""
+        self._leases.append(lease)
+
+    def finish(self, outcome: str, detail: str | None = None) -> None:
+        """Count the request's outcome and write its one INFO line (the first call only)."""
+        if self.outcome is not None:
+            return
+        self.outcome = outcome
+        ctx = self.ctx
+        label = self.label
+        metrics = self._metrics
+        metrics.child(metrics.requests, ctx.route, label, outcome).inc()
+        logger.info(
+            "request %s %s %s: %s (%.0f ms)",
+            ctx.request_id,
+            ctx.route,
+            label,
+            detail or outcome,
+            (time.perf_counter() - ctx.received) * 1e3,
+        )
+
+    def close(self) -> None:
+        """Give back everything the request holds (once; later calls do nothing)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.watch.stop()
+        for lease in self._leases:
+            lease.release()
+        self._leases.clear()
+        admission, self._admission = self._admission, None
+        if admission is not None:
+            admission.release()
+        self._metrics.in_flight.dec()

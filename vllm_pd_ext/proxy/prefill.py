@@ -1,0 +1,166 @@
+"""The prefill leg of a split request: the prompt's KV computed on a prefill instance.
+
+Serial protocols (NIXL, MoRI-IO read, pdext read) send the prefill leg alone; its answer's
+``kv_transfer_params`` become the decode leg's. Concurrent protocols (Mooncake, MoRI-IO write,
+pdext write) send the decode leg first (``send_decode``) with params the protocol builds, then
+the prefill leg beside it; the decode leg's pending response goes on to the decode stage.
+
+A failed attempt (unreachable, 5xx, timeout, no ``kv_transfer_params``) is retried on another
+prefill instance, up to ``prefill_retries``; then ``LegFailed``. A 4xx is the client's mistake:
+``ProxyError``, passed through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_pd_ext.proxy.call import Call
+from vllm_pd_ext.proxy.errors import passthrough
+from vllm_pd_ext.proxy.fleet import Fleet, Instance
+from vllm_pd_ext.proxy.legs import one_token_body
+from vllm_pd_ext.proxy.protocols import MissingCoordinates, PDProtocol
+from vllm_pd_ext.proxy.routing import Route, Router
+from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse, json_object
+
+#: Sends the decode leg to an instance with the given params; the opened response.
+SendDecode = Callable[[Call, Instance, dict[str, Any]], Awaitable[UpstreamResponse]]
+
+
+class LegFailed(Exception):
+    """Every instance tried for one leg failed with a server-side error."""
+
+
+class _AttemptFailed(Exception):
+    """One attempt at a leg failed in a way another instance may not."""
+
+
+@dataclass(slots=True)
+class Prefilled:
+    """A prefill leg that succeeded."""
+
+    #: The decode leg's ``kv_transfer_params``.
+    params: dict[str, Any]
+    #: Prompt tokens the prefill instance found in its own prefix cache, when it said.
+    cached: int | None
+    #: Concurrent protocols: the decode leg, already sent to the route's decode instance.
+    pending: asyncio.Task | None = None
+
+
+class PrefillLeg:
+    def __init__(
+        self,
+        protocol: PDProtocol,
+        router: Router,
+        fleet: Fleet,
+        timeout: Timeouts,
+        send_decode: SendDecode,
+    ):
+        self.protocol = protocol
+        self.router = router
+        self.fleet = fleet
+        self.timeout = timeout
+        self.send_decode = send_decode
+
+    async def run(self, call: Call, route: Route) -> Prefilled:
+        """Run the leg, retried on other prefill instances. Raises ``LegFailed``,
+        ``ClientGone`` (the client left while it ran) or ``ProxyError`` (a 4xx)."""
+        if self.protocol.concurrent:
+            return await self._concurrent(call, route)
+        return await call.watch.race(self._serial(call, route), "prefill")
+
+    async def _serial(self, call: Call, route: Route) -> Prefilled:
+        errors: list[str] = []
+        for inst in self.router.candidates(call.ctx, route.prefill_pool, "prefill"):
+            try:
+                plan = self.protocol.plan(call.ctx.request_id, inst.config, route.decode.config)
+                answer, usage = await self._once(call, inst, plan.prefill_params)
+            except (MissingCoordinates, _AttemptFailed) as exc:
+                errors.append(str(exc))
+                continue
+            if answer is None:
+                errors.append(f"{inst.label}: no kv_transfer_params (is a KV connector set?)")
+                continue
+            return Prefilled(answer, cached_tokens(answer, usage))
+        raise LegFailed("; ".join(errors) or "no healthy prefill instance")
+
+    async def _concurrent(self, call: Call, route: Route) -> Prefilled:
+        """Send the decode leg, then the prefill leg beside it. If the prefill fails, the
+        pending decode request is cancelled (the engine frees what it allocated) before the
+        next prefill instance is tried."""
+        errors: list[str] = []
+        for inst in self.router.candidates(call.ctx, route.prefill_pool, "prefill"):
+            try:
+                plan = self.protocol.plan(call.ctx.request_id, inst.config, route.decode.config)
+            except MissingCoordinates as exc:
+                errors.append(str(exc))
+                continue
+            assert plan.decode_params is not None
+            pending = asyncio.ensure_future(
+                self.send_decode(call, route.decode, plan.decode_params)
+            )
+            try:
+                _, usage = await call.watch.race(
+                    self._once(call, inst, plan.prefill_params), "prefill"
+                )
+            except _AttemptFailed as exc:
+                await discard(pending)
+                errors.append(str(exc))
+                continue
+            except BaseException:
+                await discard(pending)
+                raise
+            return Prefilled(plan.decode_params, cached_tokens(None, usage), pending)
+        raise LegFailed("; ".join(errors) or "no healthy prefill instance")
+
+    async def _once(
+        self, call: Call, inst: Instance, params: dict[str, Any]
+    ) -> tuple[dict[str, Any] | None, dict | None]:
+        """One attempt on ``inst``: its answer's kv_transfer_params and usage."""
+        ctx = call.ctx
+        if ctx.tokens is not None:
+            call.engines.append(inst)
+        with inst.lease():
+            try:
+                status, raw = await inst.client.fetch(
+                    "POST",
+                    ctx.path,
+                    self.timeout,
+                    one_token_body(ctx, params),
+                    {"X-Request-Id": ctx.request_id},
+                )
+            except UpstreamError as exc:
+                self.fleet.upstream_failed(inst, exc)
+                raise _AttemptFailed(f"{inst.label}: {exc.kind}") from None
+        if 400 <= status < 500:
+            raise passthrough(status, raw)
+        if status != 200:
+            raise _AttemptFailed(f"{inst.label}: HTTP {status}")
+        data = json_object(raw)
+        if data is None:
+            raise _AttemptFailed(f"{inst.label}: the answer is not a JSON object")
+        answer = data.get("kv_transfer_params")
+        return (answer if isinstance(answer, dict) else None), data.get("usage")
+
+
+def cached_tokens(params: dict[str, Any] | None, usage: dict[str, Any] | None) -> int | None:
+    """Prompt tokens the prefill instance found in its own prefix cache, when it says."""
+    cached = (params or {}).get("remote_prefill_cached_tokens")
+    if isinstance(cached, int):
+        return cached
+    details = (usage or {}).get("prompt_tokens_details") or {}
+    value = details.get("cached_tokens")
+    return value if isinstance(value, int) else None
+
+
+async def discard(task: asyncio.Task) -> None:
+    """Cancel a pending upstream request, closing its response if it already arrived. A
+    cancellation of the caller itself still propagates."""
+    task.cancel()
+    try:
+        await asyncio.wait((task,))
+    finally:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            task.result().close()

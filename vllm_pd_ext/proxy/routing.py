@@ -1,0 +1,85 @@
+"""Where a request goes: its decode instance, whether it is split (``decision.py``), and which
+instances a leg tries, in order, when one fails."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.proxy.decision import Decider, Decision
+from vllm_pd_ext.proxy.errors import ProxyError
+from vllm_pd_ext.proxy.fleet import Fleet, Instance
+from vllm_pd_ext.proxy.metrics import ProxyMetrics
+from vllm_pd_ext.proxy.policies import make_policy
+from vllm_pd_ext.proxy.request import RequestContext
+
+
+@dataclass(slots=True)
+class Route:
+    """One request's way through the fleet, as first chosen."""
+
+    decode: Instance
+    decode_pool: list[Instance]
+    prefill_pool: list[Instance]
+    decision: Decision
+
+
+class Router:
+    """The routing policies (prefill and decode) and the split decision."""
+
+    def __init__(self, config: ProxyConfig, fleet: Fleet, metrics: ProxyMetrics):
+        self.config = config
+        self.fleet = fleet
+        self.metrics = metrics
+        self.decider = Decider(config.decision)
+        self.prefill_policy = make_policy(config.prefill_policy)
+        self.decode_policy = make_policy(config.decode_policy)
+
+    def decode_pool(self) -> list[Instance]:
+        """The healthy decode instances; 503 when there is none."""
+        pool = self.fleet.healthy("decode")
+        if not pool:
+            raise ProxyError(
+                503,
+                "no healthy decode instance",
+                code="no_upstream",
+                retry_after=self.config.health_interval_s,
+            )
+        return pool
+
+    def route(self, ctx: RequestContext, decode_pool: list[Instance]) -> Route:
+        """Pick the decode instance, then decide split or colocated (counted by reason)."""
+        decode = self.decode_policy.select(ctx.affinity_key, decode_pool)
+        prefill_pool = [p for p in self.fleet.healthy("prefill") if p is not decode]
+        decision = self.decider.decide(ctx, prefill_pool, decode)
+        metrics = self.metrics
+        metrics.child(metrics.decisions, decision.label, decision.reason).inc()
+        return Route(decode, decode_pool, prefill_pool, decision)  # type: ignore[arg-type]
+
+    def candidates(
+        self,
+        ctx: RequestContext,
+        pool: list[Instance],
+        leg: str,
+        first: Instance | None = None,
+    ) -> Iterator[Instance]:
+        """Up to 1 + the leg's retries distinct healthy instances of ``pool``, ``first``
+        first; every instance after the first counts as a retry."""
+        if leg == "prefill":
+            policy, retries = self.prefill_policy, self.config.prefill_retries
+        else:
+            policy, retries = self.decode_policy, self.config.decode_retries
+        tried: list[Instance] = []
+        for attempt in range(1 + retries):
+            if attempt == 0 and first is not None:
+                inst = first
+            else:
+                left = [p for p in pool if p not in tried and p.healthy]
+                if not left:
+                    return
+                inst = policy.select(ctx.affinity_key, left)  # type: ignore[assignment]
+                if attempt:
+                    self.metrics.retries.labels(leg).inc()
+            tried.append(inst)
+            yield inst
