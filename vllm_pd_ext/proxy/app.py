@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, error_body, error_response
-from vllm_pd_ext.proxy.front_protocol import FastCycle, front_protocol
+from vllm_pd_ext.proxy.front_protocol import fast_cycle, front_protocol
 from vllm_pd_ext.proxy.request import PATHS, Route
 from vllm_pd_ext.proxy.service import ProxyService
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
@@ -178,8 +178,8 @@ class FrontDoor:
         return "auto"
 
     async def _complete(self, scope, receive, send, route: Route) -> None:
-        cycle = getattr(receive, "__self__", None) if self.fast_path else None
-        request = cycle if type(cycle) is FastCycle else Request(scope, receive)
+        cycle = fast_cycle(receive) if self.fast_path else None
+        request = cycle if cycle is not None else Request(scope, receive)
         try:
             response = await self.service.handle(request, route)
         except ProxyError as exc:

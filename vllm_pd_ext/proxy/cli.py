@@ -78,6 +78,12 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument(
         "--no-cost-model", action="store_true", help="never colocate on measured transfer cost"
     )
+    p.add_argument(
+        "--no-fast-path",
+        action="store_true",
+        help="serve through uvicorn's own request cycle only (the fast path reads uvicorn "
+        "internals, checked at start-up)",
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=main)
 
@@ -109,6 +115,8 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
         decision["cost_model"] = False
     if decision:
         data["decision"] = decision
+    if args.no_fast_path:
+        data["fast_path"] = False
     return ProxyConfig.model_validate(data)
 
 

@@ -14,7 +14,7 @@ from typing import TypeVar
 
 from starlette.requests import Request
 
-from vllm_pd_ext.proxy.front_protocol import FastCycle, is_front_protocol
+from vllm_pd_ext.proxy.front_protocol import DirectWriter, hooked_cycle
 
 T = TypeVar("T")
 
@@ -47,7 +47,7 @@ class DisconnectWatch:
         self._cancelled = False
         self._stopped = False
         self._task: asyncio.Future | None
-        cycle = self.cycle = _hooked_cycle(request.receive) if hooked else None
+        cycle = self.cycle = hooked_cycle(request.receive) if hooked else None
         if cycle is not None:
             # Our protocol tells us itself (``FrontProtocol.connection_lost``): no
             # watcher task to create, start and wake at the end of every request.
@@ -143,87 +143,6 @@ class DisconnectWatch:
         self._stopped = True
 
 
-class DirectWriter:
-    """Writes body parts of a started chunked response straight to the client's transport,
-    outside the ASGI ``send`` (what uvicorn's httptools cycle writes for a body part, less
-    the coroutine, the message dict and the task wake-up around it).
-
-    ``ready()`` says whether a part may go this way now: not once the client is gone, the
-    response complete, or the transport's buffer over its high-water mark (the ASGI ``send``
-    then waits for it to drain). The last part of a response always goes through ``send``.
-    """
-
-    __slots__ = ("_cycle", "_flow", "_headers", "_transport")
-
-    def __init__(self, cycle, headers: list[tuple[bytes, bytes]] | None = None):
-        self._cycle = cycle
-        self._flow = cycle.flow
-        self._transport = cycle.transport
-        self._headers = headers  # not None: the response is not started yet
-
-    @staticmethod
-    def before_start(watch: DisconnectWatch, headers: list[tuple[bytes, bytes]]):
-        """A writer whose first write starts the response itself (status 200, ``headers``,
-        chunked) ahead of the ASGI ``send``: the first events go out from the engine
-        connection's receive callback instead of after the request's task wakes. Only on a
-        ``FastCycle`` not started yet; None otherwise."""
-        cycle = watch.cycle
-        if type(cycle) is not FastCycle or cycle.response_started:
-            return None
-        return DirectWriter(cycle, headers)
-
-    @property
-    def started(self) -> bool:
-        """Has this writer started the response (or found it started)?"""
-        return self._headers is None
-
-    @staticmethod
-    def for_send(send) -> DirectWriter | None:
-        """A writer for the response ``send`` belongs to, when it is a ``FastCycle`` or
-        uvicorn's httptools cycle with a chunked response under way; None otherwise (other
-        servers, tests)."""
-        cycle = getattr(send, "__self__", None)
-        if type(cycle) is not FastCycle:
-            cls = _httptools_cycle()
-            if cls is None or type(cycle) is not cls:
-                return None
-        try:  # uvicorn internals: a version without them keeps the ASGI path
-            if cycle.chunked_encoding is not True or not cycle.response_started:
-                return None
-            _ = cycle.disconnected, cycle.response_complete, cycle.flow.write_paused
-            return DirectWriter(cycle)
-        except AttributeError:
-            return None
-
-    def ready(self) -> bool:
-        cycle = self._cycle
-        if self._headers is not None and cycle.response_started:
-            return False  # started through ``send``: its head may not be out yet
-        return not (cycle.disconnected or cycle.response_complete or self._flow.write_paused)
-
-    def write(self, data: bytes) -> None:
-        headers = self._headers
-        if headers is not None:
-            self._headers = None
-            head = self._cycle.begin(200, headers)
-            self._transport.write(b"%b%x\r\n%b\r\n" % (head, len(data), data))
-            return
-        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-
-
-_CYCLE: list = []
-
-
-def _httptools_cycle() -> type | None:
-    if not _CYCLE:
-        try:
-            from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
-        except ImportError:
-            RequestResponseCycle = None
-        _CYCLE.append(RequestResponseCycle)
-    return _CYCLE[0]
-
-
 class RelayResponse:
     """An ASGI response streaming ``body``, its head sent with the first chunk; a client
     disconnect ends it quietly.
@@ -298,17 +217,3 @@ def _started_direct(direct) -> bool:
     """Did the body's source start the response itself (``DirectWriter.before_start``)?"""
     writer = getattr(direct, "writer", None)
     return writer is not None and writer.started
-
-
-def _hooked_cycle(receive):
-    """The request cycle behind ``receive`` when its connection is served by
-    ``FrontProtocol`` (a ``FastCycle``, or uvicorn's httptools cycle); else None."""
-    cycle = getattr(receive, "__self__", None)
-    if type(cycle) is FastCycle:
-        return cycle
-    if cycle is None or type(cycle) is not _httptools_cycle():
-        return None
-    if not isinstance(getattr(cycle, "disconnected", None), bool):
-        return None  # a uvicorn without the internals this relies on: the watcher task
-    protocol = getattr(getattr(cycle, "on_response", None), "__self__", None)
-    return cycle if is_front_protocol(protocol) else None

@@ -1,5 +1,5 @@
-"""The proxy's HTTP/1.1 server protocol: uvicorn's httptools protocol with a lean request
-cycle for the two completion routes.
+"""The proxy's HTTP/1.1 server protocol, and everything else the proxy reads or writes of
+uvicorn's private internals: they live in this module only.
 
 Measured on the proxy's pass-through path, uvicorn spent ~100 us of a request's time to first
 token before our app saw it (the ASGI scope, its request cycle object, the task wrapper, the
@@ -11,10 +11,15 @@ Everything else (other routes, pipelined requests behind a busy one, ``Expect:
 100-continue``, HTTP/1.0, upgrades, a declared body over the limit) takes uvicorn's own
 path, unchanged. Both tell a request's ``DisconnectWatch`` when its client goes
 (``connection_lost``), and both hold a response head until the first body part
-(``_HeadWithBody``).
+(``_HeadWithBody``). ``DirectWriter`` writes a started response's body parts straight to the
+client's transport.
 
-This subclasses uvicorn internals: ``front_protocol()`` returns None (uvicorn's default
-protocol then) when the installed uvicorn lacks what it overrides.
+The fence: ``missing_internals()`` lists what of uvicorn this module needs and the installed
+uvicorn lacks (methods, attributes its code sets, module constants); ``front_protocol()``
+returns None when anything is missing, after one WARNING line, and the proxy then serves
+through uvicorn's own protocol and the plain ASGI interface (``ProxyConfig.fast_path: false``
+does the same on purpose). Every other function here answers None or False when the fast path
+is off, so nothing outside this module touches uvicorn's internals.
 """
 
 from __future__ import annotations
@@ -27,10 +32,13 @@ logger = logging.getLogger(__name__)
 #: The routes ``FastCycle`` serves, as the request line spells them.
 FAST_PATHS = (b"/v1/completions", b"/v1/chat/completions")
 
-try:  # uvicorn's status lines and its header-value check, for the responses written here
-    from uvicorn.protocols.http.httptools_impl import HEADER_VALUE_RE, STATUS_LINE
-except ImportError:  # front_protocol() returns None then: no FastCycle is ever made
-    HEADER_VALUE_RE, STATUS_LINE = None, {}
+try:  # uvicorn's protocol and request cycle, and the status lines and header-value check
+    # they write responses with (used for the responses written here)
+    from uvicorn.protocols.http import httptools_impl as _impl
+except ImportError:  # no httptools: front_protocol() returns None, no FastCycle is made
+    _impl = None  # type: ignore[assignment]
+STATUS_LINE: dict = getattr(_impl, "STATUS_LINE", {})
+HEADER_VALUE_RE = getattr(_impl, "HEADER_VALUE_RE", None)
 
 
 class _HeadWithBody:
@@ -262,7 +270,117 @@ class FastCycle:
         return b"".join(parts)
 
 
-_PROTOCOLS: dict[int, type | None] = {}
+#: What this module uses of uvicorn, by where it lives. Methods and attributes are checked
+#: against the names the installed classes' code uses (an attribute a class sets in
+#: ``__init__`` is not on the class itself).
+_NEEDS: dict[str, tuple[str, ...]] = {
+    # overridden or called by FrontProtocol; read by FastCycle and the cycle lookups
+    "HttpToolsProtocol": (
+        "on_message_begin",
+        "on_headers_complete",
+        "on_body",
+        "on_message_complete",
+        "on_response_complete",
+        "connection_made",
+        "connection_lost",
+        "cycle",
+        "parser",
+        "url",
+        "headers",
+        "scope",
+        "expect_100_continue",
+        "flow",
+        "transport",
+        "server",
+        "client",
+        "server_state",
+        "tasks",
+        "loop",
+        "app",
+    ),
+    # read by DirectWriter and the disconnect hook on uvicorn's own request cycle
+    "RequestResponseCycle": (
+        "disconnected",
+        "response_started",
+        "response_complete",
+        "chunked_encoding",
+        "flow",
+        "transport",
+        "on_response",
+        "message_event",
+    ),
+    "FlowControl": ("write_paused", "drain"),
+    "ServerState": ("default_headers",),
+    "module": ("STATUS_LINE", "HEADER_VALUE_RE"),
+}
+
+
+def _names_used(cls: type) -> set[str]:
+    """Every name the code of ``cls`` and its bases defines or refers to."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        names.update(vars(klass))
+        for value in vars(klass).values():
+            code = getattr(value, "__code__", None)
+            stack = [code] if code is not None else []
+            while stack:
+                code = stack.pop()
+                names.update(code.co_names)
+                stack.extend(c for c in code.co_consts if hasattr(c, "co_names"))
+    return names
+
+
+def missing_internals() -> list[str]:
+    """What this module needs of uvicorn that the installed uvicorn lacks (empty: none)."""
+    if _impl is None:
+        return ["uvicorn.protocols.http.httptools_impl (is httptools installed?)"]
+    try:
+        from uvicorn.protocols.http.flow_control import FlowControl
+        from uvicorn.server import ServerState
+    except ImportError as exc:
+        return [str(exc)]
+    owners = {
+        "HttpToolsProtocol": getattr(_impl, "HttpToolsProtocol", None),
+        "RequestResponseCycle": getattr(_impl, "RequestResponseCycle", None),
+        "FlowControl": FlowControl,
+        "ServerState": ServerState,
+    }
+    missing: list[str] = []
+    for owner, needed in _NEEDS.items():
+        if owner == "module":
+            missing.extend(f"httptools_impl.{n}" for n in needed if not hasattr(_impl, n))
+            continue
+        cls = owners[owner]
+        if cls is None:
+            missing.append(owner)
+            continue
+        used = _names_used(cls)
+        missing.extend(f"{owner}.{n}" for n in needed if n not in used)
+    return missing
+
+
+_CHECKED: list[bool] = []
+
+
+def internals_ok() -> bool:
+    """Does the installed uvicorn have everything this module uses? Checked once per
+    process; when not, one WARNING line says what is missing."""
+    if not _CHECKED:
+        missing = missing_internals()
+        if missing:
+            import uvicorn
+
+            logger.warning(
+                "uvicorn %s lacks %s: the proxy serves through uvicorn's own request cycle "
+                "(fast path off)",
+                getattr(uvicorn, "__version__", "?"),
+                ", ".join(missing),
+            )
+        _CHECKED.append(not missing)
+    return _CHECKED[0]
+
+
+_PROTOCOLS: dict[int, type] = {}
 
 
 def is_front_protocol(protocol: object) -> bool:
@@ -270,30 +388,14 @@ def is_front_protocol(protocol: object) -> bool:
     return type(protocol) in _PROTOCOLS.values()
 
 
-#: What the subclass overrides or reads of uvicorn's protocol.
-_UVICORN_NEEDS = (
-    "on_message_begin",
-    "on_headers_complete",
-    "on_body",
-    "on_message_complete",
-    "on_response_complete",
-    "connection_made",
-    "connection_lost",
-)
-
-
 def front_protocol(max_body_bytes: int) -> type | None:
-    """The protocol class ``vllm-pd proxy`` serves with (None: no usable httptools
-    protocol in this uvicorn; use uvicorn's default)."""
+    """The protocol class ``vllm-pd proxy`` serves with on the fast path (None: the
+    installed uvicorn lacks what it needs; serve with uvicorn's default protocol)."""
     if max_body_bytes in _PROTOCOLS:
         return _PROTOCOLS[max_body_bytes]
-    try:
-        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
-    except ImportError:
-        HttpToolsProtocol = None
-    if HttpToolsProtocol is None or not all(hasattr(HttpToolsProtocol, n) for n in _UVICORN_NEEDS):
-        _PROTOCOLS[max_body_bytes] = None
+    if not internals_ok():
         return None
+    HttpToolsProtocol = _impl.HttpToolsProtocol
 
     class FrontProtocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:  # type: ignore[override]
@@ -361,3 +463,88 @@ def front_protocol(max_body_bytes: int) -> type | None:
 
     _PROTOCOLS[max_body_bytes] = FrontProtocol
     return FrontProtocol
+
+
+# -- the request cycle behind an ASGI callable ---------------------------------------------
+
+
+def fast_cycle(receive) -> FastCycle | None:
+    """The ``FastCycle`` serving the request ``receive`` belongs to, if one does."""
+    cycle = getattr(receive, "__self__", None)
+    return cycle if type(cycle) is FastCycle else None
+
+
+def hooked_cycle(receive):
+    """The request cycle behind ``receive`` when its connection is served by
+    ``FrontProtocol`` (a ``FastCycle``, or uvicorn's httptools cycle, whose
+    ``connection_lost`` tells the cycle's ``pdx_watch``); else None."""
+    cycle = getattr(receive, "__self__", None)
+    if type(cycle) is FastCycle:
+        return cycle
+    if cycle is None or _impl is None or type(cycle) is not _impl.RequestResponseCycle:
+        return None
+    protocol = getattr(cycle.on_response, "__self__", None)
+    return cycle if is_front_protocol(protocol) else None
+
+
+class DirectWriter:
+    """Writes body parts of a started chunked response straight to the client's transport,
+    outside the ASGI ``send`` (what uvicorn's httptools cycle writes for a body part, less
+    the coroutine, the message dict and the task wake-up around it).
+
+    ``ready()`` says whether a part may go this way now: not once the client is gone, the
+    response complete, or the transport's buffer over its high-water mark (the ASGI ``send``
+    then waits for it to drain). The last part of a response always goes through ``send``.
+    """
+
+    __slots__ = ("_cycle", "_flow", "_headers", "_transport")
+
+    def __init__(self, cycle, headers: list[tuple[bytes, bytes]] | None = None):
+        self._cycle = cycle
+        self._flow = cycle.flow
+        self._transport = cycle.transport
+        self._headers = headers  # not None: the response is not started yet
+
+    @staticmethod
+    def before_start(cycle, headers: list[tuple[bytes, bytes]]) -> DirectWriter | None:
+        """A writer whose first write starts the response itself (status 200, ``headers``,
+        chunked) ahead of the ASGI ``send``: the first events go out from the engine
+        connection's receive callback instead of after the request's task wakes. Only on a
+        ``FastCycle`` not started yet; None otherwise."""
+        if type(cycle) is not FastCycle or cycle.response_started:
+            return None
+        return DirectWriter(cycle, headers)
+
+    @property
+    def started(self) -> bool:
+        """Has this writer started the response (or found it started)?"""
+        return self._headers is None
+
+    @staticmethod
+    def for_send(send) -> DirectWriter | None:
+        """A writer for the response ``send`` belongs to, when it is a ``FastCycle`` or
+        uvicorn's httptools cycle with a chunked response under way; None otherwise (other
+        servers, tests)."""
+        cycle = getattr(send, "__self__", None)
+        if type(cycle) is not FastCycle and (
+            _impl is None or type(cycle) is not _impl.RequestResponseCycle
+        ):
+            return None
+        if cycle.chunked_encoding is not True or not cycle.response_started:
+            return None
+        return DirectWriter(cycle)
+
+    def ready(self) -> bool:
+        cycle = self._cycle
+        if self._headers is not None and cycle.response_started:
+            return False  # started through ``send``: its head may not be out yet
+        return not (cycle.disconnected or cycle.response_complete or self._flow.write_paused)
+
+    def write(self, data: bytes) -> None:
+        headers = self._headers
+        if headers is not None:
+            self._headers = None
+            head = self._cycle.begin(200, headers)
+            self._transport.write(b"%b%x\r\n%b\r\n" % (head, len(data), data))
+            return
+        self._transport.write(b"%x\r\n%b\r\n" % (len(data), data))

@@ -26,10 +26,11 @@ from fastapi.responses import JSONResponse
 
 from vllm_pd_ext.proxy.background import Background
 from vllm_pd_ext.proxy.call import Call
-from vllm_pd_ext.proxy.client_channel import STREAM_END, DirectWriter, RelayResponse
+from vllm_pd_ext.proxy.client_channel import STREAM_END, RelayResponse
 from vllm_pd_ext.proxy.decision import Decider
 from vllm_pd_ext.proxy.errors import ProxyError, sse_error
 from vllm_pd_ext.proxy.fleet import Fleet, Instance
+from vllm_pd_ext.proxy.front_protocol import DirectWriter
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier
 from vllm_pd_ext.proxy.upstream import UpstreamError, UpstreamResponse, json_object
@@ -216,7 +217,7 @@ class StreamRelay:
         if self.call.ctx.tokens is not None or not self.relay.fast_path:
             return None
         if self.writer is None:
-            self.writer = DirectWriter.before_start(self.call.watch, self.headers)
+            self.writer = DirectWriter.before_start(self.call.watch.cycle, self.headers)
         return self.sink if self.writer is not None else None
 
     def split(self, chunk: bytes) -> bytes | None:

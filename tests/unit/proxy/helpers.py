@@ -14,6 +14,9 @@ from vllm_pd_ext.proxy.app import create_app
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.tools.prom import parse_metrics
 
+#: Serve through the fast path (the ``server_path`` fixture sets it per test).
+FAST_PATH = True
+
 LONG = "word " * 400  # ~500 estimated tokens: above the default split threshold
 SHORT = "hi there"
 
@@ -32,6 +35,7 @@ def proxy(engines, **overrides) -> Iterator[tuple[str, object]]:
         "decision": {"cost_model": False},
         "prefill_policy": "round-robin",
         "decode_policy": "round-robin",
+        "fast_path": FAST_PATH,
         **overrides,
     }
     config = ProxyConfig.model_validate(data)

@@ -1,15 +1,14 @@
 """The client connection's transport wrapper: a response head leaves with the first body
-part, in one write; stream parts go straight to the transport only where uvicorn's internals
-are as expected."""
+part, in one write; stream parts go straight to the transport only on a chunked response of
+the request cycles the fast path knows."""
 
 from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
 
-from vllm_pd_ext.proxy import client_channel
-from vllm_pd_ext.proxy.client_channel import DirectWriter
-from vllm_pd_ext.proxy.front_protocol import _HeadWithBody
+from vllm_pd_ext.proxy import client_channel, front_protocol
+from vllm_pd_ext.proxy.front_protocol import DirectWriter, _HeadWithBody
 
 
 class _Transport:
@@ -68,28 +67,27 @@ class _Cycle:
 
     chunked_encoding = True
     response_started = True
+    disconnected = False
+    response_complete = False
+    flow = SimpleNamespace(write_paused=False)
+    transport = _Transport()
 
     async def send(self, message) -> None:
         return None
 
 
-def test_direct_writes_only_where_uvicorn_has_the_internals_they_use(monkeypatch):
-    monkeypatch.setattr(client_channel, "_CYCLE", [_Cycle])
-    assert DirectWriter.for_send(_Cycle().send) is None  # renamed internals: the ASGI path
-
-    class Full(_Cycle):
-        disconnected = False
-        response_complete = False
-        flow = SimpleNamespace(write_paused=False)
-        transport = _Transport()
-
-    monkeypatch.setattr(client_channel, "_CYCLE", [Full])
-    writer = DirectWriter.for_send(Full().send)
+def test_direct_writes_only_on_a_known_request_cycle_with_a_chunked_response(monkeypatch):
+    assert DirectWriter.for_send(_Cycle().send) is None  # not uvicorn's cycle: the ASGI path
+    monkeypatch.setattr(front_protocol, "_impl", SimpleNamespace(RequestResponseCycle=_Cycle))
+    writer = DirectWriter.for_send(_Cycle().send)
     assert writer is not None and writer.ready()
     writer.write(b"data: x\n\n")
-    assert Full.transport.writes == [b"9\r\ndata: x\n\n\r\n"]
-    Full.flow.write_paused = True  # the client's buffer is full: back to send()
+    assert _Cycle.transport.writes == [b"9\r\ndata: x\n\n\r\n"]
+    _Cycle.flow.write_paused = True  # the client's buffer is full: back to send()
     assert not writer.ready()
+    unchunked = _Cycle()
+    unchunked.chunked_encoding = False
+    assert DirectWriter.for_send(unchunked.send) is None
 
 
 def _fast_cycle():
@@ -116,7 +114,7 @@ def test_a_writer_before_start_starts_the_response_once_and_the_relay_does_not_a
         cycle, transport = _fast_cycle()
         await cycle.receive()  # the body, as the app reads it first
         watch = client_channel.DisconnectWatch(Request(cycle.scope, cycle.receive))
-        writer = DirectWriter.before_start(watch, HEADERS)
+        writer = DirectWriter.before_start(watch.cycle, HEADERS)
         assert writer is not None and writer.ready() and not writer.started
         writer.write(b"data: 1\n\n")  # from the engine connection, ahead of the task
         direct = SimpleNamespace(writer=writer)
@@ -145,10 +143,10 @@ def test_a_writer_before_start_stands_back_once_send_started_the_response():
     async def go():
         cycle, transport = _fast_cycle()
         watch = client_channel.DisconnectWatch(Request(cycle.scope, cycle.receive))
-        writer = DirectWriter.before_start(watch, HEADERS)
+        writer = DirectWriter.before_start(watch.cycle, HEADERS)
         await cycle.send({"type": "http.response.start", "status": 200, "headers": HEADERS})
         ready_after_start = writer.ready()  # the head is held by the cycle, not written yet
-        late = DirectWriter.before_start(watch, HEADERS)
+        late = DirectWriter.before_start(watch.cycle, HEADERS)
         return ready_after_start, late, transport.writes
 
     ready_after_start, late, writes = asyncio.run(go())

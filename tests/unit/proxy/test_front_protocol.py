@@ -1,5 +1,6 @@
 """The proxy's server protocol: the lean cycle for the completion routes and uvicorn's path
-for everything else, on one keep-alive connection, as a raw HTTP/1.1 client sees them."""
+for everything else, on one keep-alive connection, as a raw HTTP/1.1 client sees them; and
+the fence around uvicorn's internals (checked at start-up, the plain path otherwise)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ import socket
 import pytest
 
 from tests.unit.proxy.fake_engine import ServerThread
+from vllm_pd_ext.proxy import front_protocol as front_protocol_module
+from vllm_pd_ext.proxy.app import create_app
+from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.front_protocol import front_protocol
 
 LIMIT = 1000
@@ -178,3 +182,37 @@ def test_connection_close_and_app_errors(server):
     status, headers, body = c.response()
     assert status == 500 and body == b"Internal Server Error"
     assert c.closed()
+
+
+def test_the_installed_uvicorn_has_every_internal_the_fast_path_uses():
+    assert front_protocol_module.missing_internals() == []
+
+
+def test_a_uvicorn_lacking_an_internal_serves_the_plain_path_after_one_log_line(
+    monkeypatch, caplog
+):
+    needs = dict(front_protocol_module._NEEDS)
+    needs["RequestResponseCycle"] = (*needs["RequestResponseCycle"], "renamed_in_a_release")
+    monkeypatch.setattr(front_protocol_module, "_NEEDS", needs)
+    monkeypatch.setattr(front_protocol_module, "_CHECKED", [])
+    monkeypatch.setattr(front_protocol_module, "_PROTOCOLS", {})
+    config = ProxyConfig.model_validate({"instances": [{"url": "http://127.0.0.1:9"}]})
+    with caplog.at_level("WARNING"):
+        assert front_protocol(LIMIT) is None
+        app = create_app(config)
+        assert front_protocol(LIMIT) is None
+    assert app.fast_path is False and app.server_protocol() == "auto"
+    lines = [r for r in caplog.records if "renamed_in_a_release" in r.getMessage()]
+    assert len(lines) == 1 and "fast path off" in lines[0].getMessage()
+
+
+def test_fast_path_false_serves_uvicorns_own_protocol():
+    config = ProxyConfig.model_validate(
+        {"instances": [{"url": "http://127.0.0.1:9"}], "fast_path": False}
+    )
+    app = create_app(config)
+    assert app.fast_path is False and app.service.fast_path is False
+    assert app.server_protocol() == "auto"
+    assert create_app(config.model_copy(update={"fast_path": True})).server_protocol() is (
+        front_protocol(config.max_body_bytes)
+    )

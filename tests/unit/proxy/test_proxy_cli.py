@@ -43,6 +43,12 @@ def test_file_env_and_flags_merge(tmp_path, monkeypatch):
     assert config.decision.cost_model is False
     assert config.decision.chars_per_token == 3.5
     assert config.decode_policy == "prefix-affinity"
+    assert config.fast_path is True
+
+
+def test_no_fast_path_flag_turns_the_fast_path_off():
+    args = build_parser().parse_args(["proxy", "--decode", "http://d:2", "--no-fast-path"])
+    assert build_config(args).fast_path is False
 
 
 def test_invalid_config_exits_2_with_message():

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 
 import httpx
 import pytest
 
 from tests.unit.proxy.helpers import LONG, SHORT, fleet, metric, proxy, sent, wait_until
+from vllm_pd_ext.proxy import client_channel
 
 
 def test_split_non_streaming_legs_and_response(engines):
@@ -349,26 +351,31 @@ def test_disconnect_while_streaming_aborts_decode(engines):
         assert engines["d1"].running == 0 and engines["d2"].running == 0
 
 
-def test_pass_through_stream_events_go_straight_to_the_client_in_order(engines, monkeypatch):
-    """Once the head is out, the events between the first and the last are written to the
-    client from the engine connection's data_received (DirectWriter), in order, each timed;
-    the disconnect watch is the protocol itself, no watcher task."""
-    from vllm_pd_ext.proxy import client_channel
+def test_pass_through_stream_events_go_straight_to_the_client_in_order(
+    engines, monkeypatch, server_path
+):
+    """On the fast path, once the head is out, the events between the first and the last
+    are written to the client from the engine connection's data_received (DirectWriter), in
+    order, each timed; the disconnect watch is the protocol itself, no watcher task. On the
+    plain path every event goes through the ASGI send, watched by a watcher task."""
+    from vllm_pd_ext.proxy import front_protocol
 
     direct: list[bytes] = []
-    real_write = client_channel.DirectWriter.write
+    real_write = front_protocol.DirectWriter.write
 
     def write(self, data):
         direct.append(data)
         real_write(self, data)
 
     watcher_tasks: list[object] = []
+    real_watch = client_channel.DisconnectWatch._watch
 
-    async def no_task(self, request):
+    async def watch(self, request):
         watcher_tasks.append(request)
+        await real_watch(self, request)
 
-    monkeypatch.setattr(client_channel.DirectWriter, "write", write)
-    monkeypatch.setattr(client_channel.DisconnectWatch, "_watch", no_task)
+    monkeypatch.setattr(front_protocol.DirectWriter, "write", write)
+    monkeypatch.setattr(client_channel.DisconnectWatch, "_watch", watch)
     for d in ("d1", "d2"):
         engines[d].behavior.token_delay_s = 0.02
     with proxy(engines) as (base, _):
@@ -379,24 +386,30 @@ def test_pass_through_stream_events_go_straight_to_the_client_in_order(engines, 
         assert events[-1] == "data: [DONE]"
         texts = [json.loads(e[6:])["choices"][0]["text"] for e in events[:-1]]
         assert len("".join(texts).split()) == 6
+        assert metric(base, "vllm_pd_ttft_seconds_count") == 1
+        assert metric(base, "vllm_pd_requests_total", outcome="ok") == 1
+        if server_path == "plain":
+            assert direct == [] and len(watcher_tasks) == 1
+            return
         assert direct and all(b"[DONE]" not in d for d in direct)
         assert b"".join(direct).decode() in "\n\n".join(events)  # a run of the middle events
-        assert metric(base, "vllm_pd_ttft_seconds_count") == 1
         assert metric(base, "vllm_pd_itl_seconds_count") >= len(direct)
-        assert metric(base, "vllm_pd_requests_total", outcome="ok") == 1
     assert watcher_tasks == []
 
 
 def test_admission_limit_answers_429_with_retry_after(engines):
     for d in ("d1", "d2"):
         engines[d].behavior.delay_s = 1.0
-    with proxy(engines, max_in_flight=1, max_queued=0) as (base, _):
+    with proxy(engines, max_in_flight=1, max_queued=0) as (base, svc):
 
         async def go():
             async with httpx.AsyncClient(timeout=60) as client:
                 body = {"model": "m", "prompt": SHORT, "max_tokens": 1}
                 first = asyncio.create_task(client.post(f"{base}/v1/completions", json=body))
-                await asyncio.sleep(0.3)
+                deadline = time.monotonic() + 30
+                while svc.admission.in_flight < 1:  # the first holds the only slot
+                    assert time.monotonic() < deadline and not first.done()
+                    await asyncio.sleep(0.01)
                 second = await client.post(f"{base}/v1/completions", json=body)
                 return await first, second
 
@@ -451,16 +464,20 @@ def test_health_models_and_recovery(engines):
         wait_until(lambda: httpx.get(f"{base}/health", timeout=60).status_code == 200, timeout=15)
 
 
-def test_watched_instances_file(engines, tmp_path):
+def test_watched_instances_file(engines, tmp_path, caplog):
     path = tmp_path / "fleet.json"
-    path.write_text(json.dumps({"instances": fleet(engines, prefill=(), decode=("d1",))}))
+
+    def write(text: str, mtime: int) -> None:
+        path.write_text(text)
+        os.utime(path, (mtime, mtime))  # a distinct mtime, however fast the writes
+
+    write(json.dumps({"instances": fleet(engines, prefill=(), decode=("d1",))}), 1_000_000)
     with proxy(engines, instances=[], instances_file=str(path)) as (_, svc):
         assert [i.url for i in svc.fleet.instances()] == [engines["d1"].url]
-        time.sleep(0.05)  # a distinct mtime
-        path.write_text(json.dumps({"instances": fleet(engines, prefill=("p1",), decode=("d2",))}))
+        write(json.dumps({"instances": fleet(engines, prefill=("p1",), decode=("d2",))}), 1_000_001)
         wait_until(lambda: {i.url for i in svc.fleet.healthy("decode")} == {engines["d2"].url})
-        path.write_text("instances: [oops")  # a bad edit keeps the last good fleet
-        time.sleep(0.5)
+        write("instances: [oops", 1_000_002)  # a bad edit keeps the last good fleet
+        wait_until(lambda: "ignoring invalid" in caplog.text)
         assert {i.url for i in svc.fleet.instances()} == {engines["p1"].url, engines["d2"].url}
 
 

@@ -36,6 +36,15 @@ def _url(server) -> str:
     return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
 
+async def _until(condition, timeout: float = 5.0) -> None:
+    """Poll ``condition`` on the running loop until it holds (fail after ``timeout``)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not condition():
+        assert loop.time() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.005)
+
+
 def _sink_into(taken: list[bytes], refuse: bytes | None):
     """A sink that takes every piece into ``taken`` but ``refuse`` (left to ``chunks``)."""
 
@@ -56,7 +65,8 @@ def test_events_before_a_broken_stream_are_delivered_then_the_error():
         got = b""
         try:
             resp = await up.send("GET", "/", Timeouts(total=10).client())
-            await asyncio.sleep(0.3)  # a lagging reader: the break arrives before it reads
+            # a lagging reader: the break arrives before it reads
+            await _until(lambda: resp._conn.closed)
             with pytest.raises(UpstreamError) as info:
                 async for chunk in resp.chunks():
                     got += chunk
@@ -164,7 +174,7 @@ def test_pooled_connection_closed_by_the_engine_is_retried_on_a_fresh_one():
         up = Upstream(_url(server), max_connections=4)
         try:
             first = await up.fetch("GET", "/", Timeouts(total=5).client())
-            await asyncio.sleep(0.2)  # the engine has closed the pooled connection
+            await _until(lambda: up._idle[0].closed)  # the engine closed the pooled connection
             second = await up.fetch("GET", "/", Timeouts(total=5).client())
         finally:
             await up.close()
@@ -224,11 +234,11 @@ def test_a_sink_takes_pieces_in_order_and_what_it_takes_counts_as_read():
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         writer.write(HEAD)
-        for i in range(8):  # 0.8 s of events, each gap well under the 0.3 s read timeout
+        for i in range(8):  # 0.8 s of events, each gap well under the 0.6 s read timeout
             writer.write(_chunk(b"data: %d\n\n" % i))
             await asyncio.sleep(0.1)
         with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.sleep(1)  # then silence past it
+            await asyncio.sleep(2)  # then silence past it
         writer.close()
 
     async def go():
@@ -239,7 +249,7 @@ def test_a_sink_takes_pieces_in_order_and_what_it_takes_counts_as_read():
 
         sink = _sink_into(taken, refuse=b"data: 5\n\n")
         try:
-            resp = await up.send("GET", "/", Timeouts(read=0.3).client())
+            resp = await up.send("GET", "/", Timeouts(read=0.6).client())
             resp.set_sink(sink)
             with pytest.raises(UpstreamError) as info:
                 async for chunk in resp.chunks():
@@ -296,16 +306,15 @@ def test_send_with_sink_on_ok_returns_once_the_sink_leaves_bytes_or_the_body_end
     (or at the first piece the sink refuses), not at the head."""
 
     async def go(refuse: bytes | None):
-        finish = asyncio.Event()
+        a_taken, finish = asyncio.Event(), asyncio.Event()
 
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             await reader.readuntil(b"\r\n\r\n")
-            writer.write(HEAD)
+            writer.write(HEAD + _chunk(b"data: a\n\n"))
             await writer.drain()
-            for event in (b"data: a\n\n", b"data: b\n\n"):
-                await asyncio.sleep(0.05)
-                writer.write(_chunk(event))
-                await writer.drain()
+            await a_taken.wait()  # the second event arrives on its own
+            writer.write(_chunk(b"data: b\n\n"))
+            await writer.drain()
             await finish.wait()
             writer.write(b"0\r\n\r\n")
             await writer.drain()
@@ -320,11 +329,14 @@ def test_send_with_sink_on_ok_returns_once_the_sink_leaves_bytes_or_the_body_end
             sending = asyncio.ensure_future(
                 up.send("POST", "/", Timeouts(read=10).client(), b"{}", sink_on_ok=sink)
             )
-            for _ in range(500):  # bounded: 5 s
-                if sending.done() or len(taken) + (refuse is not None) >= 2:
-                    break
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
+            await _until(lambda: taken == [b"data: a\n\n"])
+            a_taken.set()
+            if refuse is None:
+                await _until(lambda: len(taken) == 2)
+                for _ in range(20):  # what the sink took wakes nobody: send has not returned
+                    await asyncio.sleep(0)
+            else:
+                await _until(sending.done)  # the refused piece wakes send, before the end
             returned_before_end = sending.done()
             finish.set()
             resp = await asyncio.wait_for(sending, 5)
