@@ -9,21 +9,10 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
+from vllm_pd_ext.proxy.policies import POLICIES
+from vllm_pd_ext.proxy.protocols import PROTOCOLS, make_protocol, split_host_port
+
 Role = Literal["prefill", "decode", "both"]
-
-#: P/D protocols (how the two legs are sequenced and what kv_transfer_params carry); see
-#: ``protocols.py``.
-Protocol = Literal[
-    "nixl-pull", "nixl-push", "mooncake", "moriio-read", "moriio-write", "pdext-read", "pdext-write"
-]
-
-
-def split_host_port(addr: str) -> tuple[str, int]:
-    """``"host:port"`` (``"[v6]:port"`` for IPv6) as ``(host, port)``; ValueError if not."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"expected host:port, got {addr!r}")
-    return host.removeprefix("[").removesuffix("]"), int(port)
 
 
 def _http_url(value: str, what: str) -> str:
@@ -129,7 +118,11 @@ class ProxyConfig(_Strict):
 
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    protocol: Protocol = "nixl-pull"
+    protocol: str = Field(
+        "nixl-pull",
+        description="P/D protocol: how the legs are sequenced and what their "
+        "kv_transfer_params carry (see proxy/protocols.py): " + ", ".join(PROTOCOLS),
+    )
     instances: tuple[InstanceConfig, ...] = ()
     instances_file: Path | None = Field(
         None, description="JSON/YAML file with an `instances` list, re-read when it changes"
@@ -181,9 +174,6 @@ class ProxyConfig(_Strict):
     def _fleet(self) -> ProxyConfig:
         if not self.instances and self.instances_file is None and self.kubernetes is None:
             raise ValueError("no instances: give `instances`, `instances_file` or `kubernetes`")
-        from vllm_pd_ext.proxy.policies import POLICIES
-        from vllm_pd_ext.proxy.protocols import make_protocol
-
         protocol = make_protocol(self.protocol)
         lacking = [
             f"{i.label} needs {' and '.join(fields)}"

@@ -10,7 +10,9 @@ the decode leg; concurrent ones send both legs at once with params the proxy bui
 * ``mooncake`` (vLLM's MooncakeConnector): concurrent. The proxy mints a ``transfer_id``, sends
   P ``{do_remote_decode, transfer_id}`` and, at the same time, D ``{do_remote_prefill,
   transfer_id, remote_engine_id, remote_bootstrap_addr}``; D pulls from P's bootstrap server
-  once P has computed the prompt. Prefill instances need ``engine_id`` and ``bootstrap_addr``.
+  once P has computed the prompt. Prefill instances need ``engine_id`` and ``bootstrap_addr``
+  (``host:port``); D gets it as a URL (``http://host:port``): the connector queries
+  ``remote_bootstrap_addr + "/query"``.
 * ``moriio-read`` / ``moriio-write`` (vLLM's MoRIIOConnector, ``read_mode`` true / false).
   vLLM's own proxy learns each instance's MoRI-IO address over ZMQ registration and embeds both
   peers' addresses in the request id (``___prefill_addr_..___decode_addr_..``). We instead pass
@@ -41,10 +43,12 @@ the decode leg; concurrent ones send both legs at once with params the proxy bui
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from vllm_pd_ext.proxy.config import InstanceConfig, split_host_port
+if TYPE_CHECKING:
+    from vllm_pd_ext.proxy.config import InstanceConfig
 
 #: The prefill leg's marker for NIXL-style serial protocols.
 NIXL_PREFILL_PARAMS: dict[str, Any] = {
@@ -55,6 +59,20 @@ NIXL_PREFILL_PARAMS: dict[str, Any] = {
     "remote_host": None,
     "remote_port": None,
 }
+
+
+def split_host_port(addr: str) -> tuple[str, int]:
+    """``"host:port"`` (``"[v6]:port"`` for IPv6) as ``(host, port)``; ValueError if not."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"expected host:port, got {addr!r}")
+    return host.removeprefix("[").removesuffix("]"), int(port)
+
+
+def http_base(addr: str) -> str:
+    """``host:port`` as the base URL of an HTTP server there (IPv6 hosts in brackets)."""
+    host, port = split_host_port(addr)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class MissingCoordinates(ValueError):
@@ -136,7 +154,7 @@ class MooncakeConcurrent:
                 "do_remote_prefill": True,
                 "transfer_id": transfer_id,
                 "remote_engine_id": prefill.engine_id,
-                "remote_bootstrap_addr": prefill.bootstrap_addr,
+                "remote_bootstrap_addr": http_base(prefill.bootstrap_addr or ""),
             },
         )
 
@@ -249,17 +267,20 @@ class PdExtWrite:
         )
 
 
+#: Every protocol by its name in ``ProxyConfig.protocol``.
+PROTOCOLS: dict[str, Callable[[], PDProtocol]] = {
+    "nixl-pull": lambda: NixlSerial("nixl-pull"),
+    "nixl-push": lambda: NixlSerial("nixl-push"),
+    "mooncake": MooncakeConcurrent,
+    "moriio-read": MoRIIORead,
+    "moriio-write": MoRIIOWrite,
+    "pdext-read": PdExtRead,
+    "pdext-write": PdExtWrite,
+}
+
+
 def make_protocol(name: str) -> PDProtocol:
-    """The protocol named in ``ProxyConfig.protocol``."""
-    if name in ("nixl-pull", "nixl-push"):
-        return NixlSerial(name)
-    protocols: dict[str, type] = {
-        "mooncake": MooncakeConcurrent,
-        "moriio-read": MoRIIORead,
-        "moriio-write": MoRIIOWrite,
-        "pdext-read": PdExtRead,
-        "pdext-write": PdExtWrite,
-    }
-    if name not in protocols:
-        raise ValueError(f"unknown P/D protocol {name!r}")
-    return protocols[name]()
+    """The protocol named ``name`` (one of ``PROTOCOLS``)."""
+    if name not in PROTOCOLS:
+        raise ValueError(f"unknown P/D protocol {name!r}; choose one of {', '.join(PROTOCOLS)}")
+    return PROTOCOLS[name]()

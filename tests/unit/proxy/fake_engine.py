@@ -156,13 +156,15 @@ class FakeEngine:
             elif params.get("do_remote_prefill") and params.get("transfer_id"):
                 # By transfer_id from the prefill's side channel, once it has computed the
                 # prompt (Mooncake, MoRI-IO, pdext write; MoRI-IO read after the prefill).
-                addr = params.get("remote_bootstrap_addr") or "{}:{}".format(
+                # Mooncake's bootstrap address is used as vLLM's connector uses it (a base
+                # URL the path is appended to); the others name a host and a port.
+                base = params.get("remote_bootstrap_addr") or "http://{}:{}".format(
                     params.get("remote_host"),
                     params.get("remote_port") or params.get("remote_handshake_port"),
                 )
                 self.running += 1
                 try:
-                    outcome = await _pull_when_ready(addr, params["transfer_id"], request)
+                    outcome = await _pull_when_ready(base, params["transfer_id"], request)
                 finally:
                     self.running -= 1
                 if outcome != "ok":
@@ -414,18 +416,22 @@ def check_params(connector: str, params: dict) -> list[str]:
 
 
 async def _pull_when_ready(
-    addr: str, transfer_id: str, request: Request, timeout: float = 5.0
+    base: str, transfer_id: str, request: Request, timeout: float = 5.0
 ) -> str:
-    """Poll the prefill's pull endpoint until it releases ``transfer_id``: "ok", or "gone" if
-    the client went away (watched on the ASGI channel), or "timeout"."""
+    """Poll the prefill's pull endpoint under ``base`` (a URL) until it releases
+    ``transfer_id``: "ok", "gone" if the client went away (watched on the ASGI channel),
+    "timeout", or "unreachable" when ``base`` is no URL an HTTP client can reach."""
     gone = asyncio.ensure_future(_disconnected(request))
     deadline = time.monotonic() + timeout
     try:
         async with httpx.AsyncClient() as client:
             while time.monotonic() < deadline and not gone.done():
-                resp = await client.post(
-                    f"http://{addr}/_fake/pull", json={"remote_request_id": transfer_id}
-                )
+                try:
+                    resp = await client.post(
+                        base + "/_fake/pull", json={"remote_request_id": transfer_id}
+                    )
+                except httpx.RequestError:
+                    return "unreachable"
                 if resp.json()["released"]:
                     return "ok"
                 await asyncio.sleep(0.02)

@@ -46,7 +46,7 @@ def test_concurrent_legs_share_a_transfer_id(engines):
             "do_remote_prefill": True,
             "transfer_id": tid,
             "remote_engine_id": "eng-p1",
-            "remote_bootstrap_addr": f"127.0.0.1:{engines['p1'].port}",
+            "remote_bootstrap_addr": f"http://127.0.0.1:{engines['p1'].port}",
         }
         assert p_body["max_tokens"] == 1 and d_body["max_tokens"] == 4
         assert engines["p1"].held_blocks == {} and engines["p1"].pulls == 1
