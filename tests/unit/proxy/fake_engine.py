@@ -38,6 +38,8 @@ class Behavior:
     die_after_tokens: int | None = None  # streaming: break the connection after N tokens
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params
     connector: str | None = None  # "moriio-read", "moriio-write", "pdext-read", "pdext-write"
+    metrics_status: int = 200  # answer /metrics with this status
+    not_json: bool = False  # answer a completion with 200 and a body that is not JSON
 
 
 @dataclass
@@ -66,6 +68,8 @@ class FakeEngine:
 
         @app.get("/metrics")
         async def metrics() -> Response:
+            if self.behavior.metrics_status != 200:
+                return Response(status_code=self.behavior.metrics_status)
             text = (
                 "# TYPE vllm:num_requests_running gauge\n"
                 f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
@@ -126,6 +130,8 @@ class FakeEngine:
                     },
                     status_code=b.status,
                 )
+            if b.not_json:
+                return Response(b"<html>upstream trouble</html>", media_type="text/html")
             if body.get("model") == "bad":
                 return JSONResponse(
                     {

@@ -486,3 +486,28 @@ def test_completion_routes_take_post_only(engines):
         resp = httpx.get(f"{base}/v1/completions", timeout=60)
     assert resp.status_code == 405
     assert resp.json()["error"]["type"] == "MethodNotAllowedError"
+
+
+def test_a_decode_answer_that_is_not_json_is_a_counted_502(engines):
+    for d in ("d1", "d2"):
+        engines[d].behavior.not_json = True
+    with proxy(engines) as (base, _):
+        resp = httpx.post(
+            f"{base}/v1/completions", json={"model": "m", "prompt": SHORT}, timeout=60
+        )
+        assert resp.status_code == 502
+        assert resp.json()["error"]["code"] == "decode_failed"
+        assert "no JSON object" in resp.json()["error"]["message"]
+        assert metric(base, "vllm_pd_requests_total", outcome="decode_failed") == 1
+        assert metric(base, "vllm_pd_in_flight") == 0
+
+
+def test_engine_load_figures_are_dropped_once_metrics_stop_answering(engines):
+    engines["d1"].running = 7
+    with proxy(engines, instances=fleet(engines, decode=("d1",))) as (_, svc):
+        (d1,) = svc.fleet.healthy("decode")
+        wait_until(lambda: d1.running == 7)
+        engines["d1"].behavior.metrics_status = 500  # /health still answers
+        wait_until(lambda: d1.running == 0)
+        assert d1.healthy and d1.metrics_at == 0.0
+    engines["d1"].running = 0
