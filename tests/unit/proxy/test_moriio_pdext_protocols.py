@@ -207,11 +207,15 @@ def test_pdext_write_prefill_failure_aborts_decode_then_retries_then_colocates(e
         engines["p2"].behavior.status = 503  # every prefill fails: colocated on d1
         resp = httpx.post(f"{base}/v1/completions", json=BODY, timeout=60)
         assert resp.status_code == 200
-        *split_legs, colocated = sent(engines["d1"])[2:]
-        assert "kv_transfer_params" not in colocated
+        later = sent(engines["d1"])[2:]  # a closed leg may be recorded after the colocated one
+        assert len([b for b in later if "kv_transfer_params" not in b]) == 1
+
+        def split_legs() -> int:
+            return len([b for b in sent(engines["d1"])[2:] if "kv_transfer_params" in b])
+
         # every split decode leg that reached d1 was closed (one cancelled before it was sent
         # never arrives)
-        wait_until(lambda: engines["d1"].disconnects == 1 + len(split_legs))
+        wait_until(lambda: engines["d1"].disconnects == 1 + split_legs())
         assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_failed") == 1
     no_param_errors(engines)
 
