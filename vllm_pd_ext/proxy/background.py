@@ -22,7 +22,7 @@ from vllm_pd_ext.proxy.call import Call
 from vllm_pd_ext.proxy.fleet import Instance
 from vllm_pd_ext.proxy.legs import one_token_body
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
-from vllm_pd_ext.proxy.token_mode import ABORT_PATH, engine_request_id
+from vllm_pd_ext.proxy.token_mode import ABORT_PATH, engine_request_id, prompt_request_id
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
 
 logger = logging.getLogger(__name__)
@@ -79,12 +79,15 @@ class Background:
 
     def abort_engines(self, call: Call) -> None:
         """Token mode: tell every engine ``call`` reached to abort it."""
-        rid = call.ctx.request_id
+        ctx = call.ctx
+        rid = ctx.request_id
+        prompts = len(ctx.tokens.prompts) if ctx.tokens is not None else 1
+        ids = [engine_request_id(prompt_request_id(rid, i)) for i in range(prompts)]
         for inst in dict.fromkeys(call.engines):
-            self._spawn(self._abort(inst, rid), f"abort-{rid}", "abort")
+            self._spawn(self._abort(inst, rid, ids), f"abort-{rid}", "abort")
 
-    async def _abort(self, inst: Instance, request_id: str) -> None:
-        body = {"request_ids": [engine_request_id(request_id)]}
+    async def _abort(self, inst: Instance, request_id: str, ids: list[str]) -> None:
+        body = {"request_ids": ids}
         try:
             status, _ = await inst.client.fetch("POST", ABORT_PATH, self.abort_timeout, body)
             outcome = str(status)

@@ -51,14 +51,25 @@ class DecodeLeg:
         """Send the decode leg to ``inst``; the response with its body unread. ``sink``:
         the body's sink from the moment a 200 head arrives."""
         ctx = call.ctx
-        if ctx.tokens is not None:
+        return await self.send_body(call, inst, decode_body(ctx, params), ctx.request_id, sink)
+
+    async def send_body(
+        self,
+        call: Call,
+        inst: Instance,
+        body: dict[str, Any] | bytes,
+        request_id: str,
+        sink: Callable[[bytes], bool] | None = None,
+    ) -> UpstreamResponse:
+        """Send ``body`` to ``inst`` on the request's engine route as ``request_id``."""
+        if call.ctx.tokens is not None:
             call.engines.append(inst)
         return await inst.client.send(
             "POST",
-            ctx.path,
+            call.ctx.path,
             self.timeout,
-            decode_body(ctx, params),
-            {"X-Request-Id": ctx.request_id},
+            body,
+            {"X-Request-Id": request_id},
             sink_on_ok=sink,
         )
 

@@ -106,7 +106,7 @@ class Relay:
             render = self._render()
             assert render is not None
             data = await call.watch.race(
-                render.derender(ctx.route, ctx.body, ctx.tokens, data, ctx.request_id), "decode"
+                render.derender(ctx.route, ctx.body, ctx.tokens, [data], ctx.request_id), "decode"
             )
         patch_payload(data, call.cached)
         call.finish("ok", f"ok via {inst.label}")

@@ -4,6 +4,9 @@
       -> route and decide (routing.py, decision.py) -> [prefill leg (prefill.py)]
       -> decode leg (decode.py) -> relay the answer (relay.py) [derender per event]
 
+(token mode, a completion with several prompts: route -> batch.py, which sends and answers
+them together).
+
 The request's state lives in a ``Call`` (call.py), which also holds what the request holds
 (admission slot, instance leases) and gives it back once, on every path. Work a request leaves
 behind when its client goes (drains, aborts) runs in ``background.py``.
@@ -38,6 +41,7 @@ from fastapi.responses import Response
 
 from vllm_pd_ext.proxy.admission import Admission
 from vllm_pd_ext.proxy.background import Background
+from vllm_pd_ext.proxy.batch import Batch
 from vllm_pd_ext.proxy.call import Call
 from vllm_pd_ext.proxy.client_channel import ClientGone, DisconnectWatch, RelayResponse
 from vllm_pd_ext.proxy.config import ProxyConfig
@@ -105,6 +109,7 @@ class ProxyService:
             render=lambda: self.render,
             fast_path=fast_path,
         )
+        self.batch = Batch(self.decode, self.relay, self.router, self.fleet)
         #: Token mode's render tier (created on the event loop in ``start``).
         self.render: RenderTier | None = None
 
@@ -166,6 +171,9 @@ class ProxyService:
         route = self.router.route(ctx, decode_pool)
         call.decision = route.decision
         call.start = time.perf_counter()
+        if ctx.tokens is not None and ctx.tokens.more:  # several prompts: never split
+            assert self.render is not None
+            return await self.batch.serve(call, route, self.render)
         pending = None
         if route.decision.split:
             try:

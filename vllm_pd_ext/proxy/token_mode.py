@@ -42,14 +42,31 @@ def engine_request_id(request_id: str) -> str:
     return f"generate-tokens-{request_id}"
 
 
+def prompt_request_id(request_id: str, index: int) -> str:
+    """The ``X-Request-Id`` of prompt ``index`` of a request with several prompts (each is
+    its own engine request; the first keeps the request's id)."""
+    return request_id if index == 0 else f"{request_id}-p{index}"
+
+
 @dataclass
 class TokenRequest:
-    """One request after render: the GenerateRequest body and the prompt's token ids."""
+    """One request after render: the GenerateRequest body and the prompt's token ids.
+
+    A completion request with a list of prompts renders to one GenerateRequest per prompt:
+    the first is this one, the others are in ``more`` (sent to the same engine, colocated,
+    and answered as one response, as vLLM answers such a request).
+    """
 
     generate: dict[str, Any]
     prompt_ids: list[int]
     #: The OpenAI id the client sees (``chatcmpl-...`` / ``cmpl-...``), from render.
     response_id: str
+    more: list[TokenRequest] = field(default_factory=list)
+
+    @property
+    def prompts(self) -> list[TokenRequest]:
+        """Every prompt's request, this one first."""
+        return [self, *self.more]
 
     @classmethod
     def from_render(cls, rendered: dict[str, Any], stream: bool) -> TokenRequest:
@@ -168,43 +185,42 @@ class RenderTier:
     ) -> TokenRequest:
         """The client's OpenAI request as token ids. Raises ``ProxyError``."""
         rendered = await self.call(_RENDER_PATHS[route], body, request_id)
-        if isinstance(rendered, list):
-            if len(rendered) != 1:
-                raise ProxyError(
-                    400,
-                    f"token mode serves one prompt per completion request (got {len(rendered)})",
-                    param="prompt",
-                )
-            rendered = rendered[0]
-        if not isinstance(rendered, dict):
+        if not isinstance(rendered, list):
+            rendered = [rendered]
+        if not rendered or not all(isinstance(r, dict) for r in rendered):
             raise ProxyError(502, "render returned no GenerateRequest", code="render_failed")
-        return TokenRequest.from_render(rendered, stream)
+        first, *more = (TokenRequest.from_render(r, stream) for r in rendered)
+        for other in more:
+            other.response_id = first.response_id  # one response answers them all
+        first.more = more
+        return first
 
     async def derender(
         self,
         route: str,
         body: dict[str, Any],
         tokens: TokenRequest,
-        response: dict[str, Any],
+        responses: list[dict[str, Any]],
         request_id: str,
     ) -> dict[str, Any]:
-        """A whole generate response as the OpenAI response. Raises ``ProxyError``."""
-        response = {**response, "request_id": tokens.response_id}
-        n = len(tokens.prompt_ids)
+        """Whole generate responses (one per prompt, ``tokens.prompts``) as the OpenAI
+        response. Raises ``ProxyError``."""
+        prompts = tokens.prompts
+        responses = [{**r, "request_id": tokens.response_id} for r in responses]
         if route == "chat":
             req = {
                 "model": body.get("model"),
-                "generate_response": response,
-                "prompt_tokens": n,
+                "generate_response": responses[0],
+                "prompt_tokens": len(tokens.prompt_ids),
                 "prompt_token_ids": tokens.prompt_ids,
                 "chat_request": body,
             }
         else:
             req = {
                 "model": body.get("model"),
-                "generate_responses": [response],
-                "prompt_tokens": [n],
-                "prompt_token_ids": [tokens.prompt_ids],
+                "generate_responses": responses,
+                "prompt_tokens": [len(t.prompt_ids) for t in prompts],
+                "prompt_token_ids": [t.prompt_ids for t in prompts],
                 "completion_request": body,
             }
         out = await self.call(_DERENDER_PATHS[route], req, request_id)
@@ -212,10 +228,14 @@ class RenderTier:
             raise ProxyError(502, "derender returned no response", code="render_failed")
         if route == "completions" and body.get("return_token_ids"):
             # What text mode's engine adds; derender leaves it to the frontend.
-            gens = response.get("choices") or []
-            for choice, gen in zip(out.get("choices") or [], gens, strict=False):
+            gens = [
+                (gen, t.prompt_ids)
+                for t, r in zip(prompts, responses, strict=True)
+                for gen in r.get("choices") or []
+            ]
+            for choice, (gen, prompt_ids) in zip(out.get("choices") or [], gens, strict=False):
                 choice["token_ids"] = gen.get("token_ids")
-                choice["prompt_token_ids"] = tokens.prompt_ids
+                choice["prompt_token_ids"] = prompt_ids
         return out
 
 

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from tests.unit.proxy.fake_engine import GEN_BASE, GEN_SPAN, ServerThread
-from tests.unit.proxy.helpers import LONG, SHORT, proxy, sent, wait_until
+from tests.unit.proxy.helpers import LONG, SHORT, metric, proxy, sent, wait_until
 from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
 from vllm_pd_ext.render_server.app import create_app as create_render_app
 from vllm_pd_ext.render_server.settings import RenderSettings
@@ -113,6 +113,49 @@ def test_short_prompt_is_one_generate_on_decode(engines, render_url, tokenizer):
     assert not sent(engines["p1"]) and not sent(engines["p2"])
     (dec,) = [r for n in ("d1", "d2") for r in sent(engines[n])]
     assert dec["kv_transfer_params"] is None and dec["token_ids"] == prompt_ids
+
+
+def test_a_completion_with_a_list_of_prompts_is_answered_like_vllm(engines, render_url, tokenizer):
+    """One generate request per prompt on one decode instance; one response whose choices
+    are numbered by prompt, whole or streamed (one usage chunk with the totals, one
+    [DONE])."""
+    prompts = [SHORT, "another prompt here", LONG]
+    body = {"model": MODEL, "prompt": prompts, "max_tokens": 5}
+    ids = [_render(render_url, "completions", {**body, "prompt": p}) for p in prompts]
+    expected = [tokenizer.decode(_expected(i, 5)) for i in ids]
+    stream = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    with proxy(engines, render=[render_url]) as (base, _):
+        whole = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+        with httpx.stream("POST", f"{base}/v1/completions", json=stream, timeout=30) as r:
+            assert r.status_code == 200
+            text = r.read().decode()
+        assert metric(base, "vllm_pd_decisions_total", reason="not_splittable") == 2
+    assert whole.status_code == 200, whole.text
+    data = whole.json()
+    assert [c["index"] for c in data["choices"]] == [0, 1, 2]
+    assert [c["text"] for c in data["choices"]] == expected
+    assert data["usage"]["prompt_tokens"] == sum(len(i) for i in ids)
+    assert data["usage"]["completion_tokens"] == 15
+    assert not sent(engines["p1"]) and not sent(engines["p2"])
+    legs = [r for n in ("d1", "d2") for r in engines[n].requests]
+    assert sorted(tuple(r["body"]["token_ids"]) for r in legs) == sorted(tuple(i) for i in ids * 2)
+    assert len({r["headers"]["x-request-id"] for r in legs}) == 6  # one engine id each
+
+    assert text.count("data: [DONE]") == 1
+    events = _events(text)
+    assert (
+        len({e["id"] for e in events}) == 1
+        and events[0]["id"] == data["id"][:4] + (events[0]["id"][4:])
+    )
+    by_index: dict[int, str] = {}
+    for e in events:
+        for c in e["choices"]:
+            by_index[c["index"]] = by_index.get(c["index"], "") + c["text"]
+    assert [by_index[i] for i in range(3)] == expected
+    (usage,) = [e["usage"] for e in events if e.get("usage")]
+    assert usage["prompt_tokens"] == sum(len(i) for i in ids)
+    assert usage["completion_tokens"] == 15
+    assert events[-1]["choices"] == [] and events[-1]["usage"] == usage
 
 
 def test_render_400_passes_through(engines, render_url):
