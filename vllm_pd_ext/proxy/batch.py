@@ -18,7 +18,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response
@@ -43,7 +43,7 @@ class Batch:
         self.router = router
         self.fleet = fleet
 
-    async def serve(self, call: Call, route: Route, render: RenderTier) -> Response:
+    async def serve(self, call: Call, route: Route, render: RenderTier) -> Response | RelayResponse:
         """Answer the request (``call.ctx.tokens`` holds more than one prompt)."""
         opened = await self._open(call, route)
         if call.ctx.stream:
@@ -147,7 +147,7 @@ class Batch:
             )
             for i, (o, t) in enumerate(zip(opened, ctx.tokens.prompts, strict=True))
         ]
-        nexts = {asyncio.ensure_future(anext(s)): s for s in streams}  # type: ignore[arg-type]
+        nexts = {asyncio.ensure_future(anext(s)): s for s in streams}
         try:
             while nexts:
                 done, _ = await asyncio.wait(nexts, return_when=asyncio.FIRST_COMPLETED)
@@ -166,10 +166,14 @@ class Batch:
                     if ready is not None:
                         stream.observe(ready, time.perf_counter())
                         yield ready
-                    nexts[asyncio.ensure_future(anext(source))] = source  # type: ignore[arg-type]
+                    nexts[asyncio.ensure_future(anext(source))] = source
             if usage:
-                chunk = {"id": ctx.tokens.response_id, "object": "text_completion", "choices": []}
-                chunk["usage"] = usage
+                chunk = {
+                    "id": ctx.tokens.response_id,
+                    "object": "text_completion",
+                    "choices": [],
+                    "usage": usage,
+                }
                 yield b"data: " + json.dumps(chunk).encode() + b"\n\n"
             yield STREAM_END
         except (asyncio.CancelledError, GeneratorExit):
@@ -190,7 +194,7 @@ class Batch:
     @staticmethod
     async def _prompt_events(
         index: int, resp: UpstreamResponse, derender: DerenderStream
-    ) -> AsyncIterator[tuple[int, bytes]]:
+    ) -> AsyncGenerator[tuple[int, bytes], None]:
         """Prompt ``index``'s derendered events, one at a time."""
         buffer = b""
         async for chunk in resp.chunks():

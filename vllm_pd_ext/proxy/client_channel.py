@@ -12,9 +12,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
-from starlette.requests import Request
-
 from vllm_pd_ext.proxy.front_protocol import DirectWriter, hooked_cycle
+from vllm_pd_ext.proxy.request import ClientRequest
 
 T = TypeVar("T")
 
@@ -41,7 +40,7 @@ class DisconnectWatch:
     then reports the channel as disconnected.
     """
 
-    def __init__(self, request: Request, *, hooked: bool = True):
+    def __init__(self, request: ClientRequest, *, hooked: bool = True):
         self.gone = asyncio.Event()
         self._target: asyncio.Task | None = None
         self._cancelled = False
@@ -66,7 +65,7 @@ class DisconnectWatch:
             self._cancelled = True
             self._target.cancel()
 
-    async def _watch(self, request: Request) -> None:
+    async def _watch(self, request: ClientRequest) -> None:
         while True:
             message = await request.receive()
             if self._stopped:

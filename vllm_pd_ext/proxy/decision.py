@@ -87,7 +87,12 @@ class Decider:
         if min_waiting >= cfg.max_prefill_waiting:
             return self._log(ctx, Decision(False, "prefill_overloaded", inputs))
         transfer, prefill = self.transfer_s_per_token, self.prefill_s_per_token
-        if cfg.cost_model and min(transfer.samples, prefill.samples) >= cfg.cost_min_samples:
+        if (
+            cfg.cost_model
+            and transfer.value is not None
+            and prefill.value is not None
+            and min(transfer.samples, prefill.samples) >= cfg.cost_min_samples
+        ):
             transfer_cost = transfer.value * tokens
             stall_cost = prefill.value * tokens * max(decode.running, decode.in_flight)
             inputs.update(transfer_cost_s=transfer_cost, stall_cost_s=stall_cost)

@@ -85,7 +85,8 @@ def passthrough(status: int, raw: bytes) -> ProxyError:
     except ValueError:
         data = None
     data = data if isinstance(data, dict) else {}
-    err = data.get("error") if isinstance(data.get("error"), dict) else data
+    error = data.get("error")
+    err: dict = error if isinstance(error, dict) else data
     text = raw[:2000].decode("utf-8", "replace")
     message = err.get("message") or err.get("detail") or text or f"HTTP {status}"
     return ProxyError(status, str(message), param=err.get("param"), code=err.get("code"))

@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+from typing import cast
 
 logger = logging.getLogger(__name__)
 
@@ -37,8 +39,9 @@ try:  # uvicorn's protocol and request cycle, and the status lines and header-va
     from uvicorn.protocols.http import httptools_impl as _impl
 except ImportError:  # no httptools: front_protocol() returns None, no FastCycle is made
     _impl = None  # type: ignore[assignment]
-STATUS_LINE: dict = getattr(_impl, "STATUS_LINE", {})
-HEADER_VALUE_RE = getattr(_impl, "HEADER_VALUE_RE", None)
+# (None only where no FastCycle is ever made)
+STATUS_LINE = cast("dict[int, bytes]", getattr(_impl, "STATUS_LINE", {}))
+HEADER_VALUE_RE = cast("re.Pattern[bytes]", getattr(_impl, "HEADER_VALUE_RE", None))
 
 
 class _HeadWithBody:
@@ -395,11 +398,11 @@ def front_protocol(max_body_bytes: int) -> type | None:
         return _PROTOCOLS[max_body_bytes]
     if not internals_ok():
         return None
-    HttpToolsProtocol = _impl.HttpToolsProtocol
 
-    class FrontProtocol(HttpToolsProtocol):
-        def connection_made(self, transport) -> None:  # type: ignore[override]
-            super().connection_made(_HeadWithBody(transport, asyncio.get_running_loop()))
+    class FrontProtocol(_impl.HttpToolsProtocol):
+        def connection_made(self, transport) -> None:
+            held = _HeadWithBody(transport, asyncio.get_running_loop())
+            super().connection_made(held)  # type: ignore[arg-type]  # a transport, delegating
 
         def connection_lost(self, exc: Exception | None) -> None:
             cycle = getattr(self, "cycle", None)
@@ -413,7 +416,7 @@ def front_protocol(max_body_bytes: int) -> type | None:
             # The ASGI scope is built only for requests that go uvicorn's way.
             self.url = b""
             self.expect_100_continue = False
-            self.headers = []
+            self.headers: list[tuple[bytes, bytes]] = []
 
         def on_headers_complete(self) -> None:
             parser = self.parser
@@ -427,7 +430,8 @@ def front_protocol(max_body_bytes: int) -> type | None:
             ):
                 path, _, query = self.url.partition(b"?")
                 if path in FAST_PATHS and not self._declares_too_much():
-                    self.cycle = FastCycle(
+                    # FastCycle stands in for uvicorn's cycle where the protocol reads one
+                    self.cycle = FastCycle(  # type: ignore[assignment]
                         self, path, query, self.headers, parser.should_keep_alive()
                     )
                     return

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterator, Sequence
+from typing import Generic, TypeVar
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import (
@@ -51,7 +52,10 @@ class _Buckets:
         self.sum += amount
 
 
-class _Family:
+_Child = TypeVar("_Child", _Value, _Buckets)
+
+
+class _Family(Generic[_Child]):
     """One metric name; its children by label values (one unlabelled child without
     labels, whose methods the family itself forwards)."""
 
@@ -67,16 +71,17 @@ class _Family:
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], _Value | _Buckets] = {}
+        self._children: dict[tuple[str, ...], _Child] = {}
         if not self.labelnames:
-            self._only = self._children[()] = self._new_child()
+            self._only: _Child = self._new_child()
+            self._children[()] = self._only
         if registry is not None:
             registry.register(self)
 
-    def _new_child(self) -> _Value | _Buckets:
-        return _Value()
+    def _new_child(self) -> _Child:
+        raise NotImplementedError
 
-    def labels(self, *values: str):
+    def labels(self, *values: str) -> _Child:
         key = tuple(str(v) for v in values)
         child = self._children.get(key)
         if child is None:
@@ -101,7 +106,12 @@ class _Family:
         family.add_metric(values, child.value)
 
 
-class Counter(_Family):
+class _Scalar(_Family[_Value]):
+    def _new_child(self) -> _Value:
+        return _Value()
+
+
+class Counter(_Scalar):
     def inc(self, amount: float = 1.0) -> None:
         self._only.value += amount
 
@@ -109,7 +119,7 @@ class Counter(_Family):
         return CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
 
-class Gauge(_Family):
+class Gauge(_Scalar):
     def inc(self, amount: float = 1.0) -> None:
         self._only.value += amount
 
@@ -123,7 +133,7 @@ class Gauge(_Family):
         return GaugeMetricFamily(self.name, self.documentation, labels=self.labelnames)
 
 
-class Histogram(_Family):
+class Histogram(_Family[_Buckets]):
     def __init__(
         self,
         name: str,

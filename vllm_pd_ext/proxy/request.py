@@ -25,8 +25,11 @@ if TYPE_CHECKING:
 
 Route = Literal["chat", "completions"]
 #: The engines' OpenAI routes (text mode), and their token-in token-out route (token mode).
-PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+PATHS: dict[Route, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 GENERATE_PATH = "/inference/v1/generate"
+
+#: A client's request as the proxy reads it: Starlette's, or the ``FastCycle`` serving it.
+ClientRequest = Request | FastCycle
 
 #: Request ids the proxy makes up: a random per-process prefix and a counter (no system call
 #: for randomness per request); 32 hex digits like a UUID's.
@@ -70,7 +73,7 @@ class RequestContext:
         return self.tokens.generate if self.tokens is not None else self.body
 
 
-def _header(request: Request, name: bytes) -> bytes | None:
+def _header(request: ClientRequest, name: bytes) -> bytes | None:
     """The first value of header ``name`` (lower case), straight from the ASGI scope."""
     for key, value in request.scope["headers"]:
         if key == name:
@@ -82,10 +85,10 @@ def _too_large(limit: int) -> ProxyError:
     return ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
 
 
-async def read_body(request: Request | FastCycle, limit: int) -> tuple[dict[str, Any], bytes]:
+async def read_body(request: ClientRequest, limit: int) -> tuple[dict[str, Any], bytes]:
     """The JSON object in the request body and the body's bytes; 413 past ``limit`` bytes,
     400 when malformed. ``request``: a Starlette request, or the ``FastCycle`` serving it."""
-    if type(request) is FastCycle:  # it never keeps more than ``limit`` + 1 bytes
+    if isinstance(request, FastCycle):  # it never keeps more than ``limit`` + 1 bytes
         raw = request.take_body() or b""
         if len(raw) > limit:
             raise _too_large(limit)
@@ -141,7 +144,7 @@ def _check_types(body: dict[str, Any]) -> None:
             continue
         if type(value) is not kind:
             raise ProxyError(400, f"'{key}' must be {what}", param=key)
-        if non_negative and value < 0:
+        if non_negative and value < 0:  # type: ignore[operator]  # an int, checked above
             raise ProxyError(400, f"'{key}' must be non-negative", param=key)
 
 
@@ -165,7 +168,7 @@ def _text_of_messages(messages: list) -> str:
 def parse_request(
     route: Route,
     body: dict[str, Any],
-    request: Request,
+    request: ClientRequest,
     config: ProxyConfig,
     raw: bytes | None = None,
 ) -> RequestContext:

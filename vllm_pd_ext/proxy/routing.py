@@ -55,7 +55,7 @@ class Router:
         decision = self.decider.decide(ctx, prefill_pool, decode)
         metrics = self.metrics
         metrics.child(metrics.decisions, decision.label, decision.reason).inc()
-        return Route(decode, decode_pool, prefill_pool, decision)  # type: ignore[arg-type]
+        return Route(decode, decode_pool, prefill_pool, decision)
 
     def candidates(
         self,
@@ -78,7 +78,7 @@ class Router:
                 left = [p for p in pool if p not in tried and p.healthy]
                 if not left:
                     return
-                inst = policy.select(ctx.affinity_key, left)  # type: ignore[assignment]
+                inst = policy.select(ctx.affinity_key, left)
                 if attempt:
                     self.metrics.retries.labels(leg).inc()
             tried.append(inst)

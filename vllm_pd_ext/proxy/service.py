@@ -36,7 +36,6 @@ from __future__ import annotations
 import logging
 import time
 
-from fastapi import Request
 from fastapi.responses import Response
 
 from vllm_pd_ext.proxy.admission import Admission
@@ -53,7 +52,7 @@ from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg, discard
 from vllm_pd_ext.proxy.protocols import make_protocol
 from vllm_pd_ext.proxy.relay import Relay
-from vllm_pd_ext.proxy.request import Route, parse_request, read_body
+from vllm_pd_ext.proxy.request import ClientRequest, Route, parse_request, read_body
 from vllm_pd_ext.proxy.routing import Router
 from vllm_pd_ext.proxy.token_mode import RenderTier
 from vllm_pd_ext.proxy.upstream import Timeouts
@@ -130,7 +129,7 @@ class ProxyService:
         if self.render is not None:
             await self.render.close()
 
-    async def handle(self, request: Request, route: Route) -> Response:
+    async def handle(self, request: ClientRequest, route: Route) -> Response | RelayResponse:
         """Serve one OpenAI request. Raises ``ProxyError`` for answers the app maps."""
         body, raw = await read_body(request, self.config.max_body_bytes)
         ctx = parse_request(route, body, request, self.config, raw)
@@ -163,7 +162,7 @@ class ProxyService:
             if not streaming:
                 call.close()
 
-    async def _serve(self, call: Call) -> Response:
+    async def _serve(self, call: Call) -> Response | RelayResponse:
         ctx = call.ctx
         decode_pool = self.router.decode_pool()
         if self.render is not None:

@@ -4,6 +4,7 @@ token ids to fake engines' ``/inference/v1/generate``; answers come back through
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,7 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def render_url(tiny_llama) -> str:
+def render_url(tiny_llama) -> Iterator[str]:
     settings = RenderSettings(model=str(tiny_llama), served_model_name=MODEL)
     with ServerThread(create_render_app(settings)) as server:
         yield f"http://127.0.0.1:{server.port}"

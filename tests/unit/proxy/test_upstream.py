@@ -23,7 +23,8 @@ async def _serve(reply: bytes | None, then_close: bool = True):
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await reader.readuntil(b"\r\n\r\n")
         if reply is None:
-            await asyncio.sleep(30)
+            await asyncio.Event().wait()  # never answers
+            return
         writer.write(reply)
         await writer.drain()
         if then_close:

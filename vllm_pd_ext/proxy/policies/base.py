@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 
 class Candidate(Protocol):
@@ -17,8 +17,11 @@ class Candidate(Protocol):
         ...
 
 
+C = TypeVar("C", bound=Candidate)
+
+
 class Policy(Protocol):
-    def select(self, key: str, candidates: Sequence[Candidate]) -> Candidate:
+    def select(self, key: str, candidates: Sequence[C]) -> C:
         """Choose one of ``candidates`` (never empty) for a request whose affinity key is
         ``key`` (a prefix of its prompt). Runs on the proxy's event loop: must not block."""
         ...

@@ -5,14 +5,14 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from vllm_pd_ext.proxy.policies.base import Candidate
+from vllm_pd_ext.proxy.policies.base import C
 
 
 class LeastLoaded:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def select(self, key: str, candidates: Sequence[Candidate]) -> Candidate:
+    def select(self, key: str, candidates: Sequence[C]) -> C:
         start = next(self._counter) % len(candidates)
         rotated = [*candidates[start:], *candidates[:start]]
         return min(rotated, key=lambda c: c.load())

@@ -5,14 +5,14 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-from vllm_pd_ext.proxy.policies.base import Candidate
+from vllm_pd_ext.proxy.policies.base import C
 
 
 class PowerOfTwo:
     def __init__(self, seed: int | None = None) -> None:
         self._rng = random.Random(seed)
 
-    def select(self, key: str, candidates: Sequence[Candidate]) -> Candidate:
+    def select(self, key: str, candidates: Sequence[C]) -> C:
         if len(candidates) == 1:
             return candidates[0]
         a, b = self._rng.sample(list(candidates), 2)

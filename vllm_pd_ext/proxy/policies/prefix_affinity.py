@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from vllm_pd_ext.proxy.policies.base import Candidate
+from vllm_pd_ext.proxy.policies.base import C
 
 
 def _weight(key: str, url: str) -> int:
@@ -23,7 +23,7 @@ class PrefixAffinity:
     def __init__(self, max_imbalance: float = 8.0) -> None:
         self.max_imbalance = max_imbalance
 
-    def select(self, key: str, candidates: Sequence[Candidate]) -> Candidate:
+    def select(self, key: str, candidates: Sequence[C]) -> C:
         floor = min(c.load() for c in candidates)
         ranked = sorted(candidates, key=lambda c: _weight(key, c.url), reverse=True)
         for candidate in ranked:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from vllm_pd_ext.proxy.policies.base import Candidate
+from vllm_pd_ext.proxy.policies.base import C
 
 
 class RoundRobin:
     def __init__(self) -> None:
         self._counter = itertools.count()
 
-    def select(self, key: str, candidates: Sequence[Candidate]) -> Candidate:
+    def select(self, key: str, candidates: Sequence[C]) -> C:
         return candidates[next(self._counter) % len(candidates)]
