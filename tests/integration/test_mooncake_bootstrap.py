@@ -9,11 +9,13 @@ from types import SimpleNamespace
 
 import httpx
 
+from tests.skips import requires
 from vllm_pd_ext.proxy.config import InstanceConfig
 from vllm_pd_ext.proxy.protocols import make_protocol
 from vllm_pd_ext.tools.vllm_process import free_port
 
 
+@requires("vllm", why="vLLM's MooncakeConnector and bootstrap server are the peer")
 def test_vllms_decode_side_reaches_the_prefill_bootstrap_server_the_proxy_names():
     from vllm.distributed.kv_transfer.kv_connector.v1.mooncake.mooncake_connector import (
         MooncakeConnectorWorker,
