@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.fleet_helpers import nixl_pair, run_doctor, running_proxy, wait_idle
 from vllm_pd_ext.tools.pd_demo import EXTERNAL, PROMPT_TOKENS_BY_SOURCE, make_prompt_ids
-from vllm_pd_ext.tools.prom import parse_metrics
+from vllm_pd_ext.util.prom import parse_metrics
 
 pytestmark = pytest.mark.integration
 

@@ -23,8 +23,8 @@ import httpx
 import pytest
 
 from tests.skips import need
-from tests.unit.render_server.conftest import add_think_tokens, add_tokens
-from vllm_pd_ext.tools.vllm_process import CPU_ENV, VllmServer, free_port, vllm_executable
+from vllm_pd_ext.util.tiny_model import add_think_tokens, add_tokens
+from vllm_pd_ext.util.vllm_process import CPU_ENV, VllmServer, free_port, vllm_executable
 
 #: Why these tests need vLLM.
 REFERENCE = "the reference `vllm launch render`"

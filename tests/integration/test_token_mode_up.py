@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import requires_vllm
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, requires_vllm]
 

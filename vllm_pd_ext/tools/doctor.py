@@ -22,7 +22,7 @@ import httpx
 
 from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
 from vllm_pd_ext.tools.kv_size import ConfigError, compute_kv_size, human_bytes, load_config
-from vllm_pd_ext.tools.prom import parse_metrics
+from vllm_pd_ext.util.prom import parse_metrics
 
 #: Transfer histograms (seconds, bytes) the decode side exports: vLLM's NixlConnector, then
 #: our PdExtMoRIIOConnector / PdExtMambaStateConnector.

@@ -29,8 +29,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vllm_pd_ext.tools.tiny_model import MODELS, ensure_model
-from vllm_pd_ext.tools.vllm_process import (
+from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
+from vllm_pd_ext.util.vllm_process import (
     VllmServer,
     die_with_parent_preexec,
     free_port,

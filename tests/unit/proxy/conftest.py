@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.unit.proxy.fake_engine import Behavior, FakeEngine, start_engine
+from vllm_pd_ext.testing.fake_engine import Behavior, FakeEngine, start_engine
 
 
 @pytest.fixture(scope="module")

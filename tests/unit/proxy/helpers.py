@@ -9,11 +9,11 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from tests.unit.proxy.fake_engine import FakeEngine, ServerThread
 from vllm_pd_ext.proxy.app import create_app
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.front_protocol import front_protocol
-from vllm_pd_ext.tools.prom import parse_metrics
+from vllm_pd_ext.testing.fake_engine import FakeEngine, ServerThread
+from vllm_pd_ext.util.prom import parse_metrics
 
 LONG = "word " * 400  # ~500 estimated tokens: above the default split threshold
 SHORT = "hi there"

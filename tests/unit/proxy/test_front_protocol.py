@@ -8,8 +8,8 @@ import socket
 
 import pytest
 
-from tests.unit.proxy.fake_engine import ServerThread
 from vllm_pd_ext.proxy.front_protocol import front_protocol
+from vllm_pd_ext.testing.fake_engine import ServerThread
 
 LIMIT = 1000
 

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
