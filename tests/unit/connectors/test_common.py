@@ -20,6 +20,7 @@ from vllm_pd_ext.connectors.common.side_channel import (
     post_json,
 )
 from vllm_pd_ext.connectors.common.stats import PdTransferStats, StatsRecorder
+from vllm_pd_ext.transport import backend_names
 
 
 def test_config_names_the_bad_key():
@@ -28,6 +29,10 @@ def test_config_names_the_bad_key():
         parse_transfer_config("X", {"lease_s": -1})
     with pytest.raises(ValueError, match="backendd: Extra inputs are not permitted"):
         parse_transfer_config("X", {"backendd": "mooncake"})
+    with pytest.raises(ValueError, match=r"backend: .*unknown transport backend 'nope'"):
+        parse_transfer_config("X", {"backend": "nope"})
+    for name in backend_names():
+        assert parse_transfer_config("X", {"backend": name}).backend == name
 
 
 def test_leases_expire_renew_and_release():
