@@ -356,7 +356,7 @@ class FakeEngine:
                 if self.behavior.token_delay_s:
                     await asyncio.sleep(self.behavior.token_delay_s)
             if (body.get("stream_options") or {}).get("include_usage"):
-                final = {"choices": [], "usage": usage, "kv_transfer_params": None}
+                final: dict[str, Any] = {"choices": [], "usage": usage, "kv_transfer_params": None}
                 yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
@@ -411,16 +411,16 @@ def check_params(connector: str, params: dict) -> list[str]:
         need(hexid, "uuid4 hex transfer_id")
         need(params.get("transfer_mode") == "write", "transfer_mode write")
         if leg == "prefill":
-            want = {"do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"}
+            keys = {"do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"}
         else:
-            want = {
+            keys = {
                 *("do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"),
                 *("remote_engine_id", "remote_host", "remote_port"),
             }
             need(params.get("do_remote_prefill") is True, "do_remote_prefill")
             need(isinstance(params.get("remote_host"), str), "remote_host")
             need(_port(params.get("remote_port")), "int remote_port")
-        need(set(params) == want, f"exactly the keys {sorted(want)}")
+        need(set(params) == keys, f"exactly the keys {sorted(keys)}")
     return errors
 
 
