@@ -595,7 +595,7 @@ def summarize(rounds: list[dict[str, dict]], pooled: dict[str, list[Sample]]) ->
     keys = [k for k in rounds[0]["direct"] if k not in ("n", "errors")]
     summary: dict[str, dict] = {}
     for name in rounds[0]:
-        row = {k: _median([r[name][k] for r in rounds]) for k in keys}
+        row: dict[str, Any] = {k: _median([r[name][k] for r in rounds]) for k in keys}
         good = [s.ttft for s in pooled[name] if s.ok]
         row["pooled_ttft_p99_ms"] = ms(pct(good, 99))
         # The tail's shape: a few far outliers and a fat shoulder call for different fixes.

@@ -165,7 +165,8 @@ def run_load(server: Server, bodies: list[dict], concurrency: int, path: str) ->
 def unique_bodies(chunks: list[str], n: int, offset: int, target_chars: int) -> list[dict]:
     bodies = []
     for i in range(n):
-        text, j = [], offset + i * 17
+        text: list[str] = []
+        j = offset + i * 17
         while sum(map(len, text)) < target_chars:
             text.append(chunks[j % len(chunks)])
             j += 1
@@ -323,7 +324,9 @@ def main() -> int:
 
     summary: dict[str, Any] = {}
     for kind in ("unique", "multi_turn"):
-        row = {n: {k: med(n, kind, k) for k in ("req_per_s", "cpu_ms_per_req")} for n in servers}
+        row: dict[str, Any] = {
+            n: {k: med(n, kind, k) for k in ("req_per_s", "cpu_ms_per_req")} for n in servers
+        }
         row["req_per_s_ratio"] = row["ours"]["req_per_s"] / row["vllm"]["req_per_s"]
         row["cpu_ms_ratio_vllm_over_ours"] = (
             row["vllm"]["cpu_ms_per_req"] / row["ours"]["cpu_ms_per_req"]

@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -98,7 +99,10 @@ def test_chat_split_equal_colocated_and_openai_client(fleet, proxy_url):
     from openai import OpenAI
 
     _, decode = fleet
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": CHAT_TEXT}]
+    messages: list[Any] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": CHAT_TEXT},
+    ]
     body = {
         "model": decode.served_name,
         "messages": messages,

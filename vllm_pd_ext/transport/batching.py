@@ -56,7 +56,7 @@ class QueuedTransfer:
 
 @dataclass
 class _Barrier:
-    fn: Callable[[], None]
+    fn: Callable[[], object]
     future: Future = field(default_factory=Future)
 
 
@@ -76,7 +76,7 @@ class PeerWorker:
         self._put(item)
         return item
 
-    def run_after_queued(self, fn: Callable[[], None]) -> Future:
+    def run_after_queued(self, fn: Callable[[], object]) -> Future:
         """Queue ``fn`` to run after everything queued so far; returns its future."""
         barrier = _Barrier(fn)
         self._put(barrier)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from typing import Any
 
 import numpy as np
 import pytest
@@ -124,6 +125,7 @@ def test_stats_take_aggregate_reduce():
     rec.failure()
     rec.blocks_held(3)
     first = rec.take()
+    assert first is not None
     second = PdTransferStats(data={"seconds": [0.5], "bytes": [3_000_000], "lease_expiries": 2})
     total = first.aggregate(second).reduce()
     assert total == {
@@ -140,7 +142,7 @@ def test_stats_take_aggregate_reduce():
 
 def test_side_channel_routes_and_errors(monkeypatch):
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # must be ignored
-    offers = []
+    offers: list[Any] = []
     server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, {"/write_target": offers.append})
     try:
         assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}
