@@ -103,7 +103,8 @@ def check_vllm_version() -> bool:
     if version is None:
         logger.warning("vllm-pd-ext: vLLM is not installed; connectors cannot be used")
         return False
-    if supported_vllm() is None:
+    supported = supported_vllm()
+    if supported is None:
         logger.warning(
             "vllm-pd-ext: cannot read the supported vLLM range: %s is not installed",
             DISTRIBUTION,
@@ -114,7 +115,7 @@ def check_vllm_version() -> bool:
             "vllm-pd-ext: vLLM %s is outside the tested range %s; the connectors may "
             "break on API changes. Install a supported vLLM or report what fails.",
             version,
-            supported_vllm(),
+            supported,
         )
         return False
     return True

@@ -61,7 +61,8 @@ class TransferConfig(BaseModel):
     @classmethod
     def _known_backend(cls, value: str) -> str:
         if value not in backend_names():
-            raise ValueError(f"unknown transport backend {value!r}; known: {backend_names()}")
+            known = ", ".join(backend_names())
+            raise ValueError(f"unknown transport backend {value!r}; known: {known}")
         return value
 
 
