@@ -13,6 +13,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.conftest import requires_vllm
+from tests.skips import not_applicable
 from vllm_pd_ext import plugin
 
 REPO = Path(__file__).resolve().parents[2]
@@ -53,11 +54,15 @@ def test_supported_range(version, supported):
 
 
 def test_supported_range_is_the_vllm_extra_in_pyproject():
-    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
-    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
-    (requirement,) = project["optional-dependencies"]["vllm"]
-    # read from the installed metadata: equal unless the install predates pyproject.toml
-    assert plugin.supported_vllm() == Requirement(requirement).specifier
+    if sys.version_info < (3, 11):
+        not_applicable("tomllib (reading pyproject.toml) is Python 3.11+")
+    else:
+        import tomllib
+
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+        (requirement,) = project["optional-dependencies"]["vllm"]
+        # read from the installed metadata: equal unless the install predates pyproject.toml
+        assert plugin.supported_vllm() == Requirement(requirement).specifier
 
 
 def test_unknown_range_warns(monkeypatch, caplog):
