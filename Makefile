@@ -38,6 +38,7 @@ unit: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check vllm_pd_ext tests benchmarks examples
 	$(VENV)/bin/ruff format --check vllm_pd_ext tests benchmarks examples
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) logs .pytest_cache .ruff_cache

@@ -42,8 +42,8 @@ from pathlib import Path
 import httpx
 
 from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
-from vllm_pd_ext.tools.tiny_model import MODELS, ensure_model
-from vllm_pd_ext.tools.vllm_process import start_vllm_serve
+from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
+from vllm_pd_ext.util.vllm_process import start_vllm_serve
 
 BLOCK = 32
 DEFAULT_MODEL = "tiny-qwen-wide"

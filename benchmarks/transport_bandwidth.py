@@ -185,7 +185,7 @@ def _decode_cmd(cmd: str, args: tuple, cache: np.ndarray, state: dict[str, Any])
         if "sock" not in state:
             state["sock"], _ = state["srv"].accept()
         sock = state["sock"]
-        view = memoryview(cache.reshape(-1))
+        view = cache.reshape(-1).data
         got = 0
         while got < nbytes:
             n = min(TCP_CHUNK, nbytes - got)
@@ -248,7 +248,7 @@ class TcpFloor:
     def __init__(self, decode: DecodeProcess, src: np.ndarray) -> None:
         self.decode = decode
         self.sock = socket.create_connection(("127.0.0.1", decode.call("tcp_listen")))
-        self.view = memoryview(src.reshape(-1))
+        self.view = src.reshape(-1).data
 
     def once(self, nbytes: int) -> float:
         self.decode.send("tcp_recv", nbytes)

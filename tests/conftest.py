@@ -46,12 +46,12 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _model_fixture(name: str):
-    """A session fixture building tiny model ``name`` (see vllm_pd_ext.tools.tiny_model)."""
+    """A session fixture building tiny model ``name`` (see vllm_pd_ext.util.tiny_model)."""
 
     @pytest.fixture(scope="session")
     def fixture(model_cache: Path) -> Path:
         need(*MODEL_DEPS, why=f"building {name}")
-        from vllm_pd_ext.tools.tiny_model import ensure_model
+        from vllm_pd_ext.util.tiny_model import ensure_model
 
         return ensure_model(name, model_cache)
 
@@ -77,7 +77,7 @@ class ServerFactory:
 
     def start(self, model: Path, *, name: str, wait: bool = True, **kwargs):
         """Start one server bound to the next CPU core; wait for ``/health`` unless told not to."""
-        from vllm_pd_ext.tools.vllm_process import start_vllm_serve
+        from vllm_pd_ext.util.vllm_process import start_vllm_serve
 
         for connector in _connectors(kwargs.get("kv_transfer_config")):
             if connector in CONNECTOR_DEPS:

@@ -36,7 +36,8 @@ def under_ci() -> bool:
     return os.environ.get("CI", "").strip().lower() in _TRUE
 
 
-class MissingDependency(pytest.skip.Exception):
+# pytest.skip.Exception is pytest's public name for its skip exception; mypy sees no class in it
+class MissingDependency(pytest.skip.Exception):  # type: ignore[name-defined]
     """Skip: ``modules`` are not installed. Fails under CI."""
 
     __module__ = "builtins"  # as pytest's own Skipped: reports read "MissingDependency: ..."
@@ -46,7 +47,7 @@ class MissingDependency(pytest.skip.Exception):
         super().__init__(f"{', '.join(modules)} ({why})", **skip_options)
 
 
-class NotApplicable(pytest.skip.Exception):
+class NotApplicable(pytest.skip.Exception):  # type: ignore[name-defined]
     """Skip: the case does not apply here. Skips under CI too."""
 
     __module__ = "builtins"

@@ -49,7 +49,7 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
 
 
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
-    from vllm_pd_ext.tools.tiny_model import ensure_model
+    from vllm_pd_ext.util.tiny_model import ensure_model
 
     print(ensure_model(args.name, args.cache_dir))
     return 0
@@ -70,8 +70,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_up(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from vllm_pd_ext.proxy.config import read_mapping
     from vllm_pd_ext.tools.launcher import UpConfig, run_up
+    from vllm_pd_ext.util.config_file import read_mapping
 
     data = read_mapping(args.config) if args.config else {}
     flags = {
@@ -149,7 +149,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
             return 2
         return run(args.colocated, args.pd)
     from vllm_pd_ext.tools.launcher import Stack, UpConfig
-    from vllm_pd_ext.tools.vllm_process import free_port
+    from vllm_pd_ext.util.vllm_process import free_port
 
     stack = Stack(
         UpConfig(

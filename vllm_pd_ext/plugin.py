@@ -7,16 +7,22 @@ time, and the connector classes themselves load lazily through ``KVConnectorFact
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import json
 import logging
 import os
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from packaging.specifiers import SpecifierSet
 
 logger = logging.getLogger(__name__)
 
-#: vLLM versions this release is built against. Outside it we warn and carry on.
-SUPPORTED_VLLM = ">=0.32,<0.34"
+#: The distribution this plugin ships in. Its ``vllm`` extra (pyproject.toml) is the one place
+#: that states the vLLM versions this release is built against; outside them we warn and carry on.
+DISTRIBUTION = "vllm-pd-ext"
 
 #: The one table of our connectors: vLLM-facing name -> (module path, class name).
 CONNECTORS: dict[str, tuple[str, str]] = {
@@ -61,16 +67,34 @@ def installed_vllm_version() -> str | None:
     return __version__
 
 
+@functools.cache
+def supported_vllm() -> SpecifierSet | None:
+    """The vLLM versions this release is built against: the ``vllm`` extra's requirement in
+    :data:`DISTRIBUTION`'s installed metadata. None when the package is not installed (vLLM
+    finds the plugin through that same metadata, so it is there whenever vLLM loads us)."""
+    from packaging.requirements import Requirement
+
+    try:
+        requires = importlib.metadata.requires(DISTRIBUTION) or []
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    for line in requires:
+        req = Requirement(line)
+        if req.name == "vllm" and req.marker is not None and req.marker.evaluate({"extra": "vllm"}):
+            return req.specifier
+    return None
+
+
 def is_supported_vllm(version: str) -> bool:
-    """True when ``version`` lies in :data:`SUPPORTED_VLLM` (local tags like ``+cpu`` ignored)."""
-    from packaging.specifiers import SpecifierSet
+    """True when ``version`` lies in :func:`supported_vllm` (local tags like ``+cpu`` ignored)."""
     from packaging.version import InvalidVersion, Version
 
+    supported = supported_vllm()
     try:
         public = Version(version).public
     except InvalidVersion:
         return False
-    return SpecifierSet(SUPPORTED_VLLM).contains(public, prereleases=True)
+    return supported is not None and supported.contains(public, prereleases=True)
 
 
 def check_vllm_version() -> bool:
@@ -79,12 +103,19 @@ def check_vllm_version() -> bool:
     if version is None:
         logger.warning("vllm-pd-ext: vLLM is not installed; connectors cannot be used")
         return False
+    supported = supported_vllm()
+    if supported is None:
+        logger.warning(
+            "vllm-pd-ext: cannot read the supported vLLM range: %s is not installed",
+            DISTRIBUTION,
+        )
+        return False
     if not is_supported_vllm(version):
         logger.warning(
             "vllm-pd-ext: vLLM %s is outside the tested range %s; the connectors may "
             "break on API changes. Install a supported vLLM or report what fails.",
             version,
-            SUPPORTED_VLLM,
+            supported,
         )
         return False
     return True

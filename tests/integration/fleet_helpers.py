@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -22,7 +23,7 @@ from vllm_pd_ext.tools.pd_demo import (
     prefill_leg,
     stream_completion,
 )
-from vllm_pd_ext.tools.vllm_process import VllmServer, free_port
+from vllm_pd_ext.util.vllm_process import VllmServer, free_port
 
 
 def nixl_pair(
@@ -30,7 +31,7 @@ def nixl_pair(
 ) -> tuple[VllmServer, VllmServer]:
     """A healthy prefill (core 0) and decode (core 1) with NixlConnector on CPU, prefix
     caching off so every split shows up as an external KV load."""
-    kv = {**NIXL_CPU}
+    kv: dict[str, Any] = {**NIXL_CPU}
     if extra_config:
         kv["kv_connector_extra_config"] = extra_config
     servers = [
@@ -149,7 +150,7 @@ def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
             "remote_port": side,
         },
     }
-    result = {}
+    result: dict[str, Any] = {}
     leg = threading.Thread(
         target=lambda: result.setdefault(
             "p", client.post(f"{prefill.base_url}/v1/completions", json=p_body)

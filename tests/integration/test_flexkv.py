@@ -23,7 +23,7 @@ from vllm_pd_ext.tools.pd_demo import (
     make_prompt_ids,
     stream_completion,
 )
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
 

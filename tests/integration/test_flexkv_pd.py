@@ -22,7 +22,7 @@ from vllm_pd_ext.tools.pd_demo import (
     prefill_leg,
     stream_completion,
 )
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
 

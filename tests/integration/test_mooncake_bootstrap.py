@@ -12,7 +12,7 @@ import httpx
 from tests.skips import requires
 from vllm_pd_ext.proxy.config import InstanceConfig
 from vllm_pd_ext.proxy.protocols import make_protocol
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 
 @requires("vllm", why="vLLM's MooncakeConnector and bootstrap server are the peer")
@@ -42,6 +42,7 @@ def test_vllms_decode_side_reaches_the_prefill_bootstrap_server_the_proxy_names(
         )
         decode = InstanceConfig(url="http://127.0.0.1:2", role="decode")
         plan = make_protocol("mooncake").plan("req-1", prefill, decode)
+        assert plan.decode_params is not None  # a concurrent protocol builds both legs
         addr = plan.decode_params["remote_bootstrap_addr"]
 
         # The decode worker's state the method reads and fills (its constructor needs a

@@ -13,7 +13,7 @@ import pytest
 
 from tests.integration.fleet_helpers import running_proxy, wait_idle
 from vllm_pd_ext.tools.pd_demo import NIXL_CPU, make_prompt_ids
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
 

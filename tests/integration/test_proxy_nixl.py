@@ -7,13 +7,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.integration.fleet_helpers import nixl_pair, run_doctor, running_proxy, wait_idle
 from vllm_pd_ext.tools.pd_demo import EXTERNAL, PROMPT_TOKENS_BY_SOURCE, make_prompt_ids
-from vllm_pd_ext.tools.prom import parse_metrics
+from vllm_pd_ext.util.prom import parse_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -98,7 +99,10 @@ def test_chat_split_equal_colocated_and_openai_client(fleet, proxy_url):
     from openai import OpenAI
 
     _, decode = fleet
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": CHAT_TEXT}]
+    messages: list[Any] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": CHAT_TEXT},
+    ]
     body = {
         "model": decode.served_name,
         "messages": messages,

@@ -18,20 +18,21 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
 from tests.skips import need
-from tests.unit.render_server.conftest import add_think_tokens, add_tokens
-from vllm_pd_ext.tools.vllm_process import CPU_ENV, VllmServer, free_port, vllm_executable
+from vllm_pd_ext.util.tiny_model import add_think_tokens, add_tokens
+from vllm_pd_ext.util.vllm_process import CPU_ENV, VllmServer, free_port, vllm_executable
 
 #: Why these tests need vLLM.
 REFERENCE = "the reference `vllm launch render`"
 
 pytestmark = pytest.mark.integration
 
-TOOLS = [
+TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -147,12 +148,12 @@ def mistral_servers(tiny_llama, tmp_path_factory):
             server.stop(grace=10)
 
 
-def _post(server: VllmServer, path: str, body, rid: str = "same") -> tuple[int, object]:
+def _post(server: VllmServer, path: str, body, rid: str = "same") -> tuple[int, Any]:
     resp = httpx.post(server.base_url + path, json=body, headers={"X-Request-Id": rid}, timeout=60)
     return resp.status_code, resp.json()
 
 
-CHATS = [
+CHATS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "Hi there ü 日本語 🎉"}]},
     {
         "messages": [
@@ -204,13 +205,13 @@ CHATS = [
         "n": 2,
     },
 ]
-COMPLETIONS = [
+COMPLETIONS: list[dict[str, Any]] = [
     {"prompt": "hello world"},
     {"prompt": [[1, 2, 3], [4, 5]], "max_tokens": 5, "logprobs": 2},
     {"prompt": ["a b", "ü 東京"], "temperature": 0.5, "n": 2, "stop": "zz", "seed": 1},
     {"prompt": [151644, 872, 198], "max_tokens": 3, "echo": True, "logprobs": 1},
 ]
-ERRORS = [
+ERRORS: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "x"}], "temperature": 5},
     {"messages": [{"role": "user", "content": "x"}], "max_tokens": 10**6},
 ]
@@ -355,7 +356,14 @@ def _stream(
     server: VllmServer, ids: list[int], sizes, extra: dict, path: str, logprobs: bool = False
 ) -> dict:
     state, pos, i = None, 0, 0
-    acc = {"content": "", "reasoning": "", "calls": {}, "finish": None, "text": "", "lp": []}
+    acc: dict[str, Any] = {
+        "content": "",
+        "reasoning": "",
+        "calls": {},
+        "finish": None,
+        "text": "",
+        "lp": [],
+    }
     for _ in range(len(ids) + 1):  # bounded: at most one chunk per token
         if pos >= len(ids):
             break
@@ -555,7 +563,7 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 JSON_OBJECT = {"type": "json_object"}
 HI = [{"role": "user", "content": "weather?"}]
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
-STRUCTURED_CHATS = [
+STRUCTURED_CHATS: list[dict[str, Any]] = [
     {"messages": HI, "response_format": {"type": "json_object"}},
     {"messages": HI, "response_format": {"type": "text"}, "stream": True},
     {
@@ -572,7 +580,7 @@ STRUCTURED_CHATS = [
         },
     },
 ]
-FORCED_CHATS = [
+FORCED_CHATS: list[dict[str, Any]] = [
     {"messages": HI, "tools": FORCED_TOOLS, "tool_choice": "required"},
     {
         "messages": HI,
@@ -597,7 +605,7 @@ FORCED_CHATS = [
     {"messages": HI, "tools": [STRICT_WEATHER], "tool_choice": "auto"},
     {"messages": HI, "tools": FORCED_TOOLS, "response_format": {"type": "json_object"}},
 ]
-STRUCTURED_ERRORS = [
+STRUCTURED_ERRORS: list[dict[str, Any]] = [
     {"messages": HI, "response_format": {"type": "json_schema"}},
     {"messages": HI, "response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
     {"messages": HI, "structured_outputs": {"choice": ["a"]}, "response_format": JSON_OBJECT},

@@ -18,7 +18,7 @@ import pytest
 
 from tests.conftest import requires_vllm
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, requires_vllm]
 
@@ -60,11 +60,15 @@ def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, conne
             time.sleep(1)
         banner = out_path.read_text()
         assert "token mode" in banner and f"connector {connector}" in banner
-        decode_url = re.search(r"decode-0: (http://\S+)", banner).group(1)
+        found = re.search(r"decode-0: (http://\S+)", banner)
+        assert found, banner
+        decode_url = found.group(1)
         assert re.search(r"render-0: http://\S+", banner)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 4  # render server, two engines (and their workers), proxy
-        model = re.search(r"\(model '([^']+)'", banner).group(1)
+        found = re.search(r"\(model '([^']+)'", banner)
+        assert found, banner
+        model = found.group(1)
         proxy = f"http://127.0.0.1:{port}/v1"
 
         long_prompt = make_prompt_ids(tiny_llama, 120)
@@ -82,7 +86,7 @@ def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, conne
                 f"{proxy}/completions", {**body, "stream_options": {"include_usage": True}}
             )
             assert streamed == want["text"]
-            assert usage["completion_tokens"] == 12
+            assert usage is not None and usage["completion_tokens"] == 12
 
         words = " ".join(f"item{i}" for i in range(80))
         chat = {**greedy, "messages": [{"role": "user", "content": f"List these: {words}"}]}

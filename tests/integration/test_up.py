@@ -15,7 +15,7 @@ import pytest
 
 from tests.conftest import requires_nixl_pair
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, requires_nixl_pair]
 
@@ -51,11 +51,15 @@ def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_
             assert time.monotonic() < deadline, out_path.read_text()
             time.sleep(1)
         banner = out_path.read_text()
-        decode_url = re.search(r"decode-0: (http://\S+)", banner).group(1)
+        found = re.search(r"decode-0: (http://\S+)", banner)
+        assert found, banner
+        decode_url = found.group(1)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 3  # two engines (with their EngineCore/workers) and the proxy
 
-        model = re.search(r"\(model '([^']+)'", banner).group(1)
+        found = re.search(r"\(model '([^']+)'", banner)
+        assert found, banner
+        model = found.group(1)
         body = {
             "model": model,
             "prompt": make_prompt_ids(tiny_llama, 120),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 
 def test_help_lists_every_subcommand():
@@ -72,7 +73,7 @@ def test_up_flags_reach_the_config(tmp_path, monkeypatch):
     from vllm_pd_ext import cli
     from vllm_pd_ext.tools import launcher
 
-    seen = {}
+    seen: dict[str, Any] = {}
     monkeypatch.setattr(launcher, "run_up", lambda config: seen.setdefault("c", config) and 0)
     argv = ["up", "--mode", "token", "--connector", "pdext", "--render", "2", "--model", "m"]
     assert cli.main(argv) == 0

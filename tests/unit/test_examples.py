@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from vllm_pd_ext.proxy.config import ProxyConfig, read_mapping
+from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.tools.launcher import Stack, UpConfig
+from vllm_pd_ext.util.config_file import read_mapping
 
 EXAMPLES = Path(__file__).parent.parent.parent / "examples"
 UP = sorted(EXAMPLES.glob("up-*.yaml"))

@@ -222,6 +222,7 @@ def test_state_sizes_agree_with_vllm(name):
         elif cfg.get("mamba_d_ssm") is not None:
             inter = cfg["mamba_d_ssm"]
         else:
+            assert expand is not None  # only nemotron_h has no expand key
             inter = cfg[expand] * hidden
         shapes = calc.mamba2_state_shape(
             1, inter, cfg[groups], cfg[heads], cfg[head_dim], cfg[state], cfg[kernel]

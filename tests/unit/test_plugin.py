@@ -7,11 +7,16 @@ import json
 import logging
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from packaging.requirements import Requirement
 
 from tests.conftest import requires_vllm
+from tests.skips import not_applicable
 from vllm_pd_ext import plugin
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def test_entry_point_is_declared():
@@ -46,6 +51,26 @@ def test_module_import_is_cheap():
 )
 def test_supported_range(version, supported):
     assert plugin.is_supported_vllm(version) is supported
+
+
+def test_supported_range_is_the_vllm_extra_in_pyproject():
+    if sys.version_info < (3, 11):
+        not_applicable("tomllib (reading pyproject.toml) is Python 3.11+")
+    else:
+        import tomllib
+
+        project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+        (requirement,) = project["optional-dependencies"]["vllm"]
+        # read from the installed metadata: equal unless the install predates pyproject.toml
+        assert plugin.supported_vllm() == Requirement(requirement).specifier
+
+
+def test_unknown_range_warns(monkeypatch, caplog):
+    monkeypatch.setattr(plugin, "installed_vllm_version", lambda: "0.32.0")
+    monkeypatch.setattr(plugin, "supported_vllm", lambda: None)
+    with caplog.at_level(logging.WARNING, logger="vllm_pd_ext.plugin"):
+        assert plugin.check_vllm_version() is False
+    assert "cannot read the supported vLLM range" in caplog.text
 
 
 def test_untested_version_warns_and_does_not_raise(monkeypatch, caplog):

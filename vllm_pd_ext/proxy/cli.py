@@ -10,7 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_pd_ext.proxy.config import ProxyConfig, read_mapping
+from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.util.config_file import read_mapping
 
 ENV_PREFIX = "VLLM_PD_PROXY_"
 

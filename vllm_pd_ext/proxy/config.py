@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from vllm_pd_ext.proxy.policies import POLICIES
 from vllm_pd_ext.proxy.protocols import PROTOCOLS, make_protocol, split_host_port
+from vllm_pd_ext.util.config_file import read_mapping
 
 Role = Literal["prefill", "decode", "both"]
 
@@ -189,15 +188,6 @@ class ProxyConfig(_Strict):
                     f"choose one of {', '.join(sorted(POLICIES))}"
                 )
         return self
-
-
-def read_mapping(path: Path) -> dict[str, Any]:
-    """A YAML or JSON file holding one mapping."""
-    text = path.read_text(encoding="utf-8")
-    data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a mapping at the top level")
-    return data
 
 
 def read_instances(path: Path) -> tuple[InstanceConfig, ...]:

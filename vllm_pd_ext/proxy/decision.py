@@ -22,12 +22,20 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from vllm_pd_ext.proxy.config import DecisionConfig
-from vllm_pd_ext.proxy.fleet import Instance
 from vllm_pd_ext.proxy.request import RequestContext
 
 logger = logging.getLogger(__name__)
+
+
+class Loaded(Protocol):
+    """What a decision reads of an instance (``fleet.Instance`` has it)."""
+
+    running: float
+    waiting: float
+    in_flight: int
 
 
 @dataclass(slots=True)
@@ -67,7 +75,7 @@ class Decider:
             self.transfer_s_per_token.add(transfer_gap_s / prompt_tokens)
 
     def decide(
-        self, ctx: RequestContext, prefill_pool: Sequence[Instance], decode: Instance
+        self, ctx: RequestContext, prefill_pool: Sequence[Loaded], decode: Loaded
     ) -> Decision:
         cfg = self.config
         tokens = ctx.est_prompt_tokens

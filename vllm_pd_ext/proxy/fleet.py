@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from vllm_pd_ext.proxy.config import InstanceConfig, ProxyConfig
 from vllm_pd_ext.proxy.sources import FileSource, FleetSource, KubernetesSource
 from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
-from vllm_pd_ext.tools.prom import parse_metrics
+from vllm_pd_ext.util.prom import parse_metrics
 
 logger = logging.getLogger(__name__)
 

@@ -43,7 +43,7 @@ SETTINGS_ENV = "VLLM_PD_RENDER_SETTINGS"
 try:  # optional: a faster JSON codec when installed (it comes with vLLM); same JSON either way
     import orjson as _orjson
 except ImportError:  # pragma: no cover - exercised where orjson is absent
-    _orjson = None
+    _orjson = None  # type: ignore[assignment, unused-ignore]  # typed only where orjson is installed
 
 
 def _json_loads(data: bytes) -> Any:

@@ -6,6 +6,7 @@ otherwise); the app turns it into ``{"error": {"message", "type", "param", "code
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from http import HTTPStatus
 from typing import Any
 
@@ -57,7 +58,7 @@ def body_for(exc: RenderError) -> dict[str, Any]:
     return error_body(exc.message, err_type=exc.err_type, param=exc.param, code=exc.status)
 
 
-def validation_message(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
+def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
     """A bounded, readable message and the first offending parameter for pydantic errors."""
     lines = []
     param = None

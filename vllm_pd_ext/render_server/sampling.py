@@ -391,8 +391,7 @@ def to_sampling_params(
     if default_stop_ids:
         stop_token_ids = list(dict.fromkeys([*(stop_token_ids or []), *default_stop_ids]))
 
-    is_chat = isinstance(request, ChatCompletionRequest)
-    if is_chat:
+    if isinstance(request, ChatCompletionRequest):
         top_logprobs = request.top_logprobs
         if request.logprobs and top_logprobs is None:
             top_logprobs = 0

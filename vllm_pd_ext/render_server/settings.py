@@ -8,6 +8,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from vllm_pd_ext.render_server.parsers import REASONING_PARSERS, TOOL_PARSERS
+
 #: Keys of ``config.json`` that give a model's context length, in the order vLLM tries them.
 _CONTEXT_KEYS = (
     "max_position_embeddings",
@@ -19,10 +21,29 @@ _CONTEXT_KEYS = (
     "seq_len",
 )
 
-#: Reasoning parsers built in (no vLLM needed).
-REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3")
-#: Tool-call parsers built in (no vLLM needed).
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "deepseek_v3", "mistral")
+_VLLM_MISSING = (
+    "parser_source 'vllm' resolves parser {name!r} through vLLM's parser registry, but vLLM is "
+    "not installed in this environment (pip install 'vllm-pd-ext[vllm]' or '[cpu]'), or use a "
+    "built-in parser"
+)
+
+
+def _check_vllm_registered(kind: str, name: str) -> None:
+    """Raise ``ValueError`` unless vLLM is importable and registers ``name`` as a ``kind``
+    ("reasoning parser" or "tool-call parser"). Runs when the settings are validated."""
+    try:
+        if kind == "reasoning parser":
+            from vllm.reasoning import ReasoningParserManager as manager
+        else:
+            from vllm.tool_parsers import ToolParserManager as manager
+    except ImportError:
+        raise ValueError(_VLLM_MISSING.format(name=name)) from None
+    registered = manager.list_registered()
+    if name not in registered:
+        raise ValueError(
+            f"unknown {kind} {name!r}: neither built in nor registered in vLLM "
+            f"({', '.join(sorted(registered))})"
+        )
 
 
 class RenderSettings(BaseModel):
@@ -74,7 +95,7 @@ class RenderSettings(BaseModel):
     def _known_parsers(self) -> RenderSettings:
         for kind, value, built_in in (
             ("reasoning parser", self.reasoning_parser, REASONING_PARSERS),
-            ("tool-call parser", self.tool_call_parser, TOOL_CALL_PARSERS),
+            ("tool-call parser", self.tool_call_parser, tuple(TOOL_PARSERS)),
         ):
             if value is None or value in built_in:
                 continue
@@ -83,9 +104,7 @@ class RenderSettings(BaseModel):
                     f"unknown {kind} {value!r}; built in: {', '.join(built_in)} "
                     "(parser_source 'vllm' takes the names vLLM registers)"
                 )
-            from vllm_pd_ext.render_server.parsers.vllm_registry import check_registered
-
-            check_registered(kind, value)
+            _check_vllm_registered(kind, value)
         return self
 
     @property
@@ -94,9 +113,7 @@ class RenderSettings(BaseModel):
         composed parser does all reasoning and tool parsing, as in ``vllm launch render``)."""
         return self.parser_source == "vllm" and (
             (self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS)
-            or (
-                self.tool_call_parser is not None and self.tool_call_parser not in TOOL_CALL_PARSERS
-            )
+            or (self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS)
         )
 
     @property

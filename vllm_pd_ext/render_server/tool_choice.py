@@ -140,7 +140,7 @@ def _json_schema_from_tools(
     if name is not None:
         by_name = {t["function"]["name"]: t for t in tools}
         return _params_or_empty_object(by_name[name]["function"]["parameters"])
-    schemas = []
+    schemas: list[dict[str, Any]] = []
     defs: dict[str, Any] = {}
     for tool in tools:
         fn = tool["function"]

@@ -1,1 +1,1 @@
-"""Operator tools: KV-size calculator, tiny test models, vllm serve process helper, P/D demo."""
+"""Operator commands: ``vllm-pd up`` (launcher), ``demo``, ``doctor``, ``bench``, ``kv-size``."""

@@ -22,7 +22,7 @@ import httpx
 
 from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
 from vllm_pd_ext.tools.kv_size import ConfigError, compute_kv_size, human_bytes, load_config
-from vllm_pd_ext.tools.prom import parse_metrics
+from vllm_pd_ext.util.prom import parse_metrics
 
 #: Transfer histograms (seconds, bytes) the decode side exports: vLLM's NixlConnector, then
 #: our PdExtMoRIIOConnector / PdExtMambaStateConnector.
@@ -172,10 +172,14 @@ def advise(report: Report, link_gbps: float | None) -> list[str]:
             f"{len(missing)} of {len(rounds)} prompts were NOT loaded over KV transfer (the "
             "decode side recomputed them): check the connector configuration and logs"
         )
-    xfers = [r for r in rounds if r.connector_xfer_ms]
+    xfers = [
+        (r.connector_xfer_ms, r.connector_bytes)
+        for r in rounds
+        if r.connector_xfer_ms and r.connector_bytes is not None
+    ]
     if xfers:
-        xfer_ms = statistics.mean(r.connector_xfer_ms for r in xfers)
-        mbytes = statistics.mean(r.connector_bytes for r in xfers) / 1e6
+        xfer_ms = statistics.mean(ms for ms, _ in xfers)
+        mbytes = statistics.mean(nbytes for _, nbytes in xfers) / 1e6
         gbps = mbytes * 8 / xfer_ms if xfer_ms else 0.0  # MB/ms*8 = Gb/s
         line = f"mean transfer {xfer_ms:.1f} ms for {mbytes:.2f} MB ({gbps:.2f} Gb/s effective)"
         if link_gbps:

@@ -29,8 +29,8 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from vllm_pd_ext.tools.tiny_model import MODELS, ensure_model
-from vllm_pd_ext.tools.vllm_process import (
+from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
+from vllm_pd_ext.util.vllm_process import (
     VllmServer,
     die_with_parent_preexec,
     free_port,
@@ -418,13 +418,13 @@ class Stack:
             try:
                 resp = httpx.post(url, json=body, timeout=120)
             except httpx.HTTPError as e:
-                resp, error = None, str(e)
+                error = str(e)
             else:
+                if resp.status_code == 200:
+                    took = time.monotonic() - start
+                    self._say(f"warm-up request (long enough to split) served in {took:.1f}s")
+                    return
                 error = f"HTTP {resp.status_code}: {resp.text[:200]}"
-            if resp is not None and resp.status_code == 200:
-                took = time.monotonic() - start
-                self._say(f"warm-up request (long enough to split) served in {took:.1f}s")
-                return
             self._say(f"warm-up request {attempt}/{attempts} failed ({error})")
             if self._stop.is_set():
                 return

@@ -20,8 +20,8 @@ from pathlib import Path
 import httpx
 
 from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS as PREFILL_PARAMS
-from vllm_pd_ext.tools.tiny_model import MODELS, ensure_model
-from vllm_pd_ext.tools.vllm_process import VllmServer, free_port, start_vllm_serve
+from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
+from vllm_pd_ext.util.vllm_process import VllmServer, free_port, start_vllm_serve
 
 NIXL_CPU = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 

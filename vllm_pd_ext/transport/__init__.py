@@ -41,7 +41,12 @@ from vllm_pd_ext.transport.errors import (
     UnknownPeer,
     UnknownRegion,
 )
-from vllm_pd_ext.transport.registry import backend_names, get_backend, register_backend
+from vllm_pd_ext.transport.registry import (
+    backend_class,
+    backend_names,
+    get_backend,
+    register_backend,
+)
 from vllm_pd_ext.transport.stats import StatsSnapshot, TransferStats
 
 __all__ = [
@@ -65,6 +70,7 @@ __all__ = [
     "TransportError",
     "UnknownPeer",
     "UnknownRegion",
+    "backend_class",
     "backend_names",
     "get_backend",
     "register_backend",

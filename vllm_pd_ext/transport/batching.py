@@ -18,6 +18,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import cast
 
 from vllm_pd_ext.transport.base import TransferOp, TransferState
 from vllm_pd_ext.transport.errors import TransferError, TransportClosed
@@ -55,7 +56,7 @@ class QueuedTransfer:
 
 @dataclass
 class _Barrier:
-    fn: Callable[[], None]
+    fn: Callable[[], object]
     future: Future = field(default_factory=Future)
 
 
@@ -75,7 +76,7 @@ class PeerWorker:
         self._put(item)
         return item
 
-    def run_after_queued(self, fn: Callable[[], None]) -> Future:
+    def run_after_queued(self, fn: Callable[[], object]) -> Future:
         """Queue ``fn`` to run after everything queued so far; returns its future."""
         barrier = _Barrier(fn)
         self._put(barrier)
@@ -107,7 +108,7 @@ class PeerWorker:
                 self._fail_all(items)
                 self._drain_after_stop()
                 return
-            self._process(items)
+            self._process(cast("list[QueuedTransfer | _Barrier]", items))  # no None left
 
     def _process(self, items: list[QueuedTransfer | _Barrier]) -> None:
         group: list[QueuedTransfer] = []

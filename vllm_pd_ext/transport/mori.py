@@ -227,8 +227,8 @@ class MoriTransport(Transport):
     def _drop_peer(self, peer: str) -> None:
         for key in [k for k in self._sessions if k[0] == peer]:
             del self._sessions[key]
-        for key in [k for k in self._remote_mem if k[0] == peer]:
-            del self._remote_mem[key]
+        for mem_key in [k for k in self._remote_mem if k[0] == peer]:
+            del self._remote_mem[mem_key]
         engine_desc = self._remote_engines.pop(peer, None)
         if engine_desc is not None:
             self._engine.deregister_remote_engine(engine_desc)

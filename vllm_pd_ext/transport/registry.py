@@ -34,12 +34,8 @@ def register_backend(name: str, target: str) -> None:
     _BACKENDS[name] = target
 
 
-def get_backend(name: str, **settings: Any) -> Transport:
-    """Create the transport backend ``name`` with its settings (validated by its config model).
-
-    Raises :class:`TransportError` for an unknown name, and pydantic's ``ValidationError`` for
-    a bad setting (its message names the key).
-    """
+def backend_class(name: str) -> type[Transport]:
+    """The class of backend ``name``, imported now; :class:`TransportError` for an unknown name."""
     try:
         target = _BACKENDS[name]
     except KeyError:
@@ -47,5 +43,14 @@ def get_backend(name: str, **settings: Any) -> Transport:
             f"unknown transport backend {name!r}; known: {', '.join(backend_names())}"
         ) from None
     module_name, class_name = target.split(":", 1)
-    cls = getattr(importlib.import_module(module_name), class_name)
-    return cls(**settings)
+    cls: type[Transport] = getattr(importlib.import_module(module_name), class_name)
+    return cls
+
+
+def get_backend(name: str, **settings: Any) -> Transport:
+    """Create the transport backend ``name`` with its settings (validated by its config model).
+
+    Raises :class:`TransportError` for an unknown name, and pydantic's ``ValidationError`` for
+    a bad setting (its message names the key).
+    """
+    return backend_class(name)(**settings)

@@ -67,8 +67,8 @@ def check_bounds(
     if target is not None and len(spans) > 1:
         starts = spans[:, target]
         order = np.argsort(starts, kind="stable")
-        s, n = starts[order], length[order]
-        overlap = s[1:] < s[:-1] + n[:-1]
+        s, lengths = starts[order], length[order]
+        overlap = s[1:] < s[:-1] + lengths[:-1]
         if overlap.any():
             j = int(np.argmax(overlap))
             side = "local" if target == LOCAL else "remote"

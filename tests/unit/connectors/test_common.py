@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from typing import Any
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ from vllm_pd_ext.connectors.common.side_channel import (
     post_json,
 )
 from vllm_pd_ext.connectors.common.stats import PdTransferStats, StatsRecorder
+from vllm_pd_ext.transport import backend_names
 
 
 def test_config_names_the_bad_key():
@@ -28,6 +30,10 @@ def test_config_names_the_bad_key():
         parse_transfer_config("X", {"lease_s": -1})
     with pytest.raises(ValueError, match="backendd: Extra inputs are not permitted"):
         parse_transfer_config("X", {"backendd": "mooncake"})
+    with pytest.raises(ValueError, match=r"backend: .*unknown transport backend 'nope'"):
+        parse_transfer_config("X", {"backend": "nope"})
+    for name in backend_names():
+        assert parse_transfer_config("X", {"backend": name}).backend == name
 
 
 def test_leases_expire_renew_and_release():
@@ -119,6 +125,7 @@ def test_stats_take_aggregate_reduce():
     rec.failure()
     rec.blocks_held(3)
     first = rec.take()
+    assert first is not None
     second = PdTransferStats(data={"seconds": [0.5], "bytes": [3_000_000], "lease_expiries": 2})
     total = first.aggregate(second).reduce()
     assert total == {
@@ -135,7 +142,7 @@ def test_stats_take_aggregate_reduce():
 
 def test_side_channel_routes_and_errors(monkeypatch):
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # must be ignored
-    offers = []
+    offers: list[Any] = []
     server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, {"/write_target": offers.append})
     try:
         assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}

@@ -22,7 +22,7 @@ from vllm_pd_ext.connectors.common.metadata import (
     SendSpec,
 )
 from vllm_pd_ext.connectors.common.worker import TransferWorker
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = requires_mooncake
 

@@ -7,6 +7,7 @@ errors in the model-runner output, as the worker side would.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 from vllm.v1.request import FinishReason, RequestStatus
@@ -210,7 +211,7 @@ def test_decode_renews_the_lease_while_queued(tiny_qwen, producer_config):
     step(sched)
     req = make_request(PROMPT, dict(params))
     sched.add_request(req)  # waits: one sequence at a time
-    renewed = []
+    renewed: list[Any] = []
     deadline = time.monotonic() + 5
     while not renewed and time.monotonic() < deadline:
         out, _ = step(sched)

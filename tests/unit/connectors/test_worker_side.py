@@ -25,7 +25,7 @@ from vllm_pd_ext.connectors.common.metadata import (
     SendSpec,
 )
 from vllm_pd_ext.connectors.common.worker import TransferWorker
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = requires_mooncake
 
@@ -45,6 +45,7 @@ def caches(fill: bool, heads: int = HEADS, shape: str = "cpu") -> dict[str, torc
     g = torch.Generator().manual_seed(next(_seq))
     out = {}
     for i in range(LAYERS):
+        dims: tuple[int, ...]
         if shape == "cpu":
             dims = (NUM_BLOCKS, heads, BLOCK, 2 * HEAD)
         else:  # [2, blocks, block_size, heads, head]: K and V apart
@@ -97,7 +98,7 @@ def pair(request, backend):
     pc, dc = caches(True, shape=shape), caches(False, shape=shape, **opts.get("dcache", {}))
     p.register_kv_caches(pc)
     d.register_kv_caches(dc)
-    p.clock = clock
+    p.clock = clock  # type: ignore[attr-defined]  # the tests move the lease clock
     yield p, pc, d, dc, port
     d.shutdown()
     p.shutdown()

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 from tests.unit.proxy import helpers
-from tests.unit.proxy.fake_engine import Behavior, FakeEngine, start_engine
 from vllm_pd_ext.proxy import app, client_channel, front_protocol
+from vllm_pd_ext.testing.fake_engine import Behavior, FakeEngine, start_engine
 
 #: The modules whose tests drive a whole proxy (``helpers.proxy``) over the fake engines.
 _FLOW_MODULES = (

@@ -9,10 +9,11 @@ from contextlib import contextmanager
 import httpx
 import pytest
 
-from tests.unit.proxy.fake_engine import FakeEngine, ServerThread
 from vllm_pd_ext.proxy.app import create_app
 from vllm_pd_ext.proxy.config import ProxyConfig
-from vllm_pd_ext.tools.prom import parse_metrics
+from vllm_pd_ext.proxy.service import ProxyService
+from vllm_pd_ext.testing.fake_engine import FakeEngine, ServerThread
+from vllm_pd_ext.util.prom import parse_metrics
 
 #: Serve through the fast path (the ``server_path`` fixture sets it per test).
 FAST_PATH = True
@@ -28,7 +29,7 @@ def fleet(engines, prefill=("p1", "p2"), decode=("d1", "d2")) -> list[dict]:
 
 
 @contextmanager
-def proxy(engines, **overrides) -> Iterator[tuple[str, object]]:
+def proxy(engines, **overrides) -> Iterator[tuple[str, ProxyService]]:
     data = {
         "instances": fleet(engines),
         "health_interval_s": 0.2,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from types import SimpleNamespace
+from typing import cast
 
 from vllm_pd_ext.proxy import client_channel, front_protocol
 from vllm_pd_ext.proxy.front_protocol import DirectWriter, _HeadWithBody
@@ -32,7 +33,7 @@ class _Transport:
 def test_head_and_first_body_part_are_one_write_later_parts_are_not_held():
     async def go():
         inner = _Transport()
-        t = _HeadWithBody(inner, asyncio.get_running_loop())
+        t = _HeadWithBody(cast(asyncio.Transport, inner), asyncio.get_running_loop())
         t.write(b"HTTP/1.1 200 OK\r\n\r\n")
         assert inner.writes == []
         t.write(b"5\r\nhello\r\n")
@@ -48,7 +49,7 @@ def test_head_and_first_body_part_are_one_write_later_parts_are_not_held():
 def test_a_head_alone_leaves_at_the_end_of_the_turn_or_on_close():
     async def go():
         inner = _Transport()
-        t = _HeadWithBody(inner, asyncio.get_running_loop())
+        t = _HeadWithBody(cast(asyncio.Transport, inner), asyncio.get_running_loop())
         t.write(b"HTTP/1.1 200 OK\r\n\r\n")
         await asyncio.sleep(0)
         alone = list(inner.writes)
@@ -144,6 +145,7 @@ def test_a_writer_before_start_stands_back_once_send_started_the_response():
         cycle, transport = _fast_cycle()
         watch = client_channel.DisconnectWatch(Request(cycle.scope, cycle.receive))
         writer = DirectWriter.before_start(watch.cycle, HEADERS)
+        assert writer is not None
         await cycle.send({"type": "http.response.start", "status": 200, "headers": HEADERS})
         ready_after_start = writer.ready()  # the head is held by the cycle, not written yet
         late = DirectWriter.before_start(watch.cycle, HEADERS)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from vllm_pd_ext.proxy.config import InstanceConfig
 from vllm_pd_ext.proxy.fleet import Fleet, Instance
+from vllm_pd_ext.proxy.upstream import Upstream
 
 METRICS = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -22,7 +23,9 @@ vllm:e2e_request_latency_seconds_count{engine="0"} 1.0
 
 
 def test_load_comes_from_the_three_gauges_only():
-    inst = Instance(InstanceConfig(url="http://e:1"), client=None)
+    inst = Instance(
+        InstanceConfig(url="http://e:1"), client=Upstream("http://e:1", max_connections=1)
+    )
     Fleet._read_load(inst, METRICS.encode())
     assert (inst.running, inst.waiting, inst.kv_usage) == (3.0, 2.0, 0.25)
     assert inst.load() == 3.0 + 2 * 2.0

@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import json
 import socket
+from typing import Any
 
 import pytest
 
-from tests.unit.proxy.fake_engine import ServerThread
 from vllm_pd_ext.proxy import front_protocol as front_protocol_module
 from vllm_pd_ext.proxy.app import create_app
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.front_protocol import front_protocol
+from vllm_pd_ext.testing.fake_engine import ServerThread
 
 LIMIT = 1000
 
@@ -112,7 +113,7 @@ def post(path: str, body: bytes, extra: bytes = b"") -> bytes:
 
 def test_fast_and_uvicorn_routes_share_one_keep_alive_connection(server):
     c = Conn(server.port)
-    seen = []
+    seen: list[Any] = []
     for path, method in [
         ("/v1/completions", "POST"),
         ("/v1/models", "GET"),

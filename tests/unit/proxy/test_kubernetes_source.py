@@ -7,8 +7,8 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from tests.unit.proxy.fake_engine import ServerThread
 from tests.unit.proxy.helpers import SHORT, proxy, wait_until
+from vllm_pd_ext.testing.fake_engine import ServerThread
 
 
 def pod(name, port, role=None, ready=True, phase="Running", deleting=False, labels=None):
@@ -35,6 +35,8 @@ class FakeApiServer:
         self.selectors: list[str] = []
         self.fail = False
         self.calls = 0
+        self.url = ""  # set once it serves
+        self.token_file = ""
 
     def app(self) -> FastAPI:
         app = FastAPI()

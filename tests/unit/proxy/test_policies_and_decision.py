@@ -117,7 +117,7 @@ def test_config_validation_names_the_problem(tmp_path):
     with pytest.raises(ValidationError, match="unknown policy 'fastest'"):
         ProxyConfig(instances=[{"url": "http://a"}], decode_policy="fastest")
     with pytest.raises(ValidationError, match="extra"):
-        ProxyConfig(instances=[{"url": "http://a"}], retires=3)
+        ProxyConfig(instances=[{"url": "http://a"}], retires=3)  # type: ignore[call-arg]
     with pytest.raises(ValidationError):
         ProxyConfig(instances=[{"url": "http://a", "role": "router"}])
     path = tmp_path / "fleet.yaml"

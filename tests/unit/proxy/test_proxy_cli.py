@@ -38,7 +38,7 @@ def test_file_env_and_flags_merge(tmp_path, monkeypatch):
         ("http://p:1", "prefill"),
         ("http://d:2", "decode"),
     ]
-    assert config.api_key.get_secret_value() == "from-env"
+    assert config.api_key is not None and config.api_key.get_secret_value() == "from-env"
     assert config.decision.min_split_prompt_tokens == 32
     assert config.decision.cost_model is False
     assert config.decision.chars_per_token == 3.5

@@ -10,12 +10,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.unit.proxy.fake_engine import GEN_BASE, GEN_SPAN, ServerThread
 from tests.unit.proxy.helpers import LONG, SHORT, metric, proxy, sent, wait_until
 from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
 from vllm_pd_ext.render_server.app import create_app as create_render_app
 from vllm_pd_ext.render_server.settings import RenderSettings
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.testing.fake_engine import GEN_BASE, GEN_SPAN, ServerThread
+from vllm_pd_ext.util.vllm_process import free_port
 
 MODEL = "tiny"
 

@@ -8,7 +8,7 @@ import contextlib
 import pytest
 
 from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -274,7 +274,15 @@ def test_a_sink_takes_pieces_in_order_and_what_it_takes_counts_as_read():
 def test_sink_on_ok_takes_the_body_that_comes_with_a_200_head_and_not_an_error_body():
     async def go():
         taken: dict[int, list[bytes]] = {200: [], 503: []}
-        results = {}
+        results: dict[int, tuple] = {}
+
+        def into(pieces: list[bytes]):
+            def sink(piece: bytes) -> bool:
+                pieces.append(piece)
+                return True
+
+            return sink
+
         for status in (200, 503):
             head = HEAD if status == 200 else HEAD.replace(b"200 OK", b"503 Unavailable")
             server = await _serve(head + _chunk(b"data: a\n\n") + b"0\r\n\r\n", False)
@@ -285,7 +293,7 @@ def test_sink_on_ok_takes_the_body_that_comes_with_a_200_head_and_not_an_error_b
                     "/",
                     Timeouts(total=10).client(),
                     b"{}",
-                    sink_on_ok=lambda piece, s=status: taken[s].append(piece) or True,
+                    sink_on_ok=into(taken[status]),
                 )
                 # Taken as the head was parsed, before send() returned to this task.
                 results[status] = (resp.status, list(taken[status]))

@@ -2,35 +2,11 @@
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 
-
-def add_think_tokens(src: Path, dst: Path) -> Path:
-    """Copy ``src`` (without weights) to ``dst`` with ``<think>``/``</think>`` added tokens."""
-    return add_tokens(src, dst, ("<think>", "</think>"))
-
-
-def add_tokens(src: Path, dst: Path, tokens: tuple[str, ...], *, special: bool = False) -> Path:
-    """Copy ``src`` (without weights) to ``dst`` with ``tokens`` added to its tokenizer."""
-    from tokenizers import AddedToken, Tokenizer
-
-    dst.mkdir(parents=True, exist_ok=True)
-    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
-        if (src / name).is_file():
-            shutil.copy(src / name, dst / name)
-    if (src / "chat_template.jinja").is_file():
-        shutil.copy(src / "chat_template.jinja", dst / "chat_template.jinja")
-    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
-    added = [AddedToken(t, normalized=False, special=special) for t in tokens]
-    if special:
-        tok.add_special_tokens(added)
-    else:
-        tok.add_tokens(added)
-    tok.save(str(dst / "tokenizer.json"))
-    return dst
+from vllm_pd_ext.util.tiny_model import add_think_tokens, add_tokens
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -237,7 +239,7 @@ def test_completion_derender_batch_and_stream_agree(client):
         state = resp["stream_state"]
         parts.append(resp["chunk"]["choices"][0]["text"])
     assert "".join(parts) == text
-    assert state["logprob_text_offset"] == len(text)
+    assert state is not None and state["logprob_text_offset"] == len(text)
 
 
 def test_health_models_metrics(client):
@@ -288,7 +290,8 @@ def test_reasoning_and_tool_call_stream(parser_client, size):
     ids = _ids(parser_client, text)
     sizes = [size] * (len(ids) // size) + ([len(ids) % size] if len(ids) % size else [])
     state = None
-    reasoning, content, calls, finish = [], [], [], None
+    reasoning, content, finish = [], [], None
+    calls: list[Any] = []
     pos = 0
     for i, n in enumerate(sizes):
         last = i == len(sizes) - 1

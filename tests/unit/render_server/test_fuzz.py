@@ -61,10 +61,10 @@ def _mutate(rng: random.Random, value):
             out.pop(rng.choice(list(out)), None)
         return out
     if isinstance(value, list) and value and rng.random() < 0.7:
-        out = list(value)
-        i = rng.randrange(len(out))
-        out[i] = _mutate(rng, out[i])
-        return out
+        items = list(value)
+        i = rng.randrange(len(items))
+        items[i] = _mutate(rng, items[i])
+        return items
     return copy.deepcopy(rng.choice(ODD_VALUES))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import random
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -172,7 +173,8 @@ def test_server_derenders_mistral_calls(tiny_mistral):
                 "prompt_token_ids": [1],
             },
         ).json()
-        state, streamed, calls, finish = None, "", [], None
+        state, streamed, finish = None, "", None
+        calls: list[Any] = []
         for i in range(0, len(ids), 3):
             last = i + 3 >= len(ids)
             out = client.post(
@@ -279,7 +281,8 @@ def _vllm_batch(ref, text):
 def _vllm_stream(ref, pieces):
     tok, parser_cls, request = ref
     parser = parser_cls(tok, request.tools)
-    content, calls = "", {}
+    content = ""
+    calls: dict[Any, Any] = {}
     for i, piece in enumerate(pieces):
         delta = parser.parse_delta(
             piece, [], request, prompt_token_ids=[], finished=i == len(pieces) - 1
@@ -322,6 +325,7 @@ def test_v11_stream_equals_vllm_on_well_formed_output(tiny_mistral, size):
         "a<|eot_<|eot_id|>id|>b",
     ]
     ours = mistral_tool_parser(load_tokenizer(tiny_mistral, None))
+    assert isinstance(ours, MistralToolParser)
     assert "<|eot_id|>" in ours.drop
     for text in outputs:
         pieces = _chunks(text, size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -113,7 +114,8 @@ def test_vllm_source_parser_batch_and_stream(tiny_qwen, size):
             (c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]
         ] == want
 
-        state, content, calls, finish = None, "", {}, None
+        state, content, finish = None, "", None
+        calls: dict[Any, Any] = {}
         for i in range(0, len(ids), size):
             last = i + size >= len(ids)
             resp = client.post(

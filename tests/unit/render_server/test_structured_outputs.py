@@ -8,6 +8,7 @@ same requests; the differential integration test checks them against a live vLLM
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
@@ -17,7 +18,7 @@ from vllm_pd_ext.render_server.app import create_app
 from vllm_pd_ext.render_server.parsers.forced import NamedToolParser, RequiredToolParser
 from vllm_pd_ext.render_server.settings import RenderSettings
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -345,7 +346,8 @@ def _batch(client, ids, chat_request):
 
 
 def _streamed(client, ids, chat_request, step):
-    state, acc, finish = None, {}, None
+    state, finish = None, None
+    acc: dict[Any, Any] = {}
     content = ""
     for pos in range(0, len(ids), step):
         part = ids[pos : pos + step]

@@ -422,7 +422,7 @@ class IOEngine:
                     code, msg = StatusCode.ERR_INVALID_ARGS, "out of registered range"
                 else:
                     code, msg = StatusCode.SUCCESS, ""
-                if code is StatusCode.SUCCESS and req["op"] == "write":
+                if md is not None and code is StatusCode.SUCCESS and req["op"] == "write":
                     pos = 0
                     for o, n in zip(offsets, sizes, strict=True):
                         ctypes.memmove(md.data + o, payload[pos : pos + n], n)
@@ -430,7 +430,7 @@ class IOEngine:
                 inbound._set(code, msg)
                 self._inbound[(req["src"], req["uid"])] = inbound
                 _send_msg(conn, {"code": code.name, "msg": msg})
-                if code is StatusCode.SUCCESS and req["op"] == "read":
+                if md is not None and code is StatusCode.SUCCESS and req["op"] == "read":
                     conn.sendall(
                         b"".join(
                             ctypes.string_at(md.data + o, n)

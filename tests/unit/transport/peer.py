@@ -110,9 +110,11 @@ class PeerProcess:
 
     def pause(self) -> None:
         """SIGSTOP the peer: its engine stops serving until :meth:`resume`."""
+        assert self.process.pid is not None  # started
         os.kill(self.process.pid, signal.SIGSTOP)
 
     def resume(self) -> None:
+        assert self.process.pid is not None  # started
         os.kill(self.process.pid, signal.SIGCONT)
 
     def stop(self) -> None:

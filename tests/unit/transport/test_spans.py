@@ -11,6 +11,7 @@ from vllm_pd_ext.transport import (
     RegionBoundsError,
     TransportDescriptor,
     TransportError,
+    backend_class,
     backend_names,
     get_backend,
     register_backend,
@@ -130,6 +131,12 @@ def test_stats_take_and_totals() -> None:
     for _ in range(MAX_KEPT_DURATIONS + 5):
         s.record_transfer(nbytes=1, spans=1, posted_spans=1, seconds=0.0, ok=True)
     assert len(s.take().durations) == MAX_KEPT_DURATIONS
+
+
+def test_every_backend_class_carries_its_registered_name() -> None:
+    # the name a descriptor carries on the wire is the one the registry knows it by
+    for name in backend_names():
+        assert backend_class(name).backend_name == name
 
 
 def test_registry() -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from vllm_pd_ext.transport.registry import backend_names
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -19,10 +21,10 @@ class TransferConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["mooncake", "mori", "tcp"] = Field(
+    backend: str = Field(
         "mooncake",
-        description="Transport backend: mooncake (TCP/RDMA), mori (MoRI-IO, ROCm) or tcp "
-        "(our own data path over plain TCP sockets, host memory).",
+        description="Transport backend by name: one of vllm_pd_ext.transport.backend_names() "
+        "(the package's docstring says what each moves bytes over).",
     )
     backend_settings: dict[str, Any] = Field(
         default_factory=dict,
@@ -54,6 +56,14 @@ class TransferConfig(BaseModel):
     max_concurrent_transfers: int = Field(
         4, ge=1, le=64, description="Transfers a decode worker runs at once."
     )
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        if value not in backend_names():
+            known = ", ".join(backend_names())
+            raise ValueError(f"unknown transport backend {value!r}; known: {known}")
+        return value
 
 
 def parse_extra_config(model: type[M], connector: str, extra: Mapping[str, Any] | None) -> M:

@@ -250,7 +250,7 @@ def layout_from_caches(
 
 
 def block_spans(
-    local: CacheView, remote: CacheView, pairs: Sequence[tuple[int, int]]
+    local: CacheView, remote: CacheView, pairs: Sequence[tuple[int, int]] | np.ndarray
 ) -> np.ndarray:
     """``(local offset, remote offset, length)`` rows moving block ``pairs[i] = (l, r)`` of the
     views' group; offsets are relative to each view's region. Block ids outside either view

@@ -32,6 +32,8 @@ def _empty() -> dict[str, Any]:
 class PdTransferStats(KVConnectorStats):
     """Serializable stats of one interval (``data`` is a plain dict)."""
 
+    data: dict[str, Any]  # KVConnectorStats' field
+
     def __post_init__(self) -> None:
         if not self.data:
             self.data = _empty()

@@ -278,8 +278,8 @@ class TransferWorker:
                 self._held[spec.req_id] = sum(len(g) for g in spec.block_ids)
             else:
                 self._push_confirmed.add(spec.req_id)
-        for spec in meta.push:
-            self._pushes[spec.req_id] = _Push(spec)
+        for push in meta.push:
+            self._pushes[push.req_id] = _Push(push)
 
     def start_load_kv(self) -> None:
         """Start this step's loads and lease messages (non-blocking)."""

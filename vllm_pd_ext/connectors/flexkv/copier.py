@@ -218,6 +218,7 @@ class BlockCopier:
     def _gather_cuda(self, block_ids, dst, rows, after) -> None:
         per = self._chunk()
         stage = self._stage(per * self.block_bytes, self.device).view(per, self.block_bytes)
+        assert self.stream is not None  # a CUDA cache has its side stream
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)
@@ -270,6 +271,7 @@ class BlockCopier:
     def _scatter_cuda(self, block_ids, src, picks, after) -> None:
         per = self._chunk()
         stage = self._stage(per * self.block_bytes, self.device).view(per, self.block_bytes)
+        assert self.stream is not None  # a CUDA cache has its side stream
         with torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)

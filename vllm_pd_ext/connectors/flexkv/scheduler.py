@@ -127,7 +127,9 @@ class FlexKVScheduler:
             "tiered KV cache: namespace %s, CPU %d blocks, SSD %s, shared %s",
             self.namespace,
             self.cpu.capacity,
-            f"{self.ssd.capacity} blocks in {self.ssd_store.dir}" if self.ssd else "off",
+            f"{self.ssd.capacity} blocks in {self.ssd_store.dir}"
+            if self.ssd and self.ssd_store
+            else "off",
             self.shared_store.dir if self.shared_store else "off",
         )
 
@@ -142,7 +144,7 @@ class FlexKVScheduler:
         """The fastest tier holding ``key`` ready to load, or None."""
         if self.cpu.ready(key) is not None:
             return CPU
-        if self.ssd is not None:
+        if self.ssd is not None and self.ssd_store is not None:
             e = self.ssd.get(key)
             if e is not None:
                 if e.ready:
@@ -218,12 +220,14 @@ class FlexKVScheduler:
                 continue
             per_tier[tier] += 1
             if tier == CPU:
-                e = self.cpu.get(key)
+                e = self.cpu.ready(key)
+                assert e is not None  # tier_of found it ready
                 self.cpu.pin(key)
                 self.cpu.touch(key)
                 items.append(LoadItem(bid, key, CPU, slot=e.slot))
                 continue
             if tier == SSD:
+                assert self.ssd is not None  # tier_of said SSD
                 self.ssd.pin(key)
                 self.ssd.touch(key)
             items.append(LoadItem(bid, key, tier, promote_slot=self._promotion_slot(key)))
@@ -280,9 +284,9 @@ class FlexKVScheduler:
                         if t is not None and it.key in t.keys:  # vLLM recomputes: save again
                             t.saved_upto = min(t.saved_upto, t.keys.index(it.key))
         for rid in output.finished_recving or ():
-            plan = self._plans.pop(rid, None)
-            if plan is not None:
-                self._settle(plan)
+            finished = self._plans.pop(rid, None)
+            if finished is not None:
+                self._settle(finished)
 
     def _forget_failed(self, it: LoadItem) -> None:
         """Drop a block whose synchronous load failed from the index (if still that row)."""
@@ -290,7 +294,12 @@ class FlexKVScheduler:
             e = self.cpu.get(it.key)
             if e is not None and e.slot == it.slot and not e.pins:
                 self.cpu.remove(it.key)
-        elif it.tier == SSD and self.ssd is not None and not self.ssd_store.exists(it.key):
+        elif (
+            it.tier == SSD
+            and self.ssd is not None
+            and self.ssd_store is not None
+            and not self.ssd_store.exists(it.key)
+        ):
             self.ssd.remove(it.key)
         elif it.tier == SHARED:
             self._shared_known.discard(it.key)
@@ -307,6 +316,7 @@ class FlexKVScheduler:
                 if failed:
                     self.cpu.remove(it.key)
             elif it.tier == SSD:
+                assert self.ssd is not None  # only planned with an SSD tier
                 self.ssd.unpin(it.key)
                 if failed:
                     self.ssd.remove(it.key)  # the worker deleted a corrupt file
@@ -393,9 +403,10 @@ class FlexKVScheduler:
         assert self.ssd is not None and self.ssd_store is not None
         now = time.monotonic()
         for key in self.ssd.pending_older_than(0.0):
+            entry = self.ssd.get(key)
             if self.ssd_store.exists(key, self.tp_size):
                 self.ssd.mark_ready(key)
-            elif now - self.ssd.get(key).since > PENDING_GIVE_UP_S:
+            elif entry is not None and now - entry.since > PENDING_GIVE_UP_S:
                 self.ssd.remove(key)
 
     # ---- lifecycle ----

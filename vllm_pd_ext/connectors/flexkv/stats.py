@@ -43,6 +43,8 @@ class FlexKVStats(KVConnectorStats):
     """One interval's counters: ``data`` maps ``"<counter>"`` or ``"<counter>.<tier>"`` to a
     number; aggregation adds them up."""
 
+    data: dict[str, Any]  # KVConnectorStats' field
+
     def reset(self) -> None:
         self.data = {}
 

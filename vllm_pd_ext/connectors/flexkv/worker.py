@@ -34,7 +34,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -107,6 +108,13 @@ class FlexKVWorker:
         """The CPU tier: ``[slots, block_bytes]`` bytes."""
         return self.copier.pool if self.copier is not None else None
 
+    @property
+    def _blocks(self) -> BlockCopier:
+        """The copier of :meth:`register_kv_caches` (vLLM registers before any step)."""
+        if self.copier is None:
+            raise RuntimeError("register_kv_caches() has not run")
+        return self.copier
+
     # ---- setup ----
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
         """Map every block's bytes and allocate the CPU tier."""
@@ -127,14 +135,14 @@ class FlexKVWorker:
 
     def gather(self, block_ids: list[int], after: Any = None) -> torch.Tensor:
         """Copy device blocks into a new CPU tensor ``[len(block_ids), block_bytes]``."""
-        out = self.copier.empty_rows(len(block_ids))
-        self.copier.gather(block_ids, out, range(len(block_ids)), after)
+        out = self._blocks.empty_rows(len(block_ids))
+        self._blocks.gather(block_ids, out, range(len(block_ids)), after)
         return out
 
     def scatter(self, block_ids: list[int], rows: torch.Tensor, picks: list[int]) -> None:
         """Copy row ``picks[j]`` of ``rows`` (CPU, ``[m, block_bytes]``) into device block
         ``block_ids[j]`` for every ``j``."""
-        self.copier.scatter(block_ids, rows, picks)
+        self._blocks.scatter(block_ids, rows, picks)
 
     # ---- per step ----
     def bind(self, meta: FlexKVMetadata) -> None:
@@ -146,7 +154,7 @@ class FlexKVWorker:
         meta = self._meta
         if meta is None or not meta.loads:
             return
-        after = self.copier.compute_event()
+        after = self._blocks.compute_event()
         for job in meta.loads:
             slots = {it.slot for it in job.items} | {it.promote_slot for it in job.items}
             with self._lock:
@@ -169,7 +177,7 @@ class FlexKVWorker:
         if not meta.saves:
             return
         saves = list(meta.saves)
-        fut = self._saver.submit(self._run_save, saves, self.copier.compute_event())
+        fut = self._saver.submit(self._run_save, saves, self._blocks.compute_event())
         with self._lock:
             for rid in {s.req_id for s in saves}:
                 self._saves.setdefault(rid, []).append(fut)
@@ -193,17 +201,16 @@ class FlexKVWorker:
         t0 = time.perf_counter()
         to_file = [s for s in saves if self._wants_file(s)]
         to_cpu = [s for s in saves if s.slot >= 0]
-        rows = None
         try:
-            if to_file:
-                rows = self.gather([s.block_id for s in to_file], after)
+            rows = self.gather([s.block_id for s in to_file], after) if to_file else None
             direct = [s for s in to_cpu if not self._wants_file(s)]
-            self.copier.gather(
-                [s.block_id for s in direct], self.copier.pool, [s.slot for s in direct], after
+            self._blocks.gather(
+                [s.block_id for s in direct], self._blocks.pool, [s.slot for s in direct], after
             )
-            for j, s in enumerate(to_file):
-                if s.slot >= 0:
-                    self.copier.pool[s.slot].copy_(rows[j])
+            if rows is not None:
+                for j, s in enumerate(to_file):
+                    if s.slot >= 0:
+                        self._blocks.pool[s.slot].copy_(rows[j])
         except Exception:
             # The scheduler already lists these rows as ready: make their loads fail instead.
             logger.exception("tiered KV cache: saving %d blocks failed", len(saves))
@@ -215,6 +222,8 @@ class FlexKVWorker:
                 self._bad_slots -= {s.slot for s in to_cpu}
             self.stats.add("save_bytes", len(to_cpu) * self.block_bytes, CPU)
             self.stats.add("save_seconds", time.perf_counter() - t0, CPU)
+        if rows is None:
+            return
         for j, s in enumerate(to_file):
             for tier, wanted in ((SSD, s.ssd), (SHARED, s.shared)):
                 if wanted and tier in self.stores:
@@ -261,7 +270,7 @@ class FlexKVWorker:
         except OSError as e:
             return f"{type(e).__name__}: {e}"
 
-    def _run_load(self, job: LoadJob, waits: list[Future] = (), after: Any = None) -> set[int]:
+    def _run_load(self, job: LoadJob, waits: Sequence[Future] = (), after: Any = None) -> set[int]:
         """Load one request's blocks once the saves in ``waits`` (of the CPU rows it reads or
         promotes into) are done; returns the device block ids that failed."""
         failed: set[int] = set()
@@ -280,8 +289,8 @@ class FlexKVWorker:
                     failed.add(it.block_id)
             if cpu:
                 t0 = time.perf_counter()
-                self.copier.scatter(
-                    [it.block_id for it in cpu], self.copier.pool, [it.slot for it in cpu], after
+                self._blocks.scatter(
+                    [it.block_id for it in cpu], self._blocks.pool, [it.slot for it in cpu], after
                 )
                 self.stats.add("load_bytes", len(cpu) * self.block_bytes, CPU)
                 self.stats.add("load_seconds", time.perf_counter() - t0, CPU)
@@ -300,9 +309,9 @@ class FlexKVWorker:
         or why it failed) per item."""
         out = []
         for it in items:
-            err = self._read(it.tier, it.key, self.copier.pieces(it.block_id))
+            err = self._read(it.tier, it.key, self._blocks.pieces(it.block_id))
             if err is None and it.promote_slot >= 0:
-                self.copier.gather([it.block_id], self.copier.pool, [it.promote_slot])
+                self._blocks.gather([it.block_id], self._blocks.pool, [it.promote_slot])
             out.append((it, err))
         return out
 
@@ -319,7 +328,7 @@ class FlexKVWorker:
         failed: set[int] = set()
         loaded: dict[str, int] = {}
         promoted: set[int] = set()
-        if self.copier.in_place:  # one task per I/O thread, a contiguous share of blocks each
+        if self._blocks.in_place:  # one task per I/O thread, a contiguous share of blocks each
             k = min(self.cfg.io_threads, len(items))
             shares = [items[i * len(items) // k : (i + 1) * len(items) // k] for i in range(k)]
             futures = [self._io.submit(self._read_in_place, share) for share in shares]
@@ -329,19 +338,19 @@ class FlexKVWorker:
             per = max(1, STAGE_BYTES // self.block_bytes)
             buf = getattr(self._tls, "files", None)
             if buf is None or buf.shape != (per, self.block_bytes):
-                buf = self._tls.files = self.copier.empty_rows(per)
+                buf = self._tls.files = self._blocks.empty_rows(per)
             for at in range(0, len(items), per):
                 chunk = items[at : at + per]
-                futures = [
+                reads = [
                     self._io.submit(self._read, it.tier, it.key, buf[j].numpy())
                     for j, it in enumerate(chunk)
                 ]
-                errors = [f.result() for f in futures]
+                errors = [f.result() for f in reads]
                 ok = [j for j, err in enumerate(errors) if err is None]
-                self.copier.scatter([chunk[j].block_id for j in ok], buf, ok, after)
+                self._blocks.scatter([chunk[j].block_id for j in ok], buf, ok, after)
                 for j in ok:
                     if chunk[j].promote_slot >= 0:
-                        self.copier.pool[chunk[j].promote_slot].copy_(buf[j])
+                        self._blocks.pool[chunk[j].promote_slot].copy_(buf[j])
                 results += list(zip(chunk, errors, strict=True))
         bad_rows: set[int] = set()
         for it, err in results:
@@ -369,7 +378,9 @@ class FlexKVWorker:
             self.stats.add("load_seconds", seconds * n / total, tier)
         return failed
 
-    def get_finished(self, finished_req_ids: set[str] = frozenset()) -> tuple[set[str], set[str]]:
+    def get_finished(
+        self, finished_req_ids: AbstractSet[str] = frozenset()
+    ) -> tuple[set[str], set[str]]:
         """(finished requests whose saves no longer read their blocks, requests whose load
         ended, successfully or not) since the last call.
 

@@ -19,7 +19,10 @@ from vllm_pd_ext.render_server.parsers.mistral import mistral_tool_parser
 from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 from vllm_pd_ext.render_server.tool_choice import forced_mode, forced_name, is_forced
 
-__all__ = ["TOOL_PARSERS", "ChatParser", "make_parser", "reasoning_active"]
+__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "ChatParser", "make_parser", "reasoning_active"]
+
+#: Built-in reasoning parsers by vLLM's names (all parse ``<think>``; see ``reasoning_active``).
+REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3")
 
 
 def reasoning_active(reasoning: str, template_kwargs: dict[str, Any]) -> bool:

@@ -24,30 +24,6 @@ if TYPE_CHECKING:
     from vllm_pd_ext.render_server.settings import RenderSettings
     from vllm_pd_ext.render_server.tokenizer import TokenizerInfo
 
-VLLM_MISSING = (
-    "parser_source 'vllm' resolves parser {name!r} through vLLM's parser registry, but vLLM is "
-    "not installed in this environment (pip install 'vllm-pd-ext[vllm]' or '[cpu]'), or use a "
-    "built-in parser"
-)
-
-
-def check_registered(kind: str, name: str) -> None:
-    """Raise ``ValueError`` unless vLLM is importable and registers ``name`` as a ``kind``
-    ("reasoning parser" or "tool-call parser"). Runs when the settings are validated."""
-    try:
-        if kind == "reasoning parser":
-            from vllm.reasoning import ReasoningParserManager as manager
-        else:
-            from vllm.tool_parsers import ToolParserManager as manager
-    except ImportError:
-        raise ValueError(VLLM_MISSING.format(name=name)) from None
-    registered = manager.list_registered()
-    if name not in registered:
-        raise ValueError(
-            f"unknown {kind} {name!r}: neither built in nor registered in vLLM "
-            f"({', '.join(sorted(registered))})"
-        )
-
 
 @functools.cache
 def _parser_class(tool: str | None, reasoning: str | None, auto_tools: bool, tok: Any) -> Any:

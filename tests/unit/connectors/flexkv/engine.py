@@ -52,6 +52,7 @@ class Engine:
         self.computed: dict[str, list[int]] = {}  # req id -> positions computed by forward
         self.hit_sources: dict[str, int] = {}
         self.worker_stats: dict[str, float] = {}  # everything the worker reported
+        self.first_blocks: dict[str, list[int]] = {}  # req id -> its blocks, set by the tests
 
     def cpu_entry(self, key: str):
         return self.conn._scheduler.cpu.get(key)
@@ -83,6 +84,7 @@ class Engine:
         self.forward(out)
         self.worker.wait_for_save()
         if wait_loads:
+            assert self.worker._worker is not None
             self.worker._worker.wait_idle()
         sending, recving = self.worker.get_finished(out.finished_req_ids)
         self.sent |= sending or set()
@@ -103,7 +105,7 @@ class Engine:
         return out, eng
 
     def run_until_done(self, max_steps: int = 50) -> list:
-        outs = []
+        outs: list[Any] = []
         for _ in range(max_steps):
             if not self.sched.requests:
                 return outs

@@ -23,13 +23,15 @@ N = 8
 def gate(worker: FlexKVWorker) -> threading.Event:
     """Make the worker's block copies out of the cache wait until the returned event is set."""
     opened = threading.Event()
-    real = worker.copier.gather
+    copier = worker.copier
+    assert copier is not None
+    real = copier.gather
 
     def gated(*args, **kwargs):
         assert opened.wait(10)
         return real(*args, **kwargs)
 
-    worker.copier.gather = gated
+    copier.gather = gated  # type: ignore[method-assign]
     return opened
 
 
@@ -45,7 +47,7 @@ def worker():
         cpu_slots=4,
     )
     w.register_kv_caches({"layer0": cache})
-    w.cache = cache
+    w.cache = cache  # type: ignore[attr-defined]  # the tests read the cache back
     yield w
     w.shutdown()
 
@@ -92,9 +94,12 @@ def test_preemption_waits_for_the_gather(worker):
     worker.bind(FlexKVMetadata(saves=[SaveItem(0, "0" * 32, "r", slot=0)]))
     worker.wait_for_save()
     done = threading.Event()
-    t = threading.Thread(
-        target=lambda: (worker.handle_preemptions(FlexKVMetadata(preempted={"r"})), done.set())
-    )
+
+    def preempt() -> None:
+        worker.handle_preemptions(FlexKVMetadata(preempted={"r"}))
+        done.set()
+
+    t = threading.Thread(target=preempt)
     t.start()
     assert not done.wait(0.3)  # the forward pass may not overwrite block 0 yet
     want = worker.cache[0].clone()
@@ -194,6 +199,7 @@ def test_file_load_in_place_or_staged_restores_bytes_and_promotes(tmp_path, in_p
     )
     try:
         w.register_kv_caches({"layer0": cache})
+        assert w.copier is not None
         if not in_place:
             w.copier._np = None
         assert w.copier.in_place is in_place
@@ -209,6 +215,7 @@ def test_file_load_in_place_or_staged_restores_bytes_and_promotes(tmp_path, in_p
         w.wait_idle()
         assert w.get_finished(set())[1] == {"l"} and not w.take_load_errors()
         assert torch.equal(cache[4:7], cache[0:3])
+        assert w.pool is not None
         for b in range(2):
             assert torch.equal(w.pool[b].view(torch.float32), cache[b].reshape(-1))
     finally:

@@ -1,4 +1,4 @@
-from vllm_pd_ext.tools.prom import parse_metrics
+from vllm_pd_ext.util.prom import parse_metrics
 
 TEXT = """\
 # HELP vllm:prompt_tokens_by_source_total Number of prompt tokens by source.

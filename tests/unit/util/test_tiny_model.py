@@ -63,7 +63,7 @@ def test_llama_tokenizer_and_template(llama_tok, tiny_llama):
 
 
 def test_models_are_cached_and_reproducible(model_cache, tiny_llama, tmp_path):
-    from vllm_pd_ext.tools.tiny_model import ensure_model
+    from vllm_pd_ext.util.tiny_model import ensure_model
 
     assert ensure_model("tiny-llama", model_cache) == tiny_llama  # cached, not rebuilt
     again = ensure_model("tiny-llama", tmp_path)

@@ -26,18 +26,6 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-MODELS = (
-    "tiny-llama",
-    "tiny-qwen",
-    "tiny-qwen-wide",
-    "tiny-granite-hybrid",
-    "tiny-mamba2",
-    "tiny-qwen3-next",
-    "tiny-nemotron-h",
-    "tiny-zamba2",
-    "tiny-falcon-h1",
-)
-
 #: Bump when a builder's output changes, so cached copies are rebuilt.
 BUILD_VERSION = "3"
 
@@ -486,6 +474,8 @@ BUILDERS: dict[str, Callable[[Path], None]] = {
     "tiny-zamba2": build_tiny_zamba2,
     "tiny-falcon-h1": build_tiny_falcon_h1,
 }
+#: Names ``ensure_model`` builds.
+MODELS = tuple(BUILDERS)
 
 
 def default_cache_dir() -> Path:
@@ -521,3 +511,28 @@ def ensure_model(name: str, cache_dir: Path | None = None) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def add_tokens(src: Path, dst: Path, tokens: tuple[str, ...], *, special: bool = False) -> Path:
+    """Copy model ``src`` (without weights) to ``dst`` with ``tokens`` added to its tokenizer."""
+    from tokenizers import AddedToken, Tokenizer
+
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "generation_config.json", "tokenizer_config.json"):
+        if (src / name).is_file():
+            shutil.copy(src / name, dst / name)
+    if (src / "chat_template.jinja").is_file():
+        shutil.copy(src / "chat_template.jinja", dst / "chat_template.jinja")
+    tok = Tokenizer.from_file(str(src / "tokenizer.json"))
+    added = [AddedToken(t, normalized=False, special=special) for t in tokens]
+    if special:
+        tok.add_special_tokens(added)
+    else:
+        tok.add_tokens(added)
+    tok.save(str(dst / "tokenizer.json"))
+    return dst
+
+
+def add_think_tokens(src: Path, dst: Path) -> Path:
+    """Copy model ``src`` (without weights) to ``dst`` with ``<think>``/``</think>`` added."""
+    return add_tokens(src, dst, ("<think>", "</think>"))

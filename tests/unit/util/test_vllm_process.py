@@ -13,8 +13,8 @@ from collections import deque
 import pytest
 
 from tests.skips import not_applicable
-from vllm_pd_ext.tools import vllm_process
-from vllm_pd_ext.tools.vllm_process import (
+from vllm_pd_ext.util import vllm_process
+from vllm_pd_ext.util.vllm_process import (
     VllmServer,
     VllmServerError,
     _ephemeral_range,
@@ -119,7 +119,7 @@ def test_children_die_with_a_killed_parent(tmp_path):
     pid_file = tmp_path / "child.pid"
     code = (
         "import subprocess, sys, time\n"
-        "from vllm_pd_ext.tools.vllm_process import die_with_parent_preexec\n"
+        "from vllm_pd_ext.util.vllm_process import die_with_parent_preexec\n"
         "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'],\n"
         "                     start_new_session=True, preexec_fn=die_with_parent_preexec)\n"
         f"open({str(pid_file)!r}, 'w').write(str(c.pid))\n"

