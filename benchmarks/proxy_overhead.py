@@ -5,7 +5,9 @@ Three targets front the same upstream in one run:
 * ``direct``: the engine itself (the floor);
 * ``ours``: ``vllm-pd proxy --both URL`` (run as ``python -m vllm_pd_ext.cli proxy``):
   pass-through, one instance serving both roles so no request is split, defaults otherwise;
-* ``vllm-router``: the Rust router from PyPI, ``--policy round_robin`` over the same URL.
+* ``vllm-router``: the Rust router from PyPI, ``--policy round_robin`` over the same URL;
+* ``ours-before`` (with ``--baseline PATH``): our proxy from another checkout of this
+  repository (an earlier commit), same flags: a change's effect measured in one run.
 
 The upstream is one real ``vllm serve`` of the tiny test model (``--upstream vllm``, default)
 or a no-compute fake engine in its own process (``--upstream fake``,
@@ -72,7 +74,9 @@ import httpx
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
-TARGETS = ("direct", "ours", "vllm-router")
+TARGETS = ("direct", "ours", "ours-before", "vllm-router")
+#: The targets that are proxies (restarted every round).
+PROXIES = ("ours", "ours-before", "vllm-router")
 PROMPT = "the quick brown fox jumps over the lazy dog while a proxy forwards every token it sees"
 PROMPT_WORDS = PROMPT.split(" ")
 
@@ -123,10 +127,20 @@ class Child:
                     return
 
 
-def spawn(name: str, argv: list[str], log_dir: Path, cpus: set[int] | None) -> Child:
-    """Start ``argv`` in a new session with its output in ``log_dir/name.log``."""
+def spawn(
+    name: str,
+    argv: list[str],
+    log_dir: Path,
+    cpus: set[int] | None,
+    tree: Path | None = None,
+) -> Child:
+    """Start ``argv`` in a new session with its output in ``log_dir/name.log``; ``tree``: a
+    checkout whose ``vllm_pd_ext`` the process imports (its working directory and
+    ``PYTHONPATH``)."""
     log_path = log_dir / f"{name}.log"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if tree is not None:
+        env["PYTHONPATH"] = str(tree)
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             argv,
@@ -134,6 +148,7 @@ def spawn(name: str, argv: list[str], log_dir: Path, cpus: set[int] | None) -> C
             stdout=log,
             stderr=subprocess.STDOUT,
             env=env,
+            cwd=tree,
             start_new_session=True,
             preexec_fn=(lambda: _affinity(cpus)) if cpus else None,
         )
@@ -213,27 +228,9 @@ class Fleet:
         args = self.args
         front_cpus = {args.front_core} if args.pin else None
         upstream_url = self.urls["direct"]
-        ours_port = free_port()
-        ours = spawn(
-            "ours",
-            [
-                sys.executable,
-                "-m",
-                "vllm_pd_ext.cli",  # `vllm-pd`, without relying on the console script
-                "proxy",
-                "--both",
-                upstream_url,
-                "--port",
-                str(ours_port),
-                "--log-level",
-                "warning",
-            ],
-            self.log_dir,
-            front_cpus,
-        )
-        self.children.append(ours)
-        self.urls["ours"] = f"http://127.0.0.1:{ours_port}"
-        self.pids["ours"] = ours.proc.pid
+        ours = [self._start_ours("ours", REPO, front_cpus)]
+        if args.baseline is not None:
+            ours.append(self._start_ours("ours-before", args.baseline, front_cpus))
 
         if not args.skip_router:
             router_port = free_port()
@@ -261,13 +258,40 @@ class Fleet:
             self.urls["vllm-router"] = f"http://127.0.0.1:{router_port}"
             self.pids["vllm-router"] = router.proc.pid
             wait_ready(router, self.urls["vllm-router"] + "/v1/models", 60)
-        wait_ready(ours, self.urls["ours"] + "/health", 60)
+        for child in ours:
+            wait_ready(child, self.urls[child.name] + "/health", 60)
+
+    def _start_ours(self, name: str, tree: Path, cpus: set[int] | None) -> Child:
+        """``vllm-pd proxy`` from the checkout ``tree`` in front of the upstream."""
+        port = free_port()
+        child = spawn(
+            name,
+            [
+                sys.executable,
+                "-m",
+                "vllm_pd_ext.cli",  # `vllm-pd`, without relying on the console script
+                "proxy",
+                "--both",
+                self.urls["direct"],
+                "--port",
+                str(port),
+                "--log-level",
+                "warning",
+            ],
+            self.log_dir,
+            cpus,
+            tree,
+        )
+        self.children.append(child)
+        self.urls[name] = f"http://127.0.0.1:{port}"
+        self.pids[name] = child.proc.pid
+        return child
 
     def restart_proxies(self) -> None:
         """Stop both proxies and start new processes: each launch has its own luck (memory
         layout, cache placement), which a tail percentile sees; fresh ones every round
         spread it over the rounds for both proxies alike."""
-        for child in [c for c in self.children if c.name in ("ours", "vllm-router")]:
+        for child in [c for c in self.children if c.name in PROXIES]:
             child.stop()
             self.children.remove(child)
         self.start_proxies()
@@ -782,6 +806,18 @@ async def health_scrape_cost(upstream: str) -> dict[str, Any]:
     }
 
 
+def _commit(tree: Path) -> str:
+    """The short commit ``tree`` is checked out at ("" when git cannot tell)."""
+    with contextlib.suppress(Exception):
+        return subprocess.run(
+            ["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    return ""
+
+
 def machine() -> dict[str, Any]:
     """nproc, CPU model, versions of everything measured, and the repo commit."""
     model = ""
@@ -797,14 +833,7 @@ def machine() -> dict[str, Any]:
         except importlib.metadata.PackageNotFoundError:
             return None
 
-    commit = ""
-    with contextlib.suppress(Exception):
-        commit = subprocess.run(
-            ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-            capture_output=True,
-            text=True,
-            timeout=5,
-        ).stdout.strip()
+    commit = _commit(REPO)
     dirty = ""
     with contextlib.suppress(Exception):
         dirty = subprocess.run(
@@ -947,6 +976,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-pin", dest="pin", action="store_false", help="no CPU pinning")
     p.add_argument("--skip-router", action="store_true")
     p.add_argument(
+        "--baseline",
+        type=Path,
+        default=None,
+        help="a checkout of an earlier commit: its proxy runs beside ours as ours-before",
+    )
+    p.add_argument(
         "--same-proxies",
         dest="fresh_proxies",
         action="store_false",
@@ -1011,6 +1046,11 @@ def main(argv: list[str] | None = None) -> int:
             "direct": "the engine itself",
             "ours": "vllm-pd proxy --both URL --log-level warning (pass-through, defaults)",
             "vllm-router": "vllm-router --worker-urls URL --policy round_robin --log-level warning",
+            **(
+                {"ours-before": f"the same, from commit {_commit(args.baseline)}"}
+                if args.baseline is not None
+                else {}
+            ),
         },
         **measured,
     }
