@@ -17,11 +17,12 @@ Workload: many short streaming ``/v1/completions`` requests (a short prompt, ``-
 tokens, ``ignore_eos``). Each round has two phases, and rounds are repeated ``--rounds`` times:
 
 1. latency: ``--latency-requests`` requests per target, one at a time, interleaved request by
-   request (direct, ours, router, direct, ...; the order rotates each round), so drift on this
-   shared machine hits all three alike. Measured per request: TTFT (send to first SSE token
-   event) and ITL (mean gap between its token events).
+   request in an order drawn afresh for each request (seeded, ``--seed``), so drift on a
+   shared machine hits all targets alike and none always follows the same neighbour.
+   Measured per request: TTFT (send to first SSE token event) and ITL (mean gap between its
+   token events).
 2. saturation: ``--sat-requests`` requests per target at ``--sat-concurrency`` in flight;
-   requests/s. Targets run one after another, order rotating each round.
+   requests/s. Targets run one after another, in an order drawn for each round.
 
 Reported per target: p50/p99 TTFT and p50 ITL, and their excess over direct in the same round
 (median over rounds); TTFT p99 pooled over all rounds (more samples in the tail); requests/s
@@ -56,6 +57,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import statistics
@@ -393,13 +395,20 @@ async def one_request(client: Client, body: dict[str, Any]) -> Sample:
 
 
 async def latency_phase(
-    clients: list[Client], model: str, n: int, max_tokens: int, offset: int
+    clients: list[Client],
+    model: str,
+    n: int,
+    max_tokens: int,
+    offset: int,
+    rng: random.Random | None = None,
 ) -> dict[str, list[Sample]]:
-    """``n`` requests per client, one at a time, interleaved request by request."""
+    """``n`` requests per client, one at a time, interleaved request by request; with
+    ``rng``, the clients' order is drawn afresh for every request (a fixed or rotated order
+    keeps each target next to the same neighbours, whose cache footprint it then inherits)."""
     out: dict[str, list[Sample]] = {c.name: [] for c in clients}
     for i in range(n):
         body = request_body(model, offset + i, max_tokens)
-        for c in clients:
+        for c in rng.sample(clients, len(clients)) if rng is not None else clients:
             out[c.name].append(await one_request(c, body))
     return out
 
@@ -702,7 +711,8 @@ async def run_rounds(fleet: Fleet, args: argparse.Namespace, log_dir: Path) -> d
                 await asyncio.to_thread(fleet.restart_proxies)
                 connect(proxies)
                 await warm_up(proxies)
-            order = names[r % len(names) :] + names[: r % len(names)]
+            rng = random.Random(args.seed * 1_000_003 + r)
+            order = rng.sample(names, len(names))
             cpu0 = {n: group_cpu_s(pid) for n, pid in fleet.pids.items()}
             t_lat = time.perf_counter()
             lat = await latency_phase(
@@ -711,6 +721,7 @@ async def run_rounds(fleet: Fleet, args: argparse.Namespace, log_dir: Path) -> d
                 args.latency_requests,
                 args.max_tokens,
                 offset=r * args.latency_requests,
+                rng=rng,
             )
             lat_wall = time.perf_counter() - t_lat
             cpu: dict[str, dict[str, float]] = {n: {} for n in names}
@@ -975,6 +986,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--front-core", type=int, default=0, help="load generator and proxies")
     p.add_argument("--no-pin", dest="pin", action="store_false", help="no CPU pinning")
     p.add_argument("--skip-router", action="store_true")
+    p.add_argument("--seed", type=int, default=0, help="the targets' order in each round")
     p.add_argument(
         "--baseline",
         type=Path,

@@ -27,7 +27,7 @@ from vllm_pd_ext.proxy.call import Call
 from vllm_pd_ext.proxy.client_channel import STREAM_END, RelayResponse
 from vllm_pd_ext.proxy.decode import DecodeLeg
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
-from vllm_pd_ext.proxy.fleet import Fleet
+from vllm_pd_ext.proxy.fleet import Fleet, Lease
 from vllm_pd_ext.proxy.relay import Opened, Relay, StreamRelay, patch_payload
 from vllm_pd_ext.proxy.routing import Route, Router
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier, prompt_request_id
@@ -47,7 +47,7 @@ class Batch:
         """Answer the request (``call.ctx.tokens`` holds more than one prompt)."""
         opened = await self._open(call, route)
         if call.ctx.stream:
-            stream = self.relay.stream_for(call)
+            stream = StreamRelay(self.relay, call)
             return RelayResponse(
                 self._events(call, opened, stream, render), call.watch, stream.headers
             )
@@ -59,7 +59,7 @@ class Batch:
         prompts = ctx.tokens.prompts
         errors: list[str] = []
         for inst in self.router.candidates(ctx, route.decode_pool, "decode", route.decode):
-            with inst.lease() as lease:
+            with Lease(inst) as lease:
                 sending = asyncio.gather(
                     *(
                         self.decode.send_body(
@@ -95,7 +95,7 @@ class Batch:
                         for r in answers:
                             r.close()
                     raise passthrough(refused.status, raw)
-                call.hold(lease.handover())
+                call.hold(lease)
                 return [Opened(r, inst) for r in answers]
         raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
 

@@ -44,6 +44,7 @@ class Call:
         "ctx",
         "decision",
         "engines",
+        "label",
         "outcome",
         "params",
         "prefill_done",
@@ -65,6 +66,8 @@ class Call:
         self._leases: list[Lease] = []
         self._closed = False
         self.decision: Decision | None = None
+        #: The decision's metric label ("-" before one is made).
+        self.label = "-"
         #: The decode leg's ``kv_transfer_params`` (None: the decode leg runs colocated).
         self.params: dict[str, Any] | None = None
         #: Prompt tokens the prefill instance found in its own prefix cache, when it said.
@@ -77,18 +80,18 @@ class Call:
         self.outcome: str | None = None
         metrics.in_flight.inc()
 
-    @property
-    def label(self) -> str:
-        """The decision's metric label ("-" before one is made)."""
-        decision = self.decision
-        return "-" if decision is None else decision.label
+    def decide(self, decision: Decision) -> None:
+        """The request is served as ``decision`` says (made, or changed by a fallback)."""
+        self.decision = decision
+        self.label = decision.label
 
     def colocate(self) -> None:
         """From now on the decode leg runs without KV from a prefill."""
         self.params = self.cached = None
 
     def hold(self, lease: Lease) -> None:
-        """Keep ``lease`` until the call is closed."""
+        """Keep ``lease`` until the call is closed (the block that took it lets it go)."""
+        lease.kept = True
         self._leases.append(lease)
 
     def finish(self, outcome: str, detail: str | None = None) -> None:

@@ -17,7 +17,7 @@ from typing import Any
 from vllm_pd_ext.proxy.call import Call
 from vllm_pd_ext.proxy.client_channel import ClientGone
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough
-from vllm_pd_ext.proxy.fleet import Fleet, Instance
+from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
 from vllm_pd_ext.proxy.legs import decode_body
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.protocols import PDProtocol
@@ -88,12 +88,13 @@ class DecodeLeg:
             if attempt and call.params is not None and self.protocol.binds_decode:
                 call.colocate()
                 self.metrics.fallbacks.labels("decode_retry").inc()
-            with inst.lease() as lease:
+            with Lease(inst) as lease:
                 if attempt == 0 and pending is not None:
                     opening: Any = pending
                 else:
                     sink = stream.direct_sink() if stream is not None else None
-                    opening = self.send(call, inst, call.params, sink)
+                    body = decode_body(call.ctx, call.params)
+                    opening = self.send_body(call, inst, body, call.ctx.request_id, sink)
                 try:
                     resp = await call.watch.race(opening, "decode_wait")
                 except UpstreamError as exc:
@@ -117,6 +118,6 @@ class DecodeLeg:
                     finally:
                         resp.close()
                     raise passthrough(resp.status, raw)
-                call.hold(lease.handover())
+                call.hold(lease)
                 return Opened(resp, inst)
         raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")

@@ -90,10 +90,6 @@ class Instance:
         """In-flight through us, plus what the engine reported running and waiting."""
         return self.in_flight + self.running + 2.0 * self.waiting
 
-    def lease(self) -> Lease:
-        """Count one request in flight here until the lease is released (see ``Lease``)."""
-        return Lease(self)
-
     def mark_ok(self) -> None:
         self.healthy = True
         self.failures = 0
@@ -111,15 +107,16 @@ class Lease:
     """One request's share of an instance's in-flight count: taken when made, given back
     exactly once by ``release()`` or by leaving its ``with`` block, on every path.
 
-    ``handover()`` moves it to a longer-lived owner (a stream that outlives the block that
-    opened it): the block's exit then gives nothing back.
+    A lease ``kept`` by a longer-lived owner (a stream that outlives the block that opened
+    it, see ``Call.hold``) is not given back when the block exits: its owner releases it.
     """
 
-    __slots__ = ("instance",)
+    __slots__ = ("instance", "kept")
 
     def __init__(self, instance: Instance):
         instance.in_flight += 1
         self.instance: Instance | None = instance
+        self.kept = False
 
     def release(self) -> None:
         inst = self.instance
@@ -127,17 +124,12 @@ class Lease:
             self.instance = None
             inst.in_flight -= 1
 
-    def handover(self) -> Lease:
-        """A lease holding this one's count; this one then holds nothing."""
-        moved = Lease.__new__(Lease)
-        moved.instance, self.instance = self.instance, None
-        return moved
-
     def __enter__(self) -> Lease:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.release()
+        if not self.kept:
+            self.release()
 
 
 class Fleet:

@@ -19,7 +19,7 @@ from typing import Any
 
 from vllm_pd_ext.proxy.call import Call
 from vllm_pd_ext.proxy.errors import passthrough
-from vllm_pd_ext.proxy.fleet import Fleet, Instance
+from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
 from vllm_pd_ext.proxy.legs import one_token_body
 from vllm_pd_ext.proxy.protocols import MissingCoordinates, PDProtocol
 from vllm_pd_ext.proxy.routing import Route, Router
@@ -122,7 +122,7 @@ class PrefillLeg:
         ctx = call.ctx
         if ctx.tokens is not None:
             call.engines.append(inst)
-        with inst.lease():
+        with Lease(inst):
             try:
                 status, raw = await inst.client.fetch(
                     "POST",

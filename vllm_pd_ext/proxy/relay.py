@@ -65,11 +65,6 @@ class Relay:
         self._render = render
         self.fast_path = fast_path
 
-    def stream_for(self, call: Call) -> StreamRelay:
-        """The stream state of a streamed answer (made before the decode leg is sent: in
-        text mode its events may flow from the engine connection as soon as it answers)."""
-        return StreamRelay(self, call)
-
     def first_token(self, call: Call, now: float) -> None:
         """The first token reached the client at ``now``."""
         metrics = self.metrics

@@ -51,7 +51,7 @@ from vllm_pd_ext.proxy.fleet import Fleet
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg, discard
 from vllm_pd_ext.proxy.protocols import make_protocol
-from vllm_pd_ext.proxy.relay import Relay
+from vllm_pd_ext.proxy.relay import Relay, StreamRelay
 from vllm_pd_ext.proxy.request import ClientRequest, Route, parse_request, read_body
 from vllm_pd_ext.proxy.routing import Router
 from vllm_pd_ext.proxy.token_mode import RenderTier
@@ -168,7 +168,7 @@ class ProxyService:
         if self.render is not None:
             ctx.tokens = await call.watch.race(self.render.render_request(ctx), "render")
         route = self.router.route(ctx, decode_pool)
-        call.decision = route.decision
+        call.decide(route.decision)
         call.start = time.perf_counter()
         if ctx.tokens is not None and ctx.tokens.more:  # several prompts: never split
             assert self.render is not None
@@ -184,7 +184,7 @@ class ProxyService:
                 logger.warning(
                     "request %s: prefill failed (%s); serving colocated", ctx.request_id, exc
                 )
-                call.decision = Decision(False, "prefill_failed")
+                call.decide(Decision(False, "prefill_failed"))
             else:
                 call.prefill_done = time.perf_counter()
                 self.metrics.prefill_leg.observe(call.prefill_done - call.start)
@@ -196,7 +196,9 @@ class ProxyService:
                     else:
                         self.background.drain(call, route.decode)
                     raise ClientGone("between_legs")
-        stream = self.relay.stream_for(call) if ctx.stream else None
+        # a stream's state is made before the decode leg is sent: in text mode its events
+        # may flow from the engine connection as soon as it answers
+        stream = StreamRelay(self.relay, call) if ctx.stream else None
         opened = await self.decode.open(call, route, pending, stream)
         if stream is not None:
             return self.relay.stream(call, opened, stream)
