@@ -382,12 +382,12 @@ class Renderer:
 
             kwargs = self.chat_template_kwargs(request)
             return reasoning_ended(self.settings, self.tok, request, ids, kwargs)
-        from vllm_pd_ext.render_server.parsers import reasoning_active
-        from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
+        from vllm_pd_ext.render_server.parsers import reasoning_active, reasoning_parser
 
-        if not reasoning_active(self.settings.reasoning_parser, self.chat_template_kwargs(request)):
+        name = self.settings.reasoning_parser
+        if not reasoning_active(name, self.chat_template_kwargs(request)):
             return True  # vLLM's identity parser: reasoning never open
-        return ThinkReasoningParser(self.tok).prompt_ended_reasoning(ids)
+        return reasoning_parser(self.tok, name).prompt_ended_reasoning(ids)
 
     def _reasoning_parser_kwargs(self, request: ChatCompletionRequest) -> dict[str, Any] | None:
         if self.settings.reasoning_parser is None:
