@@ -421,6 +421,8 @@ def test_qwen3_reasoning_parser_serves_a_tokenizer_without_think_tokens(tiny_qwe
             assert resp.status_code == 200, resp.text
             rendered = resp.json()
             assert rendered["reasoning_ended"] is (thinking is False)
+            # vLLM's qwen3 adjust_request keeps special tokens in the detokenized text
+            assert rendered["sampling_params"]["skip_special_tokens"] is False
             prompt = rendered["token_ids"]
             body = {
                 "generate_response": {"choices": [{"token_ids": ids}]},

@@ -25,6 +25,7 @@ __all__ = [
     "ChatParser",
     "make_parser",
     "reasoning_active",
+    "reasoning_keeps_special_tokens",
     "reasoning_parser",
 ]
 
@@ -41,6 +42,12 @@ def reasoning_active(reasoning: str, template_kwargs: dict[str, Any]) -> bool:
     if reasoning == "qwen3":
         return template_kwargs.get("enable_thinking", True) is not False
     return reasoning == "deepseek_r1"
+
+
+def reasoning_keeps_special_tokens(reasoning: str | None) -> bool:
+    """Whether the reasoning parser's ``adjust_request`` sets ``skip_special_tokens: false``
+    on every chat request (vLLM's qwen3, an engine parser, does; the others leave it)."""
+    return reasoning == "qwen3"
 
 
 def reasoning_parser(tok: Any, reasoning: str) -> ThinkReasoningParser:
