@@ -768,9 +768,53 @@ def test_mistral_forced_tool_choice_identical(mistral_servers, fmt):
             assert ca["finish_reason"] == cb["finish_reason"], text
 
 
-# ---- qwen3 on a tokenizer without <think> tokens ------------------------------------------------
+# ---- request-validation errors: same status, type and param as vLLM --------------------------
 
 M = [{"role": "user", "content": "x"}]
+#: Bodies that are not JSON or do not fit the route's schema. vLLM answers them from its
+#: RequestValidationError handler (type "Bad Request", param the path from "body"), not from its
+#: own checks (type "BadRequestError"). Messages differ by design (ours are one line per error).
+SCHEMA_ERRORS = [
+    ("/v1/chat/completions/render", {"messages": "x"}),
+    ("/v1/chat/completions/render", {"messages": M, "max_tokens": "abc"}),
+    ("/v1/chat/completions/render", {"messages": M, "n": "two", "top_p": []}),
+    ("/v1/chat/completions/render", {}),
+    ("/v1/chat/completions/render", [1, 2]),
+    ("/v1/chat/completions/render", b"{not json"),
+    ("/v1/completions/render", {"prompt": {"a": 1}}),
+    ("/v1/completions/render", {"prompt": "x", "max_tokens": 1.5}),
+    # derender bodies are a union of the batch and stream shapes in vLLM, and its param names
+    # the union branch (body.DerenderChatRequest...): status and type compared only
+    ("/v1/chat/completions/derender", {"generate_response": 5}),
+    ("/v1/completions/derender", {"stream": True}),
+]
+
+
+def _post_raw(server: VllmServer, path: str, body) -> tuple[int, dict]:
+    if isinstance(body, bytes):
+        resp = httpx.post(
+            server.base_url + path,
+            content=body,
+            headers={"content-type": "application/json"},
+            timeout=60,
+        )
+    else:
+        resp = httpx.post(server.base_url + path, json=body, timeout=60)
+    return resp.status_code, resp.json()
+
+
+def test_request_validation_errors_carry_vllms_type_and_param(servers):
+    ours, ref = servers["plain"]
+    for path, body in SCHEMA_ERRORS:
+        (sa, a), (sb, b) = (_post_raw(s, path, body) for s in (ours, ref))
+        assert sa == sb == 400, (path, body, a, b)
+        ea, eb = a["error"], b["error"]
+        assert (ea["type"], ea["code"]) == (eb["type"], eb["code"]), (path, body, ea, eb)
+        if "derender" not in path:
+            assert ea["param"] == eb["param"], (path, body, ea, eb)
+
+
+# ---- qwen3 on a tokenizer without <think> tokens ------------------------------------------------
 
 #: Outputs on which vLLM 0.32's qwen3 parser and ours agree. Known differences, left out: vLLM's
 #: qwen3 (an engine parser) also ends reasoning at ``<tool_call>``, drops every ``<think>`` in the

@@ -20,7 +20,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from vllm_pd_ext.render_server.derender import Derenderer
-from vllm_pd_ext.render_server.errors import RenderError, body_for, error_body, validation_message
+from vllm_pd_ext.render_server.errors import (
+    RenderError,
+    SchemaError,
+    body_for,
+    error_body,
+    validation_message,
+)
 from vllm_pd_ext.render_server.openapi import build_openapi
 from vllm_pd_ext.render_server.parsers import TOOL_PARSERS, reasoning_active, reasoning_parser
 from vllm_pd_ext.render_server.protocol import (
@@ -156,17 +162,19 @@ async def _read_json(request: Request, limit: int) -> Any:
     try:
         return _json_loads(bytes(body))
     except (ValueError, RecursionError) as exc:
-        raise RenderError(f"malformed JSON body: {exc}") from None
+        pos = getattr(exc, "pos", None)  # vLLM's param: the offset where decoding failed
+        param = f"body.{pos}" if isinstance(pos, int) else "body"
+        raise SchemaError(f"malformed JSON body: {exc}", param=param) from None
 
 
 def _validate(model: type[BaseModel], data: Any) -> Any:
     if not isinstance(data, dict):
-        raise RenderError("request body must be a JSON object")
+        raise SchemaError("request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         message, param = validation_message(exc.errors(include_url=False, include_input=False))
-        raise RenderError(message, param=param) from None
+        raise SchemaError(message, param=param) from None
 
 
 def create_app(settings: RenderSettings) -> FastAPI:
