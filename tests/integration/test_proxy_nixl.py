@@ -174,6 +174,19 @@ def test_client_kv_transfer_params_cannot_redirect(fleet, proxy_url, tiny_llama)
     assert len(resp.json()["choices"][0]["token_ids"]) == 12
 
 
+def test_an_engine_validation_error_reaches_the_client_as_vllm_types_it(fleet, proxy_url):
+    """A body the engine's schema refuses: the proxy forwards vLLM's error body as the engine
+    answers it directly (type "Bad Request", param, code, message), not retyped."""
+    _, decode = fleet
+    body = completion(decode.served_name, [1, 2, 3], temperature="hot")
+    direct = httpx.post(f"{decode.base_url}/v1/completions", json=body, timeout=60)
+    proxied = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=60)
+    assert direct.status_code == proxied.status_code == 400, proxied.text
+    want, got = direct.json()["error"], proxied.json()["error"]
+    assert want["type"] == "Bad Request"
+    assert got == want
+
+
 def test_disconnect_mid_stream_leaves_both_engines_idle(fleet, proxy_url, tiny_llama):
     prefill, decode = fleet
     body = completion(
