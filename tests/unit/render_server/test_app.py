@@ -128,6 +128,26 @@ def test_malformed_and_oversized_bodies_are_400(client):
     assert arr.status_code == 400
 
 
+def test_schema_errors_are_typed_as_vllms_request_validation_errors(client):
+    """vLLM answers a body that is not JSON or fails the schema from its request-validation
+    handler ("Bad Request", param from "body"), and its own checks with "BadRequestError"."""
+    chat, completion = "/v1/chat/completions/render", "/v1/completions/render"
+    as_json = {"content-type": "application/json"}
+    cases: list[tuple[str, dict[str, Any], tuple[str, str]]] = [
+        (chat, {"json": {"messages": "nope"}}, ("Bad Request", "body.messages")),
+        (completion, {"json": {"prompt": {"a": 1}}}, ("Bad Request", "body.prompt")),
+        (chat, {"json": [1, 2]}, ("Bad Request", "body")),
+        (chat, {"content": b"{not json", "headers": as_json}, ("Bad Request", "body.1")),
+        (chat, {"json": {"messages": [{"role": "user", "content": "x"}], "temperature": 5}},
+         ("BadRequestError", "temperature")),
+    ]  # fmt: skip
+    for path, kwargs, expected in cases:
+        resp = client.post(path, **kwargs)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert (err["type"], err["param"]) == expected, err
+
+
 def test_unknown_model_is_404(client):
     resp = client.post(
         "/v1/chat/completions/render",
