@@ -1,4 +1,4 @@
-"""Restore bandwidth of PdExtFlexKVConnector's CPU and SSD tiers next to this machine's floors.
+"""Restore bandwidth of PdExtFlexKVConnector's CPU and SSD tiers next to the host's floors.
 
 In one process: a worker-side ``FlexKVWorker`` over CPU "KV cache" tensors shaped like vLLM's
 CPU backend saves N blocks (CPU rows + SSD files), then loads them back into other blocks from

@@ -17,8 +17,8 @@ Workload: many short streaming ``/v1/completions`` requests (a short prompt, ``-
 tokens, ``ignore_eos``). Each round has two phases, and rounds are repeated ``--rounds`` times:
 
 1. latency: ``--latency-requests`` requests per target, one at a time, interleaved request by
-   request in an order drawn afresh for each request (seeded, ``--seed``), so drift on a
-   shared machine hits all targets alike and none always follows the same neighbour.
+   request in an order drawn afresh for each request (seeded, ``--seed``), so drift in the
+   host's load hits all targets alike and none always follows the same neighbour.
    Measured per request: TTFT (send to first SSE token event) and ITL (mean gap between its
    token events).
 2. saturation: ``--sat-requests`` requests per target at ``--sat-concurrency`` in flight;
@@ -35,14 +35,14 @@ Processes: the upstream is pinned to ``--upstream-core`` (vLLM's OpenMP threads 
 the load generator and both proxies to ``--front-core``. Every process started here runs in
 its own process group and is stopped on exit, Ctrl-C or SIGTERM. Both proxies are started
 afresh (and warmed up) before every round: a tail percentile of one process also reflects the
-luck of its launch (two launches of the same proxy differed by ~0.15 ms at p99 here), and new
+luck of its launch (two launches of the same proxy once differed by ~0.15 ms at p99), and new
 processes every round spread that luck over the rounds for both alike (``--same-proxies``: one
 launch for all rounds). Requests are bounded in number, each phase in time, and no round
 starts after ``--max-minutes``.
 
 Writes ``benchmarks/results/proxy_overhead.json`` (``proxy_overhead_fake.json`` with
 ``--upstream fake``). Run: ``.venv/bin/python benchmarks/proxy_overhead.py``: about 2 min on
-a quiet 2-core machine (~30 s of it vLLM starting), 5 min when the machine is loaded;
+a quiet host (~30 s of it vLLM starting), longer when it is loaded (the JSON records the host);
 ``--upstream fake`` takes 1-3 min. Needs ``vllm-router`` installed (or ``--skip-router``).
 ``--py-spy`` then samples our proxy with py-spy (native stacks, idle samples dropped) during
 one extra low-load and one extra saturation phase, and adds its busiest functions to the JSON.

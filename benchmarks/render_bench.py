@@ -21,7 +21,7 @@ Ours runs its default encode path: the tiktoken fast path (``render_server/fast_
 which the server enables only after its startup self-check against the HF tokenizer.
 Writes ``benchmarks/results/render_bench.json``.
 Run: ``.venv/bin/python benchmarks/render_bench.py``
-(a few minutes on 2 cores). Every process started here is in its own process group and stopped
+(a few minutes). Every process started here is in its own process group and stopped
 on exit.
 """
 

@@ -14,13 +14,13 @@ does. Prefill blocks are 0..n-1 (a fresh engine); three cache layouts:
 
 Each side registers its whole cache as one region. One phase per transport family, each with
 its own decode process: our transport over Mooncake, our transport over its own TCP data
-path, then the NIXL variants (so that no engine's threads compete with another's on the two
-cores). In a phase every configuration runs ``--runs`` interleaved rounds of the floors and
+path, then the NIXL variants (so that no engine's threads compete with another's for the
+host's cores). In a phase every configuration runs ``--runs`` interleaved rounds of the floors and
 the transports; medians are reported, ``x/tcp`` is the median of per-round ratios; a
 transport slower than ``--budget-s`` runs fewer rounds or skips a size it would need over
 twice that for. The first round of each is checked byte for byte on 32 random spans.
 
-Printed side by side, in one run, on this machine:
+Printed side by side, in one run, on the host it runs on (the JSON records which):
 
 * memcpy: ``numpy.copyto`` of a large buffer in one process (a floor: no copy is faster);
 * loopback TCP: one socket between the two processes, 4 MiB ``sendall``/``recv_into``;
@@ -34,7 +34,7 @@ Printed side by side, in one run, on this machine:
   path) and once restricted to TCP (``UCX_TLS=tcp``), the like-for-like comparison.
 
 Writes ``benchmarks/results/transport_bandwidth.json``. Run:
-``.venv/bin/python benchmarks/transport_bandwidth.py`` (about 2-3 minutes on 2 cores).
+``.venv/bin/python benchmarks/transport_bandwidth.py`` (about 2-3 minutes).
 """
 
 from __future__ import annotations
@@ -383,7 +383,7 @@ def measure(
 ) -> tuple[list[dict], dict[str, str]]:
     """One phase: some of our transports, or the NIXL peers, next to the floors.
 
-    Phases keep the engines apart (NIXL's UCX progress threads must not share the two cores
+    Phases keep the engines apart (NIXL's UCX progress threads must not share the host's cores
     with our engine's threads while we are measured, nor the reverse); within a phase the
     floors and each transport run in interleaved rounds.
     """

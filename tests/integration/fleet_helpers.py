@@ -54,8 +54,8 @@ def nixl_pair(
 
 def warm_up_split(prefill: VllmServer, decode: VllmServer, model: Path, attempts: int = 3) -> None:
     """One throwaway split request, retried: a NIXL pair's first request pays the handshake,
-    which on a loaded 2-core machine can time out (vLLM then fails that one request). Tests
-    measure later requests, over the established connection."""
+    which can time out when the host's cores are busy (vLLM then fails that one request).
+    Tests measure later requests, over the established connection."""
     prompt_ids = make_prompt_ids(model, 64)
     for attempt in range(attempts):
         with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:

@@ -185,8 +185,11 @@ def test_cache_salt_keeps_tenants_apart(servers, client, tiny_qwen):
 
 def test_second_instance_in_multiconnector_reuses_shared_tier(servers, client, tiny_qwen):
     a, b = servers
-    ids = make_prompt_ids(tiny_qwen, PROMPT)
+    # a prompt of its own: A must compute it here whichever test ran before
+    ids = make_prompt_ids(tiny_qwen, PROMPT + 100)[100:]
+    disk_a, host_a = cached(a, "disk"), cached(a, "host")
     computed = generate(client, a, ids)  # A saved this prompt into the shared directory
+    assert (cached(a, "disk"), cached(a, "host")) == (disk_a, host_a)  # computed, not loaded
     disk0 = cached(b, "disk")
     assert generate(client, b, ids) == computed
     assert cached(b, "disk") - disk0 == HIT

@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.integration.fleet_helpers import (
+    pdext_connector,
     pdext_pair,
     run_doctor,
     running_proxy,
@@ -32,6 +33,7 @@ from vllm_pd_ext.tools.pd_demo import (
     prefill_leg,
     stream_completion,
 )
+from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -73,7 +75,13 @@ def test_transfer_metrics_on_both_engines(pair, tiny_qwen):
     with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
         split_read(client, prefill, decode, prompt_ids, 4)
         split_write(client, prefill, decode, side, prompt_ids, 4)
-    time.sleep(1.0)  # stats reach /metrics with the next engine step's output
+    # stats reach /metrics with a later engine step's output: poll for them
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and (
+        decode.metric("vllm:pdext_kv_transfer_seconds_count") < reads + 1
+        or prefill.metric("vllm:pdext_kv_transfer_bytes_count") < pushes + 1
+    ):
+        time.sleep(0.2)
     assert decode.metric("vllm:pdext_kv_transfer_seconds_count") >= reads + 1  # the read
     assert prefill.metric("vllm:pdext_kv_transfer_bytes_count") >= pushes + 1  # the push
     assert decode.metric("vllm:pdext_kv_transfer_failures_total") == 0
@@ -123,20 +131,31 @@ def test_doctor_reads_our_transfer_metrics(pair):
         assert r["connector_bytes"] >= 300 * report["kv_bytes_per_token"]
 
 
-def test_vanished_decode_frees_prefill_blocks_within_the_lease(pair, tiny_qwen):
-    """Last in the module: it kills the decode instance."""
-    prefill, decode, _ = pair
+def test_vanished_decode_frees_prefill_blocks_within_the_lease(pair, tiny_qwen, vllm_servers):
+    """A decode instance the prefill side knows (one split through it) dies before it pulls
+    a prefilled request: the prefill side frees the blocks within the lease. The instance
+    killed is this test's own, so the module's pair stays whole for any test after it."""
+    prefill, _, _ = pair
+    doomed = vllm_servers.start(
+        tiny_qwen,
+        name="moriio-doomed-decode",
+        cpu_core=1,
+        kv_transfer_config=pdext_connector("kv_consumer", free_port(), lease_s=LEASE_S),
+        extra_args=["--no-enable-prefix-caching"],
+    )
     prompt_ids = make_prompt_ids(tiny_qwen, 300)
-    expiries = prefill.metric(EXPIRIES)
     with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+        assert len(split_read(client, prefill, doomed, prompt_ids[:100], 4)) == 4
+        wait_idle(prefill)
+        expiries = prefill.metric(EXPIRIES)
         params, _ = prefill_leg(client, prefill, completion_body(prefill, prompt_ids, 8))
         assert prefill.metric("vllm:kv_cache_usage_perc") > 0  # held for the decode side
-        os.killpg(decode.proc.pid, signal.SIGKILL)  # D is gone before it pulls
+        os.killpg(doomed.proc.pid, signal.SIGKILL)  # D is gone before it pulls
     t0 = time.monotonic()
     wait_idle(prefill, timeout=LEASE_S + 20)
     assert time.monotonic() - t0 <= LEASE_S + 20
     deadline = time.monotonic() + 20
     while prefill.metric(EXPIRIES) <= expiries and time.monotonic() < deadline:
-        time.sleep(0.5)  # the counter arrives with the next stats interval
+        time.sleep(0.5)  # polled: the counter arrives with the next stats interval
     assert prefill.metric(EXPIRIES) == expiries + 1
     assert params["lease_s"] == LEASE_S

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import pytest
 
 from tests.integration.fleet_helpers import running_proxy, wait_idle
 from vllm_pd_ext.tools.pd_demo import NIXL_CPU, make_prompt_ids
+from vllm_pd_ext.util.prom import parse_metrics
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
@@ -58,6 +60,22 @@ def proxy_url(fleet, tmp_path_factory):
         yield url
 
 
+def proxy_metric(proxy_url: str, name: str, **labels: str) -> float:
+    return parse_metrics(httpx.get(f"{proxy_url}/metrics", timeout=30).text).total(name, **labels)
+
+
+def wait_whole_fleet(proxy_url: str, timeout: float = 120.0) -> None:
+    """Until the proxy sees its prefill and its decode healthy: each test starts from a whole
+    fleet and restores what it kills, so none depends on another having run."""
+    deadline = time.monotonic() + timeout
+    doc: dict = {}
+    while doc.get("healthy_prefill") != 1 or doc.get("healthy_decode") != 1:
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.2)
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            doc = httpx.get(f"{proxy_url}/health", timeout=5).json()
+
+
 def body(model: str, prompt: list[int], **extra) -> dict:
     return {
         "model": model,
@@ -71,6 +89,7 @@ def body(model: str, prompt: list[int], **extra) -> dict:
 
 
 def test_decode_killed_mid_stream_ends_with_error_event(fleet, proxy_url, tiny_llama, vllm_servers):
+    wait_whole_fleet(proxy_url)
     prefill, decode = fleet["prefill"], fleet["decode"]
     payload = body(
         decode.served_name, make_prompt_ids(tiny_llama, 150), max_tokens=350, stream=True
@@ -87,44 +106,57 @@ def test_decode_killed_mid_stream_ends_with_error_event(fleet, proxy_url, tiny_l
                 # model could otherwise finish before the kill), then kill it.
                 os.killpg(decode.proc.pid, signal.SIGSTOP)
                 os.killpg(decode.proc.pid, signal.SIGKILL)
-    assert events[-1] != "data: [DONE]", events[-3:]
-    last = json.loads(events[-1][6:])
-    assert last["error"]["code"] == 502, events[-3:]
-    assert "mid-stream" in last["error"]["message"]
-    wait_idle(prefill)  # the decode had pulled the KV before its first token
-    # Bring the decode instance back on the same port for the next test.
-    decode.stop()
-    fleet["decode"] = start(vllm_servers, tiny_llama, "decode", 1, port=decode.port)
-    deadline = time.monotonic() + 60
-    while httpx.get(f"{proxy_url}/health").status_code != 200:
-        assert time.monotonic() < deadline
-        time.sleep(0.5)
+    try:
+        assert events[-1] != "data: [DONE]", events[-3:]
+        last = json.loads(events[-1][6:])
+        assert last["error"]["code"] == 502, events[-3:]
+        assert "mid-stream" in last["error"]["message"]
+        wait_idle(prefill)  # the decode had pulled the KV before its first token
+    finally:  # the decode instance back on the same port
+        decode.stop()
+        fleet["decode"] = start(vllm_servers, tiny_llama, "decode", 1, port=decode.port)
+        wait_whole_fleet(proxy_url)
 
 
-def test_prefill_killed_mid_request_falls_back_to_colocated(fleet, proxy_url, tiny_llama):
+def test_prefill_killed_mid_request_falls_back_to_colocated(
+    fleet, proxy_url, tiny_llama, vllm_servers
+):
+    wait_whole_fleet(proxy_url)
     prefill, decode = fleet["prefill"], fleet["decode"]
     payload = body(decode.served_name, make_prompt_ids(tiny_llama, 200))
     expected = httpx.post(f"{decode.base_url}/v1/completions", json=payload, timeout=120).json()[
         "choices"
     ][0]["token_ids"]
-    os.killpg(prefill.proc.pid, signal.SIGSTOP)  # the prefill leg will hang...
-    result: dict = {}
+    failed = proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="prefill_failed")
+    no_prefill = proxy_metric(proxy_url, "vllm_pd_decisions_total", reason="no_prefill")
+    try:
+        os.killpg(prefill.proc.pid, signal.SIGSTOP)  # the prefill leg will hang...
+        result: dict = {}
 
-    def send():
-        result["resp"] = httpx.post(f"{proxy_url}/v1/completions", json=payload, timeout=120)
+        def send():
+            result["resp"] = httpx.post(f"{proxy_url}/v1/completions", json=payload, timeout=120)
 
-    sender = threading.Thread(target=send)
-    sender.start()
-    time.sleep(1.5)
-    os.killpg(prefill.proc.pid, signal.SIGKILL)  # ...until the prefill dies under it
-    sender.join(timeout=120)
-    resp = result["resp"]
-    assert resp.status_code == 200, resp.text
-    assert resp.json()["choices"][0]["token_ids"] == expected
-    metrics = httpx.get(f"{proxy_url}/metrics").text
-    assert 'vllm_pd_fallbacks_total{reason="prefill_failed"} 1.0' in metrics
-    wait_idle(decode)
-    # The proxy took the dead prefill out of rotation: the next long prompt runs colocated.
-    resp = httpx.post(f"{proxy_url}/v1/completions", json=payload, timeout=120)
-    assert resp.status_code == 200
-    assert 'reason="no_prefill"' in httpx.get(f"{proxy_url}/metrics").text
+        sender = threading.Thread(target=send)
+        sender.start()
+        deadline = time.monotonic() + 60
+        while not proxy_metric(proxy_url, "vllm_pd_upstream_in_flight", role="prefill"):
+            assert sender.is_alive() and time.monotonic() < deadline, result
+            time.sleep(0.1)
+        os.killpg(prefill.proc.pid, signal.SIGKILL)  # ...until the prefill dies under it
+        sender.join(timeout=120)
+        resp = result["resp"]
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == expected
+        fallbacks = proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="prefill_failed")
+        assert fallbacks - failed == 1
+        wait_idle(decode)
+        # The proxy took the dead prefill out of rotation: the next long prompt runs colocated.
+        resp = httpx.post(f"{proxy_url}/v1/completions", json=payload, timeout=120)
+        assert resp.status_code == 200
+        assert resp.json()["choices"][0]["token_ids"] == expected
+        decided = proxy_metric(proxy_url, "vllm_pd_decisions_total", reason="no_prefill")
+        assert decided - no_prefill == 1
+    finally:  # the prefill instance back on the same port
+        prefill.stop()
+        fleet["prefill"] = start(vllm_servers, tiny_llama, "prefill", 0, port=prefill.port)
+        wait_whole_fleet(proxy_url)

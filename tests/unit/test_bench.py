@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_pd_ext.tools.bench import RateResult, Workload, build_requests, format_table, percentiles
+from vllm_pd_ext.tools.bench import (
+    RateResult,
+    Sample,
+    Workload,
+    build_requests,
+    format_table,
+    percentiles,
+    slo_attained,
+)
 from vllm_pd_ext.tools.bench import plot as plot_results
 
 
@@ -48,3 +56,16 @@ def test_table_and_plot(tmp_path):
     png = tmp_path / "out.png"
     plot_results(rows, png, "t")
     assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_slo_attained_counts_answered_requests_within_both_limits():
+    samples = [
+        Sample(ok=True, ttft_s=0.100, itls_s=[0.010, 0.030]),  # at both limits: counted
+        Sample(ok=True, ttft_s=0.1001, itls_s=[0.010]),  # TTFT just over
+        Sample(ok=True, ttft_s=0.050, itls_s=[0.010, 0.031]),  # mean ITL 20.5 ms: over
+        Sample(ok=False, ttft_s=0.010, itls_s=[0.001]),  # failed: never counted
+        Sample(ok=True, ttft_s=0.050),  # one token: no ITL
+    ]
+    assert slo_attained(samples, slo_ttft_ms=100, slo_itl_ms=20) == 2
+    assert slo_attained(samples, slo_ttft_ms=1e9, slo_itl_ms=1e9) == 4
+    assert slo_attained(samples, slo_ttft_ms=0, slo_itl_ms=1e9) == 0

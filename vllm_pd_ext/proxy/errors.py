@@ -32,6 +32,7 @@ class ProxyError(Exception):
         param: str | None = None,
         code: str | None = None,
         retry_after: float | None = None,
+        err_type: str | None = None,
     ):
         super().__init__(message)
         self.status = status
@@ -39,6 +40,8 @@ class ProxyError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        #: the body's ``type``; None: the status's entry in ``_TYPES``
+        self.err_type = err_type
 
     @property
     def outcome(self) -> str:
@@ -50,12 +53,17 @@ class ProxyError(Exception):
 
 
 def error_body(
-    status: int, message: str, param: str | None = None, code: str | None = None
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    *,
+    err_type: str | None = None,
 ) -> dict:
     return {
         "error": {
             "message": message[:2000],
-            "type": _TYPES.get(status, "APIError"),
+            "type": err_type or _TYPES.get(status, "APIError"),
             "param": param,
             "code": code or status,
         }
@@ -67,7 +75,7 @@ def error_response(exc: ProxyError) -> JSONResponse:
     if exc.retry_after is not None:
         headers["Retry-After"] = str(max(1, round(exc.retry_after)))
     return JSONResponse(
-        error_body(exc.status, exc.message, exc.param, exc.code),
+        error_body(exc.status, exc.message, exc.param, exc.code, err_type=exc.err_type),
         status_code=exc.status,
         headers=headers,
     )
@@ -79,7 +87,8 @@ def sse_error(status: int, message: str) -> bytes:
 
 
 def passthrough(status: int, raw: bytes) -> ProxyError:
-    """An upstream's 4xx (engine or render server), forwarded with its own message."""
+    """An upstream's 4xx (engine or render server), forwarded with its own message, param and
+    type (vLLM types a schema error "Bad Request", its own checks "BadRequestError")."""
     try:
         data = json.loads(raw)
     except ValueError:
@@ -89,4 +98,7 @@ def passthrough(status: int, raw: bytes) -> ProxyError:
     err: dict = error if isinstance(error, dict) else data
     text = raw[:2000].decode("utf-8", "replace")
     message = err.get("message") or err.get("detail") or text or f"HTTP {status}"
-    return ProxyError(status, str(message), param=err.get("param"), code=err.get("code"))
+    err_type = err.get("type") if isinstance(err.get("type"), str) else None
+    return ProxyError(
+        status, str(message), param=err.get("param"), code=err.get("code"), err_type=err_type
+    )

@@ -1,4 +1,4 @@
-"""Standalone render / derender server (issue #4).
+"""Standalone render / derender server.
 
 OpenAI requests in, token ids out (render); engine token ids in, OpenAI responses out (derender).
 Wire-compatible with ``vllm launch render`` and runs without vLLM installed. Public entry points:

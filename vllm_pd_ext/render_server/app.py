@@ -20,9 +20,15 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from vllm_pd_ext.render_server.derender import Derenderer
-from vllm_pd_ext.render_server.errors import RenderError, body_for, error_body, validation_message
+from vllm_pd_ext.render_server.errors import (
+    RenderError,
+    SchemaError,
+    body_for,
+    error_body,
+    validation_message,
+)
 from vllm_pd_ext.render_server.openapi import build_openapi
-from vllm_pd_ext.render_server.parsers import TOOL_PARSERS
+from vllm_pd_ext.render_server.parsers import TOOL_PARSERS, reasoning_active, reasoning_parser
 from vllm_pd_ext.render_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -111,6 +117,22 @@ def _check_tool_parser(settings: RenderSettings, tok: Any) -> None:
             ) from None
 
 
+def _check_reasoning_parser(settings: RenderSettings, tok: Any) -> None:
+    """Build the built-in reasoning parser once at startup as vLLM's startup check builds it
+    (no chat template kwargs), so a tokenizer it cannot work with stops the server with
+    vLLM's message instead of failing every chat request."""
+    name = settings.reasoning_parser
+    if name is None or settings.uses_vllm_parsers or not reasoning_active(name, {}):
+        return
+    try:
+        reasoning_parser(tok, name)
+    except RenderError as exc:
+        raise ValueError(
+            f"--reasoning-parser {name} cannot be used with the tokenizer of "
+            f"{settings.model!r}: {exc.message}"
+        ) from None
+
+
 class _State:
     def __init__(self, settings: RenderSettings) -> None:
         tok = load_tokenizer(
@@ -118,6 +140,7 @@ class _State:
         )
         tok.warm_up()
         _check_tool_parser(settings, tok)
+        _check_reasoning_parser(settings, tok)
         self.settings = settings
         self.renderer = Renderer(settings, tok)
         self.derenderer = Derenderer(
@@ -139,17 +162,19 @@ async def _read_json(request: Request, limit: int) -> Any:
     try:
         return _json_loads(bytes(body))
     except (ValueError, RecursionError) as exc:
-        raise RenderError(f"malformed JSON body: {exc}") from None
+        pos = getattr(exc, "pos", None)  # vLLM's param: the offset where decoding failed
+        param = f"body.{pos}" if isinstance(pos, int) else "body"
+        raise SchemaError(f"malformed JSON body: {exc}", param=param) from None
 
 
 def _validate(model: type[BaseModel], data: Any) -> Any:
     if not isinstance(data, dict):
-        raise RenderError("request body must be a JSON object")
+        raise SchemaError("request body must be a JSON object")
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         message, param = validation_message(exc.errors(include_url=False, include_input=False))
-        raise RenderError(message, param=param) from None
+        raise SchemaError(message, param=param) from None
 
 
 def create_app(settings: RenderSettings) -> FastAPI:

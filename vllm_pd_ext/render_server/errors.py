@@ -32,6 +32,20 @@ class RenderError(Exception):
         self.param = param
 
 
+#: The ``type`` vLLM gives a body that is not JSON or fails the request schema: its
+#: ``RequestValidationError`` handler answers with the HTTP reason phrase, "Bad Request"; its
+#: own checks on a valid body answer "BadRequestError".
+SCHEMA_ERROR_TYPE = HTTPStatus.BAD_REQUEST.phrase
+
+
+class SchemaError(RenderError):
+    """A body that is not JSON or does not fit the route's schema (400, typed as vLLM's
+    request-validation errors; ``param`` is the path from ``body``, as vLLM gives it)."""
+
+    def __init__(self, message: str, *, param: str | None = "body") -> None:
+        super().__init__(message, err_type=SCHEMA_ERROR_TYPE, param=param)
+
+
 class ModelNotFoundError(RenderError):
     """The request names a model this server does not serve (404, as vLLM answers)."""
 
@@ -58,14 +72,40 @@ def body_for(exc: RenderError) -> dict[str, Any]:
     return error_body(exc.message, err_type=exc.err_type, param=exc.param, code=exc.status)
 
 
-def validation_message(errors: Sequence[Mapping[str, Any]]) -> tuple[str, str | None]:
-    """A bounded, readable message and the first offending parameter for pydantic errors."""
+def _param_segment(part: Any) -> bool:
+    """Whether a pydantic ``loc`` part names a field or index a client would recognise (not
+    a union branch such as ``list[int]`` or a validator kind), as vLLM filters them."""
+    text = str(part)
+    return not any(c in text for c in "[]{}()") and text.lower() not in _INTERNAL_LOC_PARTS
+
+
+#: pydantic-core schema kinds that appear in ``loc`` for unions and wrapped validators.
+_INTERNAL_LOC_PARTS = frozenset(
+    {
+        *("function-wrap", "function-after", "function-before", "function-plain"),
+        *("json-or-python", "lax-or-strict", "chain", "default", "nullable", "tagged-union"),
+        *("union", "call", "arguments", "is-instance", "is-subclass", "callable"),
+        *("str", "int", "float", "bool", "bytes", "bytearray", "list", "tuple", "dict"),
+        *("set", "frozenset", "complex", "none", "nonetype"),
+    }
+)
+
+
+def validation_message(
+    errors: Sequence[Mapping[str, Any]], prefix: str = "body"
+) -> tuple[str, str | None]:
+    """A bounded, readable message and the first offending parameter for pydantic errors.
+
+    The parameter is the path from ``prefix`` (``body.messages``, ``body.prompt``), union
+    branches and validator kinds left out, as vLLM's request-validation handler spells it.
+    """
     lines = []
     param = None
     for err in errors[:10]:
         loc = ".".join(str(p) for p in err.get("loc", ()) if p not in ("body",))
-        if param is None and loc:
-            param = loc
+        if param is None:
+            parts = [str(p) for p in err.get("loc", ()) if p != "body" and _param_segment(p)]
+            param = ".".join([prefix, *parts])
         lines.append(f"{loc or 'body'}: {err.get('msg', 'invalid value')}")
     more = len(errors) - 10
     if more > 0:

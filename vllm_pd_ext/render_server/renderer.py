@@ -16,6 +16,11 @@ import uuid
 from typing import Any
 
 from vllm_pd_ext.render_server.errors import RenderError
+from vllm_pd_ext.render_server.parsers import (
+    reasoning_active,
+    reasoning_keeps_special_tokens,
+    reasoning_parser,
+)
 from vllm_pd_ext.render_server.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_pd_ext.render_server.sampling import (
     check_response_format,
@@ -314,6 +319,8 @@ class Renderer:
         elif (self.tools_enabled or forced) and request.tools and request.tool_choice != "none":
             # hermes' adjust_request: keep <tool_call> markers in the detokenized text
             request = request.model_copy(update={"skip_special_tokens": False})
+        elif reasoning_keeps_special_tokens(self.settings.reasoning_parser):
+            request = request.model_copy(update={"skip_special_tokens": False})
         text = self.render_chat_text(request)
         if request.truncate_prompt_tokens is None:
             self._check_text_len(text)
@@ -382,12 +389,10 @@ class Renderer:
 
             kwargs = self.chat_template_kwargs(request)
             return reasoning_ended(self.settings, self.tok, request, ids, kwargs)
-        from vllm_pd_ext.render_server.parsers import reasoning_active
-        from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
-
-        if not reasoning_active(self.settings.reasoning_parser, self.chat_template_kwargs(request)):
+        name = self.settings.reasoning_parser
+        if not reasoning_active(name, self.chat_template_kwargs(request)):
             return True  # vLLM's identity parser: reasoning never open
-        return ThinkReasoningParser(self.tok).prompt_ended_reasoning(ids)
+        return reasoning_parser(self.tok, name).prompt_ended_reasoning(ids)
 
     def _reasoning_parser_kwargs(self, request: ChatCompletionRequest) -> dict[str, Any] | None:
         if self.settings.reasoning_parser is None:

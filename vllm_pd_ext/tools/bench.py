@@ -75,6 +75,15 @@ def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
     }
 
 
+def slo_attained(samples: list[Sample], slo_ttft_ms: float, slo_itl_ms: float) -> int:
+    """Answered requests whose TTFT and mean inter-token latency are both within the SLO."""
+    return sum(
+        1
+        for s in samples
+        if s.ok and s.ttft_s * 1e3 <= slo_ttft_ms and s.mean_itl_s * 1e3 <= slo_itl_ms
+    )
+
+
 def build_requests(workload: Workload, rate: float) -> list[tuple[float, list[int]]]:
     """(arrival offset in seconds, prompt token ids) for one rate, seeded and reproducible."""
     rng = random.Random(f"{workload.seed}-{rate}")
@@ -173,9 +182,7 @@ async def run_rate(
         samples = await asyncio.gather(*(fire(at, p) for at, p in plan))
         duration = time.perf_counter() - start
     good = [s for s in samples if s.ok]
-    attained = sum(
-        1 for s in good if s.ttft_s * 1e3 <= slo_ttft_ms and s.mean_itl_s * 1e3 <= slo_itl_ms
-    )
+    attained = slo_attained(samples, slo_ttft_ms, slo_itl_ms)
     return RateResult(
         deployment=deployment,
         rate=rate,

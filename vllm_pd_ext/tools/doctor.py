@@ -32,6 +32,8 @@ XFER_METRICS = (
 )
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 
+#: How long a round waits for the decode side to publish its transfer stats.
+STATS_WAIT_S = 10.0
 #: The guide's rule of thumb: a mean transfer of this many seconds needs fixing first.
 SLOW_TRANSFER_S = 0.3
 
@@ -120,6 +122,25 @@ def _stream_first_token(client: httpx.Client, url: str, body: dict) -> float:
     raise RuntimeError(f"{url} streamed no tokens")
 
 
+def _await_transfer_stats(client: httpx.Client, decode: str, before, timeout: float = STATS_WAIT_S):
+    """The decode side's metrics once this round's load shows in them.
+
+    vLLM publishes connector stats with a later engine step's output, so the scrape right
+    after the first token can miss them. Polls until the external-token counter moved and a
+    transfer histogram counted the load (or the engine exports none); after ``timeout`` it
+    returns the last scrape, in which a missing transfer then reads as "not reported".
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        after = _metrics(client, decode)
+        loaded = after.total(EXTERNAL[0], **EXTERNAL[1]) > before.total(EXTERNAL[0], **EXTERNAL[1])
+        counts = [f"{t}_count" for t, _ in XFER_METRICS if f"{t}_count" in after.names()]
+        counted = not counts or any(after.total(c) > before.total(c) for c in counts)
+        if (loaded and counted) or time.monotonic() >= deadline:
+            return after
+        time.sleep(0.1)
+
+
 def measure_round(
     client: httpx.Client, prefill: str, decode: str, model: str, tokens: int, index: int
 ) -> Round:
@@ -137,8 +158,7 @@ def measure_round(
     if not params:
         raise RuntimeError(f"{prefill} returned no kv_transfer_params: is a P/D connector set?")
     first = _stream_first_token(client, decode, {**body, "kv_transfer_params": params})
-    time.sleep(0.5)  # let the engine publish this step's connector stats
-    after = _metrics(client, decode)
+    after = _await_transfer_stats(client, decode, before)
 
     def delta(name: str, **labels: str) -> float:
         return after.total(name, **labels) - before.total(name, **labels)

@@ -224,7 +224,7 @@ def run_demo(
         decode.wait_healthy()
         _progress(f"both healthy after {time.monotonic() - start:.0f}s; warming up")
         # The first requests pay one-off costs (NIXL handshake, memory registration, kernel
-        # warm-up; seen here: 0.3-1.5 s): warm up at the same length so the figures shown are
+        # warm-up; 0.3-1.5 s on CPU): warm up at the same length so the figures shown are
         # the steady state.
         for _ in range(WARMUP_ROUNDS):
             run_pd_round_trip(prefill, decode, model_dir, prompt_tokens, 2)

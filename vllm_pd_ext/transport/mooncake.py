@@ -13,11 +13,10 @@ design around:
   (:mod:`~vllm_pd_ext.transport.batching`), which also merges transfers queued meanwhile
   (28 per-layer writes of a short prompt become one engine call);
 * after coalescing, spans longer than ``max_entry_bytes`` (1 MiB) are cut into 1 MiB entries:
-  on an idle 2-core host 1 MiB entries moved as fast as one huge entry (2.35 vs 2.2-2.4 GB/s);
-  on a busy one, coalesced 7 MiB runs moved 1.3-1.8x faster cut into 1 MiB entries in 3 of 3
-  interleaved A/B runs;
+  over loopback TCP, 1 MiB entries move as fast as one huge entry when the host is idle and
+  1.3-1.8x faster than coalesced 7 MiB runs when it is busy (interleaved A/B runs);
 * small entries are expensive over TCP: 16 KiB entries ran at about a tenth of the rate of
-  1 MiB ones here. Layouts with larger contiguous pieces (vLLM's cross-layer KV cache: one
+  1 MiB ones. Layouts with larger contiguous pieces (vLLM's cross-layer KV cache: one
   896 KiB span per Qwen2.5-7B block) avoid that; RDMA does not have this cost;
 * ``transfer_check_status`` looks at the first entry of a batch only, so completion is taken
   from the synchronous batch calls, run on that worker thread; ``wait`` uses a future;

@@ -1,6 +1,6 @@
 """AMD MoRI-IO backend (``mori.io.IOEngine``): RDMA, XGMI or TCP, for ROCm hosts.
 
-UNTESTED ON REAL HARDWARE HERE: ``amd-mori`` needs ROCm libraries and ships a Python 3.10
+NOT YET RUN ON ROCm HARDWARE: ``amd-mori`` needs ROCm libraries and ships a Python 3.10
 wheel only. This module is written against MoRI-IO's documented Python API (ROCm/mori
 ``docs/MORI-IO-GUIDE.md``, ``python/mori/io/engine.py``) and tested through a fake engine that
 enforces that API's contract (``tests/unit/transport/fake_mori.py``). The module is

@@ -1,10 +1,10 @@
 """Our own KV data path over plain TCP sockets (stdlib + numpy): the ``tcp`` backend.
 
 Why: Mooncake's TCP transport pays a lot per entry, so vLLM's usual per-layer layout with
-scattered 16 KiB blocks moved at ~10% of this machine's loopback-TCP floor. Here the kernel
+scattered 16 KiB blocks moves at about a tenth of a plain loopback-TCP copy. Here the kernel
 does the gathering and scattering: spans go out with ``sendmsg`` calls of up to ``iov_max``
 memoryviews of the registered region (about ``batch_bytes`` each: 512 KiB moved 16 KiB spans
-~1.2x faster than 2 MiB and ~1.3x faster than 8 MiB in interleaved A/B runs here) and land
+~1.2x faster than 2 MiB and ~1.3x faster than 8 MiB in interleaved A/B runs on loopback) and land
 with ``recvmsg_into`` straight into the receiver's region, so every byte is copied exactly
 as often as by a plain socket copy (user -> kernel -> user) and Python pays well under a
 microsecond per span.

@@ -85,18 +85,20 @@ def worker(role: str, port: int, heads: int = HEADS) -> TransferWorker:
 
 
 def prefill_process(port: int, blocks: tuple, conn) -> None:
-    """Child: a prefill worker holding ``blocks`` until the decode side says done."""
+    """Child: a prefill worker holding ``blocks`` until the decode side says done; sends
+    True once it freed them (False if not within 60 s), then waits for "stop"."""
     p = worker("kv_producer", port)
     p.register_kv_caches(hybrid_caches(seed=7))
     p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", blocks)]))
     conn.send("ready")
     deadline = time.monotonic() + 60
     freed = False
-    while time.monotonic() < deadline and not conn.poll(0.01):
+    while not freed and time.monotonic() < deadline:
         sending, _ = p.get_finished({"p-req"})
-        freed = freed or bool(sending)
-    conn.recv()
+        freed = bool(sending)
+        time.sleep(0.01)
     conn.send(freed)
+    conn.poll(60)
     p.shutdown()
 
 
@@ -130,9 +132,8 @@ def test_state_pages_and_attention_blocks_cross_processes(prompt_tokens):
             time.sleep(0.01)
         assert done == {"d-req"} and d.get_block_ids_with_load_errors() == set()
         assert d.take_failed_loads() == set()
-        time.sleep(0.5)
+        assert parent.poll(60) and parent.recv() is True  # P freed its blocks on "done"
         parent.send("stop")
-        assert parent.poll(20) and parent.recv() is True  # P freed its blocks on "done"
         d.shutdown()
     finally:
         proc.join(timeout=20)

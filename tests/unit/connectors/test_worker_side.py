@@ -24,7 +24,8 @@ from vllm_pd_ext.connectors.common.metadata import (
     RemoteRef,
     SendSpec,
 )
-from vllm_pd_ext.connectors.common.worker import TransferWorker
+from vllm_pd_ext.connectors.common.side_channel import SideChannelError, post_json
+from vllm_pd_ext.connectors.common.worker import HANDSHAKE_VERSION, TransferWorker
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = requires_mooncake
@@ -55,7 +56,9 @@ def caches(fill: bool, heads: int = HEADS, shape: str = "cpu") -> dict[str, torc
     return out
 
 
-def worker(role: str, port: int, clock=None, backend: str = "mooncake", **cfg) -> TransferWorker:
+def worker(
+    role: str, port: int, clock=None, backend: str = "mooncake", tp_size: int = 1, **cfg
+) -> TransferWorker:
     settings = {
         "backend": backend,
         "backend_settings": {"host": "127.0.0.1"},
@@ -70,7 +73,7 @@ def worker(role: str, port: int, clock=None, backend: str = "mooncake", **cfg) -
         engine_id=f"engine-{role}-{port}",
         role=role,
         tp_rank=0,
-        tp_size=1,
+        tp_size=tp_size,
         side_host="127.0.0.1",
         side_port=port,
         kv_ip="127.0.0.1",
@@ -255,6 +258,41 @@ def test_layout_mismatch_fails_closed(pair):
     assert d.get_block_ids_with_load_errors() == {5}
     assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
     assert d.stats.take().data["failures"] == 1
+
+
+@pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_peer_with_another_tp_size_is_refused_at_handshake(pair, mode, caplog):
+    """Same layout, tensor parallel size 2 on the prefill side and 1 on the decode side: the
+    decode side refuses the prefill's handshake before it reads or offers its blocks (the load
+    fails, nothing is copied), and the prefill side refuses an offer that says TP 1."""
+    p, _, d, dc, port = pair
+    caplog.set_level("WARNING", logger="vllm_pd_ext.connectors.common.worker")
+    if mode == "read":
+        p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1,),))]))
+        ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
+        recv(d, RecvSpec("d-req", "read", ref, (((5, 1),),), ((5,),)))
+    else:
+        write_offer(d, port, "t-tp", ((5, 0),))
+    assert poll(lambda: d.get_finished(set())[1], "the refused load") == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == {5}
+    assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
+    assert "tensor parallel size 1 here, 2 remote" in caplog.text, caplog.text
+    if mode == "write":  # the offer the decode side would have sent, sent anyway
+        offer = {
+            "transfer_id": "t-tp",
+            "engine_id": d.engine_id,
+            "transport": d.transport.descriptor().to_dict(),
+            "layout": d.layout.to_dict(),
+            "pairs": [[[5, 0]]],
+            "v": HANDSHAKE_VERSION,
+            "tp_size": 1,
+        }
+        with pytest.raises(SideChannelError, match="400"):
+            post_json("127.0.0.1", port, "/write_target", offer, 5.0)
+        offer["tp_size"] = 2  # the same offer with the prefill's TP size is taken
+        post_json("127.0.0.1", port, "/write_target", offer, 5.0)
+        assert "t-tp" in p._targets
 
 
 def test_unreachable_prefill_is_a_load_error(pair):

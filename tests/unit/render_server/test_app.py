@@ -128,6 +128,26 @@ def test_malformed_and_oversized_bodies_are_400(client):
     assert arr.status_code == 400
 
 
+def test_schema_errors_are_typed_as_vllms_request_validation_errors(client):
+    """vLLM answers a body that is not JSON or fails the schema from its request-validation
+    handler ("Bad Request", param from "body"), and its own checks with "BadRequestError"."""
+    chat, completion = "/v1/chat/completions/render", "/v1/completions/render"
+    as_json = {"content-type": "application/json"}
+    cases: list[tuple[str, dict[str, Any], tuple[str, str]]] = [
+        (chat, {"json": {"messages": "nope"}}, ("Bad Request", "body.messages")),
+        (completion, {"json": {"prompt": {"a": 1}}}, ("Bad Request", "body.prompt")),
+        (chat, {"json": [1, 2]}, ("Bad Request", "body")),
+        (chat, {"content": b"{not json", "headers": as_json}, ("Bad Request", "body.1")),
+        (chat, {"json": {"messages": [{"role": "user", "content": "x"}], "temperature": 5}},
+         ("BadRequestError", "temperature")),
+    ]  # fmt: skip
+    for path, kwargs, expected in cases:
+        resp = client.post(path, **kwargs)
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert (err["type"], err["param"]) == expected, err
+
+
 def test_unknown_model_is_404(client):
     resp = client.post(
         "/v1/chat/completions/render",
@@ -365,6 +385,85 @@ def test_a_tool_parser_that_does_not_fit_the_tokenizer_stops_the_server(tiny_qwe
     settings = RenderSettings(model=str(tiny_qwen), tool_call_parser="mistral")
     with (
         pytest.raises(ValueError, match=r"--tool-call-parser mistral does not fit"),
+        TestClient(create_app(settings)),
+    ):
+        pass
+
+
+def _stream_split(c, ids: list[int], size: int, chat_request: dict, prompt: list[int]) -> tuple:
+    """``(reasoning, content)`` of ``ids`` derendered as a stream of ``size``-token chunks."""
+    state, reasoning, content = None, "", ""
+    for pos in range(0, len(ids), size):
+        last = pos + size >= len(ids)
+        resp = c.post(
+            "/v1/chat/completions/derender",
+            json={
+                "stream": True,
+                "generate_chunk": {
+                    "choices": [
+                        {
+                            "token_ids": ids[pos : pos + size],
+                            "finish_reason": "stop" if last else None,
+                        }
+                    ]
+                },
+                "stream_state": state,
+                "chat_request": chat_request,
+                "prompt_token_ids": prompt,
+            },
+        )
+        assert resp.status_code == 200, resp.text
+        state = resp.json()["stream_state"]
+        delta = resp.json()["chunk"]["choices"][0]["delta"]
+        reasoning += delta.get("reasoning") or ""
+        content += delta.get("content") or ""
+    return reasoning, content
+
+
+def test_qwen3_reasoning_parser_serves_a_tokenizer_without_think_tokens(tiny_qwen):
+    """vLLM's ``qwen3`` parser finds ``<think>`` / ``</think>`` in the text when the tokenizer
+    has no such tokens: render answers 200 and derender splits at the markers, batch and
+    streamed (markers cut across chunks), and ``enable_thinking: false`` turns reasoning off."""
+    settings = RenderSettings(model=str(tiny_qwen), reasoning_parser="qwen3")
+    with TestClient(create_app(settings)) as c:
+        text = "<think>Let me think about 東京.</think>The answer is 42."
+        ids = _ids(c, text)
+        assert len(_ids(c, "</think>")) > 1  # the marker is plain text to this tokenizer
+        for thinking, expected in (
+            (None, ("Let me think about 東京.", "The answer is 42.")),
+            (True, ("Let me think about 東京.", "The answer is 42.")),
+            (False, (None, text)),
+        ):
+            chat_request: dict = {"messages": [{"role": "user", "content": "q"}]}
+            if thinking is not None:
+                chat_request["chat_template_kwargs"] = {"enable_thinking": thinking}
+            resp = c.post("/v1/chat/completions/render", json=chat_request)
+            assert resp.status_code == 200, resp.text
+            rendered = resp.json()
+            assert rendered["reasoning_ended"] is (thinking is False)
+            # vLLM's qwen3 adjust_request keeps special tokens in the detokenized text
+            assert rendered["sampling_params"]["skip_special_tokens"] is False
+            prompt = rendered["token_ids"]
+            body = {
+                "generate_response": {"choices": [{"token_ids": ids}]},
+                "chat_request": chat_request,
+                "prompt_token_ids": prompt,
+            }
+            resp = c.post("/v1/chat/completions/derender", json=body)
+            assert resp.status_code == 200, resp.text
+            msg = resp.json()["choices"][0]["message"]
+            assert (msg["reasoning"], msg["content"]) == expected, thinking
+            for size in (1, 2, 3, 64):
+                streamed = _stream_split(c, ids, size, chat_request, prompt)
+                assert streamed == tuple(x or "" for x in expected), (thinking, size)
+
+
+def test_a_reasoning_parser_that_needs_tokens_the_tokenizer_lacks_stops_the_server(tiny_qwen):
+    """deepseek_r1 needs ``<think>`` / ``</think>`` as tokens (vLLM refuses it at startup on such
+    a tokenizer): the server refuses to start with vLLM's wording, not a 500 per request."""
+    settings = RenderSettings(model=str(tiny_qwen), reasoning_parser="deepseek_r1")
+    with (
+        pytest.raises(ValueError, match=r"--reasoning-parser deepseek_r1 cannot be used with"),
         TestClient(create_app(settings)),
     ):
         pass

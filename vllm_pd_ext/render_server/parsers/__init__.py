@@ -19,18 +19,42 @@ from vllm_pd_ext.render_server.parsers.mistral import mistral_tool_parser
 from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
 from vllm_pd_ext.render_server.tool_choice import forced_mode, forced_name, is_forced
 
-__all__ = ["REASONING_PARSERS", "TOOL_PARSERS", "ChatParser", "make_parser", "reasoning_active"]
+__all__ = [
+    "REASONING_PARSERS",
+    "TOOL_PARSERS",
+    "ChatParser",
+    "make_parser",
+    "reasoning_active",
+    "reasoning_keeps_special_tokens",
+    "reasoning_parser",
+]
 
 #: Built-in reasoning parsers by vLLM's names (all parse ``<think>``; see ``reasoning_active``).
 REASONING_PARSERS = ("deepseek_r1", "qwen3", "deepseek_v3")
 
 
 def reasoning_active(reasoning: str, template_kwargs: dict[str, Any]) -> bool:
-    """Whether ``<think>`` parsing applies: always for deepseek_r1 / qwen3; for deepseek_v3
-    (DeepSeek-V3.x hybrid thinking) only when the template was asked to think."""
+    """Whether ``<think>`` parsing applies: always for deepseek_r1; for qwen3 unless the
+    template was told ``enable_thinking: false`` (vLLM's qwen3 then parses no reasoning); for
+    deepseek_v3 (DeepSeek-V3.x hybrid thinking) only when the template was asked to think."""
     if reasoning == "deepseek_v3":
         return bool(template_kwargs.get("thinking")) or bool(template_kwargs.get("enable_thinking"))
-    return reasoning in ("deepseek_r1", "qwen3")
+    if reasoning == "qwen3":
+        return template_kwargs.get("enable_thinking", True) is not False
+    return reasoning == "deepseek_r1"
+
+
+def reasoning_keeps_special_tokens(reasoning: str | None) -> bool:
+    """Whether the reasoning parser's ``adjust_request`` sets ``skip_special_tokens: false``
+    on every chat request (vLLM's qwen3, an engine parser, does; the others leave it)."""
+    return reasoning == "qwen3"
+
+
+def reasoning_parser(tok: Any, reasoning: str) -> ThinkReasoningParser:
+    """The ``<think>`` parser for the reasoning parser named ``reasoning``. vLLM's qwen3 finds
+    the markers in the text when the tokenizer has no such tokens; the others need the tokens
+    (:class:`RenderError` without them, as vLLM's parsers raise)."""
+    return ThinkReasoningParser(tok, text_markers=reasoning == "qwen3")
 
 
 #: Built-in tool-call parsers by vLLM's names: factories taking the tokenizer.
@@ -70,16 +94,16 @@ def make_parser(
     ``template_kwargs`` are the chat template kwargs the prompt was rendered with; the
     ``deepseek_v3`` reasoning parser reads ``thinking`` / ``enable_thinking`` from them.
     """
-    reasoning_parser = None
+    think_parser = None
     if reasoning is not None and reasoning_active(reasoning, template_kwargs or {}):
-        reasoning_parser = ThinkReasoningParser(tok)
+        think_parser = reasoning_parser(tok, reasoning)
     tool_choice = getattr(request, "tool_choice", None)
     forced = bool(request.tools) and is_forced(tool_choice) and tools in TOOL_PARSERS
     if forced and forced_mode(tools) == "json":
         # the output is JSON constrained by the tools' schema (vLLM's standard parsing)
         name = forced_name(tool_choice)
         json_parser = NamedToolParser(name) if name is not None else RequiredToolParser()
-        return ChatParser(reasoning_parser, json_parser, forced=True)
+        return ChatParser(think_parser, json_parser, forced=True)
     tool_parser = None
     discard_calls: str | None = None
     if tools in TOOL_PARSERS and enable_auto_tools:
@@ -93,7 +117,7 @@ def make_parser(
             else:
                 tool_parser = None
     return ChatParser(
-        reasoning_parser,
+        think_parser,
         tool_parser,
         discard_calls=discard_calls,
         forced=forced and tool_parser is not None,

@@ -75,9 +75,17 @@ class ChatParser:
         reasoning = None
         content: str | None = text
         if self.reasoning is not None and not state.get("reasoning_ended", True):
-            reasoning, content, ended, seen = self.reasoning.split_delta(
-                text, token_ids, bool(state.get("seen_start"))
-            )
+            seen_start = bool(state.get("seen_start"))
+            if self.reasoning.by_text:
+                pending = str(state.get("pending") or "")
+                reasoning, content, ended, seen, pending = self.reasoning.split_text_delta(
+                    text, pending, seen_start, finished=finished
+                )
+                state["pending"] = pending
+            else:
+                reasoning, content, ended, seen = self.reasoning.split_delta(
+                    text, token_ids, seen_start
+                )
             state["reasoning_ended"] = ended
             state["seen_start"] = seen
         delta: dict[str, Any] = {}

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from vllm_pd_ext.render_server.errors import RenderError, validation_message
+from vllm_pd_ext.render_server.errors import RenderError, SchemaError, validation_message
 
 if TYPE_CHECKING:
     from vllm_pd_ext.render_server.protocol import ChatCompletionRequest
@@ -59,8 +59,9 @@ def _vllm_request(request: ChatCompletionRequest) -> Any:
     try:
         return VllmChatCompletionRequest.model_validate(request.model_dump(exclude_unset=True))
     except ValidationError as exc:
-        message, param = validation_message(exc.errors(include_url=False, include_input=False))
-        raise RenderError(f"chat_request: {message}", param=param) from None
+        errors = exc.errors(include_url=False, include_input=False)
+        message, param = validation_message(errors, prefix="body.chat_request")
+        raise SchemaError(f"chat_request: {message}", param=param) from None
 
 
 def adjusted_constraint(
