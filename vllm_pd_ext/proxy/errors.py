@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from http import HTTPStatus
 
 from fastapi.responses import JSONResponse
 
@@ -50,6 +51,18 @@ class ProxyError(Exception):
         if 400 <= self.status < 500:
             return "client_error"
         return self.code if isinstance(self.code, str) else "error"
+
+
+#: The ``type`` vLLM gives a body that is not JSON or does not fit the request's schema (its
+#: request-validation handler answers with the HTTP reason phrase); its own checks on a valid
+#: body answer ``BadRequestError``.
+SCHEMA_ERROR_TYPE = HTTPStatus.BAD_REQUEST.phrase
+
+
+def schema_error(message: str, param: str) -> ProxyError:
+    """A 400 for a body that is not JSON or does not fit the schema, typed as vLLM types it;
+    ``param``: the path from ``body`` (``body.max_tokens``), as vLLM spells it."""
+    return ProxyError(400, message, param=param, err_type=SCHEMA_ERROR_TYPE)
 
 
 def error_body(

@@ -17,7 +17,7 @@ from fastapi import Request
 from starlette.requests import ClientDisconnect
 
 from vllm_pd_ext.proxy.config import ProxyConfig
-from vllm_pd_ext.proxy.errors import ProxyError
+from vllm_pd_ext.proxy.errors import ProxyError, schema_error
 from vllm_pd_ext.proxy.front_protocol import FastCycle
 
 if TYPE_CHECKING:
@@ -119,9 +119,9 @@ def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = json.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ProxyError(400, f"request body is not valid JSON: {exc}") from None
+        raise schema_error(f"request body is not valid JSON: {exc}", "body") from None
     if not isinstance(body, dict):
-        raise ProxyError(400, "request body must be a JSON object")
+        raise schema_error("request body must be a JSON object", "body")
     return body
 
 
@@ -143,7 +143,7 @@ def _check_types(body: dict[str, Any]) -> None:
         if value is None:
             continue
         if type(value) is not kind:
-            raise ProxyError(400, f"'{key}' must be {what}", param=key)
+            raise schema_error(f"'{key}' must be {what}", f"body.{key}")
         if non_negative and value < 0:  # type: ignore[operator]  # an int, checked above
             raise ProxyError(400, f"'{key}' must be non-negative", param=key)
 
@@ -152,7 +152,7 @@ def _text_of_messages(messages: list) -> str:
     parts: list[str] = []
     for message in messages:
         if not isinstance(message, dict):
-            raise ProxyError(400, "each message must be an object", param="messages")
+            raise schema_error("each message must be an object", "body.messages")
         content = message.get("content")
         if isinstance(content, str):
             parts.append(content)
@@ -191,7 +191,7 @@ def parse_request(
     if route == "chat":
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
-            raise ProxyError(400, "'messages' must be a non-empty list", param="messages")
+            raise schema_error("'messages' must be a non-empty list", "body.messages")
         text = _text_of_messages(messages)
         est = int(len(text) / cpt) + 4 * len(messages)
     else:
@@ -208,10 +208,9 @@ def parse_request(
             # A batch of prompts: the engine answers it as one request; never split.
             text, est, splittable = json.dumps(prompt[:1])[:4096], 0, False
         else:
-            raise ProxyError(
-                400,
+            raise schema_error(
                 "'prompt' must be a string, a list of token ids or a non-empty list of prompts",
-                param="prompt",
+                "body.prompt",
             )
     given = _header(request, b"x-request-id")
     request_id = given.decode("latin-1") if given else f"pdx-{_ID_PREFIX}{next(_ID_COUNTER):016x}"

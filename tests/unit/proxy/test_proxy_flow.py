@@ -119,19 +119,30 @@ def test_client_kv_transfer_params_dropped_or_rejected(engines):
         assert resp.json()["error"]["param"] == "kv_transfer_params"
 
 
+#: vLLM's request-validation type for a body that is not JSON or misses the schema, and the
+#: type of its own checks on a valid body.
+SCHEMA, OWN = "Bad Request", "BadRequestError"
+
+
 @pytest.mark.parametrize(
-    ("content", "status", "fragment"),
+    ("content", "status", "fragment", "type_", "param"),
     [
-        (b"{not json", 400, "not valid JSON"),
-        (b"[1, 2]", 400, "JSON object"),
-        (json.dumps({"prompt": "x", "max_tokens": "ten"}).encode(), 400, "'max_tokens'"),
-        (json.dumps({"prompt": "x", "stream": "yes"}).encode(), 400, "'stream'"),
-        (json.dumps({"prompt": "x", "max_tokens": -1}).encode(), 400, "non-negative"),
-        (json.dumps({"prompt": None}).encode(), 400, "'prompt'"),
-        (json.dumps({"prompt": "x" * 5000}).encode(), 413, "exceeds"),
+        (b"{not json", 400, "not valid JSON", SCHEMA, "body"),
+        (b"[1, 2]", 400, "JSON object", SCHEMA, "body"),
+        (b'{"prompt": "x", "max_tokens": "ten"}', 400, "'max_tokens'", SCHEMA, "body.max_tokens"),
+        (b'{"prompt": "x", "stream": "yes"}', 400, "'stream'", SCHEMA, "body.stream"),
+        (
+            b'{"prompt": "x", "max_tokens": -1}',
+            400,
+            "non-negative",
+            "BadRequestError",
+            "max_tokens",
+        ),
+        (b'{"prompt": null}', 400, "'prompt'", SCHEMA, "body.prompt"),
+        (json.dumps({"prompt": "x" * 5000}).encode(), 413, "exceeds", OWN, None),
     ],
 )
-def test_bad_bodies_get_openai_errors(engines, content, status, fragment):
+def test_bad_bodies_get_openai_errors(engines, content, status, fragment, type_, param):
     with proxy(engines, max_body_bytes=4096) as (base, _):
         resp = httpx.post(
             f"{base}/v1/completions",
@@ -141,7 +152,8 @@ def test_bad_bodies_get_openai_errors(engines, content, status, fragment):
         )
     assert resp.status_code == status
     err = resp.json()["error"]
-    assert fragment in err["message"] and err["type"]
+    assert fragment in err["message"]
+    assert (err["type"], err["param"]) == (type_, param)
     assert not any(e.requests for e in engines.values())
 
 
@@ -165,7 +177,7 @@ def test_oversized_chunked_body_is_413_and_the_connection_serves_on(engines):
 def test_chat_without_messages_and_engine_4xx_pass_through(engines):
     with proxy(engines) as (base, _):
         resp = httpx.post(f"{base}/v1/chat/completions", json={"model": "m"}, timeout=60)
-        assert resp.status_code == 400 and resp.json()["error"]["param"] == "messages"
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "body.messages"
         resp = httpx.post(
             f"{base}/v1/completions", timeout=60, json={"model": "bad", "prompt": LONG}
         )
