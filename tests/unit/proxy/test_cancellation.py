@@ -1,5 +1,6 @@
 """Cancelling what a request waits for never swallows a cancellation of the request itself
-(a swallowed one would carry on serving a request nobody waits for)."""
+(a swallowed one would carry on serving a request nobody waits for); what a request leaves
+behind runs in bounded background work."""
 
 from __future__ import annotations
 
@@ -71,3 +72,33 @@ def test_a_raced_future_given_up_for_a_gone_client_leaves_the_callers_cancellati
         return "returned"
 
     assert asyncio.run(go()) == "cancelled"
+
+
+def test_background_work_past_its_limit_is_skipped_and_counted():
+    """Drains and aborts a request leaves behind are bounded: past the limit the work is
+    skipped (the engine's lease or the closed connection still frees what it holds) and
+    counted, never queued without end."""
+    from vllm_pd_ext.proxy.background import Background
+    from vllm_pd_ext.proxy.metrics import ProxyMetrics
+    from vllm_pd_ext.proxy.upstream import Timeouts
+
+    async def go():
+        metrics = ProxyMetrics()
+        background = Background(2, metrics, Timeouts(), Timeouts())
+        release = asyncio.Event()
+        ran: list[int] = []
+
+        async def work(i: int) -> None:
+            ran.append(i)
+            await release.wait()
+
+        for i in range(4):
+            background._spawn(work(i), f"work-{i}", "drain")
+        await asyncio.sleep(0)
+        running = len(background.tasks)
+        release.set()
+        await asyncio.gather(*background.tasks)
+        skipped = metrics.background_skipped.labels("drain").value
+        return running, sorted(ran), skipped, len(background.tasks)
+
+    assert asyncio.run(go()) == (2, [0, 1], 2, 0)
