@@ -1,1 +1,1 @@
-"""P/D-aware OpenAI-compatible proxy (issue #3)."""
+"""P/D-aware OpenAI-compatible proxy: see README.md in this folder for the reading path."""

@@ -31,7 +31,7 @@ from vllm_pd_ext.proxy.fleet import Fleet, Lease
 from vllm_pd_ext.proxy.relay import Opened, Relay, StreamRelay, patch_payload
 from vllm_pd_ext.proxy.routing import Route, Router
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier, prompt_request_id
-from vllm_pd_ext.proxy.upstream import UpstreamError, UpstreamResponse, json_object
+from vllm_pd_ext.proxy.upstream import UpstreamError, UpstreamResponse
 
 logger = logging.getLogger(__name__)
 
@@ -102,34 +102,17 @@ class Batch:
     async def _whole(self, call: Call, opened: list[Opened], render: RenderTier) -> JSONResponse:
         ctx = call.ctx
         assert ctx.tokens is not None
-        inst = opened[0].instance
-        try:
-            raws = await call.watch.race(
-                asyncio.gather(*(o.response.read() for o in opened)), "decode"
-            )
-        except UpstreamError as exc:
-            self.fleet.upstream_failed(inst, exc)
-            raise ProxyError(
-                502, f"decode instance failed: {exc.kind}", code="decode_failed"
-            ) from None
-        finally:
-            for o in opened:
-                o.response.close()
+        reading = asyncio.gather(*(self.relay.read(o) for o in opened), return_exceptions=True)
         answers: list[dict[str, Any]] = []
-        for raw in raws:
-            answer = json_object(raw)
-            if answer is None:
-                raise ProxyError(
-                    502,
-                    f"decode instance {inst.label} answered with no JSON object",
-                    code="decode_failed",
-                )
+        for answer in await call.watch.race(reading, "decode"):
+            if isinstance(answer, BaseException):
+                raise answer  # every leg read to its end or closed: the first failure
             answers.append(answer)
         data = await call.watch.race(
             render.derender(ctx.route, ctx.body, ctx.tokens, answers, ctx.request_id), "decode"
         )
         patch_payload(data, None)
-        call.finish("ok", f"ok via {inst.label} ({len(opened)} prompts)")
+        call.finish("ok", f"ok via {opened[0].instance.label} ({len(opened)} prompts)")
         return JSONResponse(data, headers={"X-Request-Id": ctx.request_id})
 
     async def _events(

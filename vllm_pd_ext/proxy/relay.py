@@ -80,9 +80,23 @@ class Relay:
     async def whole(self, call: Call, opened: Opened) -> JSONResponse:
         """Read the engine's answer and answer the client with it."""
         ctx = call.ctx
+        data = await call.watch.race(self.read(opened), "decode")
+        if ctx.tokens is not None:
+            render = self._render()
+            assert render is not None
+            data = await call.watch.race(
+                render.derender(ctx.route, ctx.body, ctx.tokens, [data], ctx.request_id), "decode"
+            )
+        patch_payload(data, call.cached)
+        call.finish("ok", f"ok via {opened.instance.label}")
+        return JSONResponse(data, headers={"X-Request-Id": ctx.request_id})
+
+    async def read(self, opened: Opened) -> dict[str, Any]:
+        """An opened leg's whole answer, the JSON object it must be (its response closed).
+        Raises ``ProxyError`` (502 ``decode_failed``)."""
         resp, inst = opened.response, opened.instance
         try:
-            raw = await call.watch.race(resp.read(), "decode")
+            raw = await resp.read()
         except UpstreamError as exc:
             self.fleet.upstream_failed(inst, exc)
             raise ProxyError(
@@ -97,15 +111,7 @@ class Relay:
                 f"decode instance {inst.label} answered with no JSON object",
                 code="decode_failed",
             )
-        if ctx.tokens is not None:
-            render = self._render()
-            assert render is not None
-            data = await call.watch.race(
-                render.derender(ctx.route, ctx.body, ctx.tokens, [data], ctx.request_id), "decode"
-            )
-        patch_payload(data, call.cached)
-        call.finish("ok", f"ok via {inst.label}")
-        return JSONResponse(data, headers={"X-Request-Id": ctx.request_id})
+        return data
 
     # -- a stream ----------------------------------------------------------------------
 
