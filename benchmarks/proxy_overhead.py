@@ -73,6 +73,8 @@ from typing import Any
 import aiohttp
 import httpx
 
+from vllm_pd_ext.util.vllm_process import free_port
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
@@ -84,14 +86,6 @@ PROMPT_WORDS = PROMPT.split(" ")
 
 
 # -- processes ------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _affinity(cpus: set[int] | None) -> None:

@@ -51,7 +51,11 @@ def _cmd_kv_size(args: argparse.Namespace) -> int:
 def _cmd_tiny_model(args: argparse.Namespace) -> int:
     from vllm_pd_ext.util.tiny_model import ensure_model
 
-    print(ensure_model(args.name, args.cache_dir))
+    try:
+        print(ensure_model(args.name, args.cache_dir))
+    except ValueError as exc:  # an unknown name: the message lists the known ones
+        print(f"vllm-pd tiny-model: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -222,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="build (or find cached) a tiny random-weight test model and print its path",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    tiny.add_argument("name", choices=["tiny-llama", "tiny-qwen"])
+    tiny.add_argument("name", help="a tiny model's name (an unknown one lists them all)")
     tiny.add_argument(
         "--cache-dir",
         type=Path,
@@ -272,14 +276,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decode", type=int, default=None, help="decode instances (default 1)")
     up.add_argument(
         "--connector",
-        choices=["nixl", "pdext"],
         default=None,
         help="KV connector: nixl (vLLM's NixlConnector) or pdext (our PdExtMoRIIOConnector "
         "over Mooncake, read mode) (default nixl)",
     )
     up.add_argument(
         "--mode",
-        choices=["text", "token"],
         default=None,
         help="text: the proxy forwards OpenAI requests; token: render servers turn them into "
         "token ids for engines on --enable-scale-out (default text)",
@@ -287,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--render", type=int, default=None, help="render servers in token mode (default 1)"
     )
-    up.add_argument("--device", choices=["cpu", "cuda"], default=None, help="(default cpu)")
+    up.add_argument("--device", default=None, help="cpu or cuda (default cpu)")
     up.add_argument(
         "--gpus", default=None, help="CUDA_VISIBLE_DEVICES per instance, ';'-separated (e.g. '0;1')"
     )

@@ -16,13 +16,8 @@ import time
 import httpx
 import pytest
 
-from vllm_pd_ext.tools.pd_demo import (
-    EXTERNAL,
-    PROMPT_TOKENS_BY_SOURCE,
-    completion_body,
-    make_prompt_ids,
-    stream_completion,
-)
+from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
@@ -129,7 +124,7 @@ def test_cpu_then_ssd_hits_and_greedy_output_unchanged(servers, client, tiny_qwe
     host0, disk0, ext0 = (
         cached(a, "host"),
         cached(a, "disk"),
-        a.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL),
+        a.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV),
     )
     computed = generate(client, a, ids)  # cold: every prompt token computed
     assert cached(a, "host") == host0
@@ -137,7 +132,7 @@ def test_cpu_then_ssd_hits_and_greedy_output_unchanged(servers, client, tiny_qwe
 
     assert generate(client, a, ids) == computed
     assert cached(a, "host") - host0 == HIT
-    assert a.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - ext0 == HIT
+    assert a.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - ext0 == HIT
 
     reset_cpu_tier(client, a)
     assert generate(client, a, ids) == computed

@@ -15,13 +15,12 @@ import pytest
 
 from tests.integration.fleet_helpers import wait_idle
 from vllm_pd_ext.tools.pd_demo import (
-    EXTERNAL,
-    PROMPT_TOKENS_BY_SOURCE,
     completion_body,
     make_prompt_ids,
     prefill_leg,
     stream_completion,
 )
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
@@ -97,17 +96,17 @@ def test_pd_output_equals_colocated_and_a_repeated_prefix_hits_the_cache(pair, t
     with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
         # colocated on the decode instance: every prompt token computed there
         colocated, _ = stream_completion(client, decode, completion_body(decode, ids, MAX_TOKENS))
-        ext0 = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        ext0 = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
         host0 = prefill.metric(CACHED_BY_SOURCE, source="host")
         assert split(client, prefill, decode, ids) == colocated
-        assert PROMPT - 1 <= decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - ext0 <= PROMPT
+        assert PROMPT - 1 <= decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - ext0 <= PROMPT
         assert prefill.metric(CACHED_BY_SOURCE, source="host") == host0  # first time: computed
 
-        ext1 = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        ext1 = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
         assert split(client, prefill, decode, ids) == colocated
         # the prefill side loaded the prompt from its CPU tier, the decode side from prefill
         assert prefill.metric(CACHED_BY_SOURCE, source="host") - host0 == HIT
-        assert PROMPT - 1 <= decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - ext1 <= PROMPT
+        assert PROMPT - 1 <= decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - ext1 <= PROMPT
     # both sides free every block: the MoRI-IO hand-off and the cache's background saves
     # (which hold a finished request's blocks until copied) both released them
     wait_idle(prefill)

@@ -18,13 +18,8 @@ import httpx
 import pytest
 
 from tests.integration.fleet_helpers import split_write, wait_idle
-from vllm_pd_ext.tools.pd_demo import (
-    EXTERNAL,
-    PROMPT_TOKENS_BY_SOURCE,
-    completion_body,
-    make_prompt_ids,
-    prefill_leg,
-)
+from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, prefill_leg
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
@@ -131,14 +126,14 @@ def test_split_equals_colocated_and_state_is_loaded(hybrid, prompt_tokens):
     prompt_ids = make_prompt_ids(model, prompt_tokens)
     with httpx.Client(timeout=httpx.Timeout(180.0, connect=5.0)) as client:
         colocated = completion(client, decode, prompt_ids)
-        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
         body = {**completion_body(prefill, prompt_ids, MAX_TOKENS), "stream": False}
         body.pop("stream_options", None)
         params, _ = prefill_leg(client, prefill, body)
         assert params["remote_num_tokens"] == prompt_tokens - 1
         split = completion(client, decode, prompt_ids, kv_transfer_params=params)
     assert_same_tokens(colocated, split, exact)
-    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before == prompt_tokens - 1
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before == prompt_tokens - 1
     wait_idle(prefill)
 
 
@@ -148,9 +143,9 @@ def test_write_mode(hybrid):
     prompt_ids = make_prompt_ids(model, 333)
     with httpx.Client(timeout=httpx.Timeout(180.0, connect=5.0)) as client:
         colocated = completion(client, decode, prompt_ids)
-        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
         split = split_write(client, prefill, decode, side, prompt_ids, MAX_TOKENS)
-    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before == 332
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before == 332
     if exact:
         assert split == colocated["token_ids"]
     else:

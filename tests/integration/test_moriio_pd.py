@@ -26,13 +26,12 @@ from tests.integration.fleet_helpers import (
     wait_idle,
 )
 from vllm_pd_ext.tools.pd_demo import (
-    EXTERNAL,
-    PROMPT_TOKENS_BY_SOURCE,
     completion_body,
     make_prompt_ids,
     prefill_leg,
     stream_completion,
 )
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
@@ -54,14 +53,14 @@ def test_split_output_equals_colocated(pair, tiny_qwen, mode, prompt_tokens):
     prompt_ids = make_prompt_ids(tiny_qwen, prompt_tokens)
     with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
         colocated, _ = stream_completion(client, prefill, completion_body(prefill, prompt_ids, 16))
-        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
         if mode == "read":
             split = split_read(client, prefill, decode, prompt_ids, 16)
         else:
             split = split_write(client, prefill, decode, side, prompt_ids, 16)
     assert len(split) == 16
     assert split == colocated
-    loaded = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before
+    loaded = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before
     assert prompt_tokens - 1 <= loaded <= prompt_tokens
     wait_idle(prefill)  # P's blocks were freed once D had them
     assert prefill.metric(HELD) == 0
@@ -111,13 +110,13 @@ def test_through_the_proxy(pair, tiny_qwen, tmp_path, protocol):
         "return_token_ids": True,
     }
     colocated = httpx.post(f"{prefill.base_url}/v1/completions", json=body, timeout=120).json()
-    before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+    before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
     with running_proxy(["--config", str(cfg)], tmp_path / "proxy.log") as url:
         resp = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     got = resp.json()["choices"][0]
     assert got["token_ids"] == colocated["choices"][0]["token_ids"]
-    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before >= 199
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before >= 199
     wait_idle(prefill)
 
 

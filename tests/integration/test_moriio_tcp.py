@@ -8,13 +8,8 @@ import httpx
 import pytest
 
 from tests.integration.fleet_helpers import pdext_pair, split_read, split_write, wait_idle
-from vllm_pd_ext.tools.pd_demo import (
-    EXTERNAL,
-    PROMPT_TOKENS_BY_SOURCE,
-    completion_body,
-    make_prompt_ids,
-    stream_completion,
-)
+from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 
 pytestmark = pytest.mark.integration
 
@@ -27,10 +22,10 @@ def test_over_our_tcp_backend(vllm_servers, tiny_qwen):
         with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
             body = completion_body(prefill, prompt_ids, 16)
             colocated, _ = stream_completion(client, prefill, body)
-            before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+            before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
             assert split_read(client, prefill, decode, prompt_ids, 16) == colocated
             assert split_write(client, prefill, decode, side, prompt_ids, 16) == colocated
-        assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before >= 2 * 299
+        assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before >= 2 * 299
         wait_idle(prefill)
     finally:
         prefill.stop()

@@ -6,12 +6,8 @@ import httpx
 import pytest
 
 from tests.integration.fleet_helpers import nixl_pair
-from vllm_pd_ext.tools.pd_demo import (
-    EXTERNAL,
-    PREFILL_PARAMS,
-    PROMPT_TOKENS_BY_SOURCE,
-    run_pd_round_trip,
-)
+from vllm_pd_ext.tools.pd_demo import PREFILL_PARAMS, run_pd_round_trip
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 
 pytestmark = pytest.mark.integration
 
@@ -57,7 +53,7 @@ def test_chat_completion_split_equals_colocated(pair):
     with httpx.Client(timeout=120) as client:
         colocated = client.post(f"{prefill.base_url}/v1/chat/completions", json=body(prefill))
         assert colocated.status_code == 200, colocated.text
-        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
         leg1 = client.post(
             f"{prefill.base_url}/v1/chat/completions",
             json=body(prefill, max_tokens=1, kv_transfer_params=PREFILL_PARAMS),
@@ -79,5 +75,5 @@ def test_chat_completion_split_equals_colocated(pair):
         == (colocated.json()["choices"][0]["message"]["content"])
     )
     prompt_tokens = colocated.json()["usage"]["prompt_tokens"]
-    received = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - before
+    received = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before
     assert received >= prompt_tokens - 1

@@ -13,8 +13,8 @@ import httpx
 import pytest
 
 from tests.integration.fleet_helpers import nixl_pair, run_doctor, running_proxy, wait_idle
-from vllm_pd_ext.tools.pd_demo import EXTERNAL, PROMPT_TOKENS_BY_SOURCE, make_prompt_ids
-from vllm_pd_ext.util.prom import parse_metrics
+from vllm_pd_ext.tools.pd_demo import make_prompt_ids
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE, parse_metrics
 
 pytestmark = pytest.mark.integration
 
@@ -79,7 +79,7 @@ def test_completions_split_equal_colocated(fleet, proxy_url, tiny_llama):
     prompt = make_prompt_ids(tiny_llama, 200)
     body = completion(decode.served_name, prompt)
     colocated = httpx.post(f"{decode.base_url}/v1/completions", json=body, timeout=120).json()
-    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
     resp = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     data = resp.json()
@@ -87,12 +87,12 @@ def test_completions_split_equal_colocated(fleet, proxy_url, tiny_llama):
     assert data["usage"]["prompt_tokens"] == 200
     assert data["usage"]["completion_tokens"] == 12
     assert "kv_transfer_params" not in data
-    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - external >= 199
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - external >= 199
 
-    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
     streamed = stream_token_ids(proxy_url, body)
     assert streamed == colocated["choices"][0]["token_ids"]
-    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - external >= 199
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - external >= 199
 
 
 def test_chat_split_equal_colocated_and_openai_client(fleet, proxy_url):
@@ -112,11 +112,11 @@ def test_chat_split_equal_colocated_and_openai_client(fleet, proxy_url):
     }
     colocated = httpx.post(f"{decode.base_url}/v1/chat/completions", json=body, timeout=120)
     expected = colocated.json()["choices"][0]["message"]["content"]
-    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
     resp = httpx.post(f"{proxy_url}/v1/chat/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["message"]["content"] == expected
-    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) > external
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) > external
 
     client = OpenAI(base_url=f"{proxy_url}/v1", api_key="unused", max_retries=0)
     stream = client.chat.completions.create(
@@ -141,7 +141,7 @@ def test_short_prompt_runs_colocated_on_decode(fleet, proxy_url):
     prefill, decode = fleet
     before = {
         "p": prefill.metric("vllm:prompt_tokens_total"),
-        "ext": decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL),
+        "ext": decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV),
         "local": decode.metric(PROMPT_TOKENS_BY_SOURCE, **LOCAL),
     }
     resp = httpx.post(
@@ -151,7 +151,7 @@ def test_short_prompt_runs_colocated_on_decode(fleet, proxy_url):
     )
     assert resp.status_code == 200
     assert prefill.metric("vllm:prompt_tokens_total") == before["p"]
-    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) == before["ext"]
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) == before["ext"]
     assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **LOCAL) - before["local"] == 20
     metrics = httpx.get(f"{proxy_url}/metrics").text
     assert 'vllm_pd_decisions_total{decision="colocated",reason="short_prompt"}' in metrics
@@ -177,12 +177,12 @@ def test_client_kv_transfer_params_cannot_redirect(fleet, proxy_url, tiny_llama)
         },
     )
     prefilled = prefill.metric("vllm:prompt_tokens_total")
-    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+    external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
     resp = httpx.post(f"{proxy_url}/v1/completions", json=body, timeout=120)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == colocated
     assert prefill.metric("vllm:prompt_tokens_total") - prefilled == 120
-    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - external >= 119
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - external >= 119
 
 
 def test_an_engine_validation_error_reaches_the_client_as_vllm_types_it(fleet, proxy_url):

@@ -22,7 +22,7 @@ import httpx
 
 from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
 from vllm_pd_ext.tools.kv_size import ConfigError, compute_kv_size, human_bytes, load_config
-from vllm_pd_ext.util.prom import parse_metrics
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE, parse_metrics
 
 #: Transfer histograms (seconds, bytes) the decode side exports: vLLM's NixlConnector, then
 #: our PdExtMoRIIOConnector / PdExtMambaStateConnector.
@@ -30,7 +30,6 @@ XFER_METRICS = (
     ("vllm:nixl_xfer_time_seconds", "vllm:nixl_bytes_transferred"),
     ("vllm:pdext_kv_transfer_seconds", "vllm:pdext_kv_transfer_bytes"),
 )
-EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
 
 #: How long a round waits for the decode side to publish its transfer stats.
 STATS_WAIT_S = 10.0
@@ -133,7 +132,9 @@ def _await_transfer_stats(client: httpx.Client, decode: str, before, timeout: fl
     deadline = time.monotonic() + timeout
     while True:
         after = _metrics(client, decode)
-        loaded = after.total(EXTERNAL[0], **EXTERNAL[1]) > before.total(EXTERNAL[0], **EXTERNAL[1])
+        loaded = after.total(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) > before.total(
+            PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV
+        )
         counts = [f"{t}_count" for t, _ in XFER_METRICS if f"{t}_count" in after.names()]
         counted = not counts or any(after.total(c) > before.total(c) for c in counts)
         if (loaded and counted) or time.monotonic() >= deadline:
@@ -172,7 +173,7 @@ def measure_round(
         colocated_ttft_ms=colocated * 1e3,
         prefill_leg_ms=prefill_s * 1e3,
         decode_first_token_ms=first * 1e3,
-        external_tokens=int(delta(EXTERNAL[0], **EXTERNAL[1])),
+        external_tokens=int(delta(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)),
         connector_xfer_ms=delta(f"{xfer_time}_sum") * 1e3 if xfer_count else None,
         connector_bytes=delta(f"{xfer_bytes}_sum") if xfer_count else None,
     )

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS as PREFILL_PARAMS
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.util.vllm_process import VllmServer, free_port, start_vllm_serve
 
@@ -29,8 +30,6 @@ NIXL_CPU = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_de
 WARMUP_ROUNDS = 3
 MEASURED_ROUNDS = 5
 
-EXTERNAL = {"source": "external_kv_transfer"}
-PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 
 SEED_TEXT = (
     "Disaggregated serving runs the prompt on one instance and the generation on another. "
@@ -144,7 +143,7 @@ def run_pd_round_trip(
         body = completion_body(prefill, prompt_ids, max_tokens)
         colocated_ids, colocated_ttft = stream_completion(client, prefill, body)
 
-        external_before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL)
+        external_before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
         local_before = decode.metric(PROMPT_TOKENS_BY_SOURCE, source="local_compute")
         params, prefill_s = prefill_leg(client, prefill, body)
         decode_body = {
@@ -152,7 +151,7 @@ def run_pd_round_trip(
             "kv_transfer_params": params,
         }
         pd_ids, decode_first = stream_completion(client, decode, decode_body)
-        external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL) - external_before
+        external = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - external_before
         local = decode.metric(PROMPT_TOKENS_BY_SOURCE, source="local_compute") - local_before
     return DemoResult(
         model=prefill.served_name,

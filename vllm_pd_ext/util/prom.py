@@ -6,6 +6,11 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+#: vLLM's counter of prompt tokens by where they came from, and its label for those loaded
+#: by a KV connector (the decode side of a split).
+PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
+EXTERNAL_KV = {"source": "external_kv_transfer"}
+
 
 @dataclass(frozen=True)
 class Sample:
