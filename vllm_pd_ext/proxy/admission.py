@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable
 
 from vllm_pd_ext.proxy.errors import ProxyError
+from vllm_pd_ext.util.aio import within
 
 
 class Admission:
@@ -40,7 +41,9 @@ class Admission:
             self.queued += 1
             self._on_queued(self.queued)
             try:
-                await asyncio.wait_for(self._slots.acquire(), self.queue_timeout_s)
+                await within(
+                    self._slots.acquire(), self.queue_timeout_s, lambda _: self._slots.release()
+                )
             except asyncio.TimeoutError:
                 raise ProxyError(
                     503,

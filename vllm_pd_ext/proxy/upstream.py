@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from vllm_pd_ext.util.aio import within
+
 #: Error kinds. ``connect``: refused or unresolvable (the engine is not there);
 #: ``connect_timeout``; ``read_timeout``: no byte within the read timeout;
 #: ``timeout``: the whole exchange ran past its limit; ``disconnected``: the connection
@@ -471,7 +473,7 @@ class Upstream:
             server_hostname=self._host if self._ssl else None,
         )
         try:
-            _, conn = await asyncio.wait_for(opening, connect_s)
+            _, conn = await within(opening, connect_s, lambda pair: pair[0].close())
         except asyncio.TimeoutError:
             raise UpstreamError("connect_timeout", f"{self.base_url}: no connection") from None
         except OSError as exc:

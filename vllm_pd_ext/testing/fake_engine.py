@@ -86,6 +86,9 @@ class FakeEngine:
     port: int = 0
     param_errors: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # request ids sent to abort_requests
+    #: decode side: how each wait for a transfer_id's KV ended ("ok", "gone", "timeout",
+    #: "unreachable"), by transfer_id
+    kv_waits: dict[str, str] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -198,8 +201,9 @@ class FakeEngine:
                     outcome = await _pull_when_ready(base, params["transfer_id"], request)
                 finally:
                     self.running -= 1
+                self.disconnects += outcome == "gone"
+                self.kv_waits[params["transfer_id"]] = outcome  # after the count: tests poll it
                 if outcome != "ok":
-                    self.disconnects += outcome == "gone"
                     return JSONResponse(
                         {
                             "error": {
@@ -448,11 +452,12 @@ def check_params(connector: str, params: dict) -> list[str]:
 
 
 async def _pull_when_ready(
-    base: str, transfer_id: str, request: Request, timeout: float = 5.0
+    base: str, transfer_id: str, request: Request, timeout: float = 20.0
 ) -> str:
     """Poll the prefill's pull endpoint under ``base`` (a URL) until it releases
     ``transfer_id``: "ok", "gone" if the client went away (watched on the ASGI channel),
-    "timeout", or "unreachable" when ``base`` is no URL an HTTP client can reach."""
+    "timeout", or "unreachable" when ``base`` is no URL an HTTP client can reach. The
+    timeout is long enough that a loaded machine never turns a disconnect into "timeout"."""
     gone = asyncio.ensure_future(_disconnected(request))
     deadline = time.monotonic() + timeout
     try:

@@ -81,3 +81,4 @@ def reset(request: pytest.FixtureRequest, server_path):
         e.pulls = 0
         e.param_errors.clear()
         e.aborted.clear()
+        e.kv_waits.clear()

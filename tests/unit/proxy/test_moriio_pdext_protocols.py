@@ -210,12 +210,19 @@ def test_pdext_write_prefill_failure_aborts_decode_then_retries_then_colocates(e
         later = sent(engines["d1"])[2:]  # a closed leg may be recorded after the colocated one
         assert len([b for b in later if "kv_transfer_params" not in b]) == 1
 
-        def split_legs() -> int:
-            return len([b for b in sent(engines["d1"])[2:] if "kv_transfer_params" in b])
+        def split_legs() -> list[str]:
+            legs = sent(engines["d1"])[2:]
+            return [
+                b["kv_transfer_params"]["transfer_id"] for b in legs if "kv_transfer_params" in b
+            ]
 
-        # every split decode leg that reached d1 was closed (one cancelled before it was sent
-        # never arrives)
-        wait_until(lambda: engines["d1"].disconnects == 1 + split_legs())
+        # every split decode leg that reached d1 was closed while it waited for the KV (one
+        # cancelled before it was sent never arrives)
+        waits = engines["d1"].kv_waits
+        wait_until(lambda: all(tid in waits for tid in split_legs()))
+        split = split_legs()
+        assert [waits[tid] for tid in split] == ["gone"] * len(split)
+        assert engines["d1"].disconnects == 1 + len(split)
         assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_failed") == 1
     no_param_errors(engines)
 
