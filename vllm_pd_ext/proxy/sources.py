@@ -7,8 +7,10 @@ fleet).
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Protocol
@@ -116,8 +118,21 @@ class KubernetesSource:
         if role not in ROLES:
             logger.warning("fleet: pod %s has unknown role %r; skipped", name, role)
             return None
-        port = (meta.get("annotations") or {}).get(self.config.port_annotation, self.config.port)
-        host = f"[{ip}]" if ":" in ip else ip
+        annotations = meta.get("annotations") or {}
+        port = _port(annotations.get(self.config.port_annotation), self.config.port)
+        if port is None:
+            logger.warning(
+                "fleet: pod %s: annotation %s is not a port (1-65535); skipped",
+                name,
+                self.config.port_annotation,
+            )
+            return None
+        try:
+            address = ipaddress.ip_address(ip)
+        except ValueError:
+            logger.warning("fleet: pod %s: podIP %r is not an IP address; skipped", name, ip)
+            return None
+        host = f"[{address}]" if address.version == 6 else str(address)
         return InstanceConfig(
             url=f"{self.config.scheme}://{host}:{port}",
             role=role,
@@ -126,6 +141,18 @@ class KubernetesSource:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _port(value: object, default: int) -> int | None:
+    """A pod's port annotation as a port number (absent: ``default``); None unless it is an
+    integer 1-65535 written in ASCII digits and nothing else (it becomes part of a URL)."""
+    if value is None:
+        return default
+    if isinstance(value, str) and re.fullmatch(r"[0-9]{1,5}", value):
+        value = int(value)
+    if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 65535:
+        return value
+    return None
 
 
 def _in_cluster_server() -> str:

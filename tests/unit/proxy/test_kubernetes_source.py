@@ -109,3 +109,30 @@ def test_ready_pods_become_instances_with_roles(engines, api):
         calls = api.calls
         wait_until(lambda: api.calls >= calls + 3)
         assert {i.url for i in svc.fleet.instances()} == {engines["p1"].url, engines["d2"].url}
+
+
+@pytest.mark.parametrize(
+    ("annotation", "pod_ip"),
+    [
+        ("8000@evil.example:9999/x?", "127.0.0.1"),  # the port pasted into the URL
+        ("0", "127.0.0.1"),
+        ("65536", "127.0.0.1"),
+        ("\uff18\uff10\uff10\uff10", "127.0.0.1"),  # digits, but not ASCII ones
+        (None, "evil.example"),  # a podIP that is a host name
+        (None, "127.0.0.1:9/x"),
+    ],
+)
+def test_a_pod_whose_annotation_or_ip_is_not_an_address_is_refused(
+    engines, api, annotation, pod_ip
+):
+    """A pod's annotations and status are written by whoever may edit the pod: a port
+    annotation that is not a port number, or a podIP that is not an IP address, never
+    becomes (part of) an upstream URL; the pod is skipped and the rest of the fleet kept."""
+    bad = pod("d-bad", engines["d2"].port, role="decode")
+    if annotation is not None:
+        bad["metadata"]["annotations"]["vllm-pd.io/port"] = annotation
+    bad["status"]["podIP"] = pod_ip
+    api.pods = [pod("d-0", engines["d1"].port, role="decode"), bad]
+    with proxy(engines, instances=[], kubernetes=k8s_config(api)) as (_, svc):
+        wait_until(lambda: api.calls >= 2)
+        assert [i.url for i in svc.fleet.instances()] == [engines["d1"].url]
