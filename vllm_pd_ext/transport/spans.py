@@ -55,8 +55,9 @@ def check_bounds(
         return
     local, remote, length = spans[:, LOCAL], spans[:, REMOTE], spans[:, LENGTH]
     bad = (length <= 0) | (local < 0) | (remote < 0)
-    bad |= local + length > local_size
-    bad |= remote + length > remote_size
+    # start > size - length, not start + length > size: a sum of int64s can wrap
+    bad |= (length > local_size) | (local > local_size - length)
+    bad |= (length > remote_size) | (remote > remote_size - length)
     if bad.any():
         i = int(np.argmax(bad))
         lo, ro, n = (int(x) for x in spans[i])

@@ -312,7 +312,8 @@ def _check_spans(pairs: np.ndarray, size: int, nbytes: int | None) -> str | None
     if len(pairs) == 0:
         return None
     offs, lens = pairs[:, 0], pairs[:, 1]
-    if (lens <= 0).any() or (offs < 0).any() or (offs + lens > size).any():
+    # offs > size - lens, not offs + lens > size: the sum of two int64s from the wire can wrap
+    if (lens <= 0).any() or (lens > size).any() or (offs < 0).any() or (offs > size - lens).any():
         return f"a span leaves the region of {size} bytes"
     if nbytes is not None and int(lens.sum()) != nbytes:
         return "payload size does not match the spans"

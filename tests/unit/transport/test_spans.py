@@ -46,6 +46,19 @@ def test_check_bounds_names_the_first_bad_span() -> None:
     check_bounds(as_span_array([(0, 90, 10)]), 10, 100)  # exactly at both ends: fine
 
 
+@pytest.mark.parametrize(
+    "span",
+    [
+        ((1 << 63) - 8, 0, 16),  # local start + length wraps to a negative int64
+        (0, (1 << 63) - 8, 16),  # remote start + length wraps
+        (8, 0, (1 << 63) - 1),
+    ],
+)
+def test_check_bounds_refuses_spans_whose_end_wraps_around(span) -> None:
+    with pytest.raises(RegionBoundsError, match="span 0"):
+        check_bounds(as_span_array([span]), 4096, 4096)
+
+
 def test_check_bounds_refuses_overlap_only_on_the_target_side() -> None:
     spans = as_span_array([(0, 0, 10), (100, 5, 10)])
     check_bounds(spans, 200, 200, target=LOCAL)  # locals are disjoint

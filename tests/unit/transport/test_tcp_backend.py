@@ -222,3 +222,47 @@ def test_settings_and_host_memory_only() -> None:
             t.register_tensor("meta", torch.empty(16, device="meta"))
     finally:
         t.close()
+
+
+@pytest.mark.parametrize(
+    "span",
+    [
+        ((1 << 63) - 8, 16),  # offset + length wraps to a negative int64
+        (8, (1 << 63) - 1),
+        (-1, 8),
+        (0, 4097),
+    ],
+)
+def test_a_span_outside_the_region_is_refused_however_it_is_written(span) -> None:
+    """A raw peer asks to READ a span whose int64 offset + length wraps around (or that
+    plainly leaves the region): the server answers FAIL and sends no data."""
+    from vllm_pd_ext.transport import tcp
+
+    t = _local()
+    buf = pattern(5, 4096)
+    t.register_buffer("r", buf.ctypes.data, buf.nbytes, owner=buf)
+    try:
+        port = int(t.descriptor().address.rpartition(":")[2])
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            s.settimeout(5)
+            s.sendall(tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 1) + b"x")
+            magic, _, n = tcp._HELLO.unpack(_recv(s, tcp._HELLO.size))
+            assert magic == tcp._MAGIC
+            _recv(s, n)
+            spans = np.array([span], dtype="<i8").tobytes()
+            s.sendall(tcp._REQ.pack(tcp._READ, 1, 7, 1, 0) + b"r" + spans)
+            kind, msg_len, xid, nbytes = tcp._RSP.unpack(_recv(s, tcp._RSP.size))
+            message = _recv(s, msg_len).decode()
+        assert (kind, xid, nbytes) == (tcp._FAIL, 7, 0), message
+        assert "leaves the region" in message
+    finally:
+        t.close()
+
+
+def _recv(s: socket.socket, n: int) -> bytes:
+    data = b""
+    while len(data) < n:
+        more = s.recv(n - len(data))
+        assert more, "the server hung up"
+        data += more
+    return data
