@@ -8,8 +8,10 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -18,6 +20,7 @@ import pytest
 
 from tests.conftest import requires_vllm
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE, parse_metrics
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, requires_vllm]
@@ -38,6 +41,68 @@ def _stream_text(url: str, body: dict) -> tuple[str, dict | None]:
         for choice in data["choices"]:
             text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
     return text, usage
+
+
+class _Trap:
+    """A listener on 127.0.0.1 that counts the connections it is offered (and closes them)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+def _client_cannot_steer_the_decode_connector(proxy: str, decode_url: str, body: dict) -> None:
+    """A client's kv_transfer_params in vllm_xargs (vLLM copies them into extra_args, where
+    the connectors read them), pointing the decode engine at a trap: the trap is never
+    contacted, the decode side loads nothing external, and the answer is the colocated one."""
+    trap = _Trap()
+    try:
+        steer = {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": "trap",
+            "remote_request_id": "someone-elses-request",
+            "remote_block_ids": [0, 1, 2, 3],
+            "remote_host": "127.0.0.1",
+            "remote_port": trap.port,
+            "transfer_mode": "read",
+            "tp_size": 1,
+        }
+        short = {**body, "prompt": body["prompt"][:3]}
+        want = httpx.post(f"{decode_url}/v1/completions", json=short, timeout=120).json()
+        external = _external_tokens(decode_url)
+        attack = {**short, "vllm_xargs": {"kv_transfer_params": steer}}
+        resp = httpx.post(f"{proxy}/completions", json=attack, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == want["choices"][0]["token_ids"]
+        assert _external_tokens(decode_url) == external
+        assert trap.accepted == 0
+    finally:
+        trap.close()
+
+
+def _external_tokens(url: str) -> float:
+    metrics = parse_metrics(httpx.get(f"{url}/metrics", timeout=30).text)
+    return metrics.total(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
 
 
 @pytest.mark.parametrize("connector", ["nixl", "pdext"])
@@ -105,6 +170,8 @@ def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, conne
         # colocated
         assert 'vllm_pd_decisions_total{decision="split",reason="split"} 5.0' in metrics
         assert 'vllm_pd_decisions_total{decision="colocated"' in metrics
+
+        _client_cannot_steer_the_decode_connector(proxy, decode_url, body)
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]

@@ -113,7 +113,7 @@ class Batch:
         )
         patch_payload(data, None)
         call.finish("ok", f"ok via {opened[0].instance.label} ({len(opened)} prompts)")
-        return JSONResponse(data, headers={"X-Request-Id": ctx.request_id})
+        return JSONResponse(data, headers={"X-Request-Id": ctx.echo_id})
 
     async def _events(
         self, call: Call, opened: list[Opened], stream: StreamRelay, render: RenderTier

@@ -104,12 +104,13 @@ class Call:
         metrics = self._metrics
         metrics.child(metrics.requests, ctx.route, label, outcome).inc()
         logger.info(
-            "request %s %s %s: %s (%.0f ms)",
+            "request %s %s %s: %s (%.0f ms)%s",
             ctx.request_id,
             ctx.route,
             label,
             detail or outcome,
             (time.perf_counter() - ctx.received) * 1e3,
+            f" client id {ctx.client_request_id!r}" if ctx.client_request_id else "",
         )
 
     def close(self) -> None:

@@ -89,7 +89,7 @@ class Relay:
             )
         patch_payload(data, call.cached)
         call.finish("ok", f"ok via {opened.instance.label}")
-        return JSONResponse(data, headers={"X-Request-Id": ctx.request_id})
+        return JSONResponse(data, headers={"X-Request-Id": ctx.echo_id})
 
     async def read(self, opened: Opened) -> dict[str, Any]:
         """An opened leg's whole answer, the JSON object it must be (its response closed).
@@ -198,7 +198,7 @@ class StreamRelay:
         self.itl = metrics.child(metrics.itl, call.label)
         self.headers = [
             (b"content-type", b"text/event-stream"),
-            (b"x-request-id", call.ctx.request_id.encode("latin-1")),
+            (b"x-request-id", call.ctx.echo_id.encode("latin-1")),
         ]
         self.buffer = b""
         self.first: float | None = None

@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, schema_error
 from vllm_pd_ext.proxy.front_protocol import FastCycle
+from vllm_pd_ext.transfer_params import STEERING_FIELDS
 
 if TYPE_CHECKING:
     from vllm_pd_ext.proxy.token_mode import TokenRequest
@@ -50,6 +51,8 @@ if hasattr(os, "register_at_fork"):  # a forked worker never repeats ids
 class RequestContext:
     route: Route
     body: dict[str, Any]
+    #: The proxy's own id (engines, aborts, transfer ids): never one a client chose, so no
+    #: client can name, and abort, another's request.
     request_id: str
     stream: bool
     est_prompt_tokens: int
@@ -61,6 +64,13 @@ class RequestContext:
     #: The client's body as it came, while ``body`` says the same (text mode sends it on
     #: unchanged instead of encoding ``body`` again).
     raw: bytes | None = None
+    #: The client's ``X-Request-Id``, echoed in the answer and logged; nothing else uses it.
+    client_request_id: str | None = None
+
+    @property
+    def echo_id(self) -> str:
+        """The answer's ``X-Request-Id``: the client's own, else the proxy's."""
+        return self.client_request_id or self.request_id
 
     @property
     def path(self) -> str:
@@ -165,6 +175,25 @@ def _text_of_messages(messages: list) -> str:
     return "\n".join(parts)
 
 
+def _strip_steering(body: dict[str, Any], config: ProxyConfig) -> bool:
+    """Remove what would steer the engines' connectors (``STEERING_FIELDS``, at the top level
+    or in ``vllm_xargs``), or refuse it with a 400 (``client_kv_transfer_params: reject``).
+    Whether anything was removed."""
+    xargs = body.get("vllm_xargs")
+    found = [name for name in STEERING_FIELDS if name in body]
+    if isinstance(xargs, dict):
+        found += [f"vllm_xargs.{name}" for name in STEERING_FIELDS if name in xargs]
+    if not found:
+        return False
+    if config.client_kv_transfer_params == "reject":
+        raise ProxyError(400, f"'{found[0]}' is set by the proxy, not by clients", param=found[0])
+    for name in STEERING_FIELDS:
+        body.pop(name, None)
+    if isinstance(xargs, dict):
+        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in STEERING_FIELDS}
+    return True
+
+
 def parse_request(
     route: Route,
     body: dict[str, Any],
@@ -176,14 +205,7 @@ def parse_request(
     ``body`` was read from, kept on the context while nothing was stripped."""
     _check_types(body)
 
-    if "kv_transfer_params" in body:
-        if config.client_kv_transfer_params == "reject":
-            raise ProxyError(
-                400,
-                "'kv_transfer_params' is set by the proxy, not by clients",
-                param="kv_transfer_params",
-            )
-        body.pop("kv_transfer_params")
+    if _strip_steering(body, config):
         raw = None
 
     cpt = config.decision.chars_per_token
@@ -213,11 +235,11 @@ def parse_request(
                 "body.prompt",
             )
     given = _header(request, b"x-request-id")
-    request_id = given.decode("latin-1") if given else f"pdx-{_ID_PREFIX}{next(_ID_COUNTER):016x}"
     return RequestContext(
         route=route,
         body=body,
-        request_id=request_id[:256],
+        request_id=f"pdx-{_ID_PREFIX}{next(_ID_COUNTER):016x}",
+        client_request_id=given[:256].decode("latin-1") if given else None,
         stream=bool(body.get("stream")),
         est_prompt_tokens=est,
         affinity_key=text[: config.affinity_prefix_chars],

@@ -23,6 +23,7 @@ from typing import Any
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
 from vllm_pd_ext.proxy.request import RequestContext
 from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
+from vllm_pd_ext.transfer_params import STEERING_FIELDS
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,16 @@ class TokenRequest:
     def from_render(cls, rendered: dict[str, Any], stream: bool) -> TokenRequest:
         generate = dict(rendered)
         generate["stream"] = stream
-        generate["kv_transfer_params"] = None
+        # The proxy's own params, never a render tier's: explicit and empty (colocated) until
+        # a split sets them, so none left in extra_args reach the connectors.
+        generate["kv_transfer_params"] = {}
+        generate["ec_transfer_params"] = None
+        sampling = generate.get("sampling_params")
+        if isinstance(sampling, dict):
+            extra = sampling.get("extra_args")
+            if isinstance(extra, dict) and any(name in extra for name in STEERING_FIELDS):
+                kept = {k: v for k, v in extra.items() if k not in STEERING_FIELDS}
+                generate["sampling_params"] = {**sampling, "extra_args": kept or None}
         ids = generate.get("token_ids")
         if not isinstance(ids, list) or not ids:
             raise ProxyError(502, "render returned no token_ids", code="render_failed")

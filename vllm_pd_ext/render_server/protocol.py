@@ -11,6 +11,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from vllm_pd_ext.transfer_params import STEERING_FIELDS
+
 #: A token id: non-negative and small enough for the Rust tokenizer (u32).
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
@@ -60,7 +62,8 @@ class _SamplingFields(_Open):
     request_id: str | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
-    vllm_xargs: dict[str, Any] | None = None
+    #: vLLM's type: string or numeric values (or lists of them), for custom extensions
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
     thinking_token_budget: int | None = None
     truncate_prompt_tokens: int | None = None
     use_beam_search: bool = False
@@ -75,6 +78,15 @@ class _SamplingFields(_Open):
         if isinstance(data, dict) and data.get("stream_options") and not data.get("stream"):
             raise ValueError("Stream options can only be defined when `stream=True`.")
         return data
+
+    @field_validator("vllm_xargs", mode="before")
+    @classmethod
+    def _xargs_steer_nothing(cls, value: Any) -> Any:
+        # vLLM copies vllm_xargs into extra_args, where its KV connectors read their params
+        for name in STEERING_FIELDS:
+            if isinstance(value, dict) and name in value:
+                raise ValueError(f"vllm_xargs may not carry {name!r}: it steers KV connectors")
+        return value
 
     @field_validator("cache_salt")
     @classmethod

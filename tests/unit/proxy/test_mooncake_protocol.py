@@ -40,7 +40,7 @@ def test_concurrent_legs_share_a_transfer_id(engines):
         (p_body,) = sent(engines["p1"])
         (d_body,) = sent(engines["d1"])
         tid = p_body["kv_transfer_params"]["transfer_id"]
-        assert tid.startswith("m1-")
+        assert tid.startswith("pdx-")  # the proxy's request id, never the client's
         assert p_body["kv_transfer_params"] == {"do_remote_decode": True, "transfer_id": tid}
         assert d_body["kv_transfer_params"] == {
             "do_remote_prefill": True,

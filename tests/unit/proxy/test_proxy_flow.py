@@ -40,7 +40,10 @@ def test_split_non_streaming_legs_and_response(engines):
     assert d_body["max_tokens"] == 5 and d_body["min_tokens"] == 2
     assert d_body["stream_options"] == {"include_usage": True}
     assert d_body["kv_transfer_params"]["remote_engine_id"] == "p1"
-    assert p_req["headers"]["x-request-id"] == d_req["headers"]["x-request-id"] == "req-42"
+    # the engines see the proxy's own id for both legs; the client gets its own id back
+    engine_id = p_req["headers"]["x-request-id"]
+    assert d_req["headers"]["x-request-id"] == engine_id and engine_id.startswith("pdx-")
+    assert resp.headers["x-request-id"] == "req-42"
     assert engines["p1"].held_blocks == {}  # the decode side pulled them
 
 
@@ -117,6 +120,37 @@ def test_client_kv_transfer_params_dropped_or_rejected(engines):
         )
         assert resp.status_code == 400
         assert resp.json()["error"]["param"] == "kv_transfer_params"
+
+
+@pytest.mark.parametrize(
+    "steer",
+    [
+        {"ec_transfer_params": {"do_remote_decode": True}},
+        {"vllm_xargs": {"kv_transfer_params": {"do_remote_prefill": True}, "mine": "kept"}},
+        {"vllm_xargs": {"ec_transfer_params": "x", "mine": "kept"}},
+    ],
+    ids=["ec_transfer_params", "vllm_xargs.kv_transfer_params", "vllm_xargs.ec_transfer_params"],
+)
+def test_every_field_that_steers_a_connector_is_dropped_or_rejected(engines, steer):
+    """vLLM hands the connectors kv/ec_transfer_params from the top level and from
+    vllm_xargs (copied into extra_args): none of them gets past the proxy from a client."""
+    body = {"model": "m", "prompt": SHORT, "max_tokens": 2, **steer}
+    with proxy(engines) as (base, _):
+        resp = httpx.post(f"{base}/v1/completions", timeout=60, json=body)
+        assert resp.status_code == 200
+        (got,) = sent(engines["d1"]) + sent(engines["d2"])
+        assert "ec_transfer_params" not in got and "kv_transfer_params" not in got
+        assert got.get("vllm_xargs") in (None, {"mine": "kept"})
+    with proxy(engines, client_kv_transfer_params="reject") as (base, _):
+        resp = httpx.post(f"{base}/v1/completions", timeout=60, json=body)
+        assert resp.status_code == 400
+        name = next(iter(steer))
+        inner = (
+            [k for k in steer[name] if k.endswith("_transfer_params")]
+            if name == "vllm_xargs"
+            else []
+        )
+        assert resp.json()["error"]["param"] == ".".join([name, *inner])
 
 
 #: vLLM's request-validation type for a body that is not JSON or misses the schema, and the

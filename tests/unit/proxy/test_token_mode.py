@@ -113,7 +113,57 @@ def test_short_prompt_is_one_generate_on_decode(engines, render_url, tokenizer):
     assert data["choices"][0]["text"] == tokenizer.decode(_expected(prompt_ids, 4))
     assert not sent(engines["p1"]) and not sent(engines["p2"])
     (dec,) = [r for n in ("d1", "d2") for r in sent(engines[n])]
-    assert dec["kv_transfer_params"] is None and dec["token_ids"] == prompt_ids
+    assert dec["kv_transfer_params"] == {} and dec["token_ids"] == prompt_ids
+
+
+def test_a_client_cannot_steer_the_decode_connector_through_vllm_xargs(engines, render_url):
+    """vLLM copies vllm_xargs into extra_args, where its connectors read kv_transfer_params:
+    the proxy removes the steering fields before render, keeps the client's other xargs, and
+    sends its own explicit (empty) kv_transfer_params, which vLLM's generate route puts over
+    anything left in extra_args."""
+    evil = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9}
+    body = {
+        "model": MODEL,
+        "prompt": SHORT,
+        "max_tokens": 2,
+        "vllm_xargs": {"kv_transfer_params": evil, "ec_transfer_params": evil, "mine": 7},
+        "ec_transfer_params": evil,
+    }
+    with proxy(engines, render=[render_url]) as (base, _):
+        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
+    (dec,) = [r for n in ("d1", "d2") for r in sent(engines[n])]
+    assert dec["kv_transfer_params"] == {} and dec.get("ec_transfer_params") is None
+    assert dec["sampling_params"]["extra_args"] == {"mine": 7}
+
+
+def test_a_render_tier_that_passes_steering_on_is_overruled(engines):
+    """A render tier (vLLM's own) that copies a client's kv_transfer_params into extra_args:
+    the generate body the proxy sends carries none of it."""
+    from fastapi import FastAPI
+
+    evil = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9}
+    render = FastAPI()
+
+    @render.post("/v1/completions/render")
+    async def rendered() -> dict:
+        sampling = {"max_tokens": 2, "extra_args": {"kv_transfer_params": evil, "mine": 1}}
+        return {
+            "request_id": "cmpl-x",
+            "token_ids": [1, 2, 3],
+            "sampling_params": sampling,
+            "kv_transfer_params": evil,
+            "ec_transfer_params": evil,
+        }
+
+    with (
+        ServerThread(render) as server,
+        proxy(engines, render=[f"http://127.0.0.1:{server.port}"]) as (base, _),
+    ):
+        httpx.post(f"{base}/v1/completions", json={"model": MODEL, "prompt": SHORT}, timeout=30)
+    (dec,) = [r for n in ("d1", "d2") for r in sent(engines[n])]
+    assert dec["kv_transfer_params"] == {} and dec["ec_transfer_params"] is None
+    assert dec["sampling_params"]["extra_args"] == {"mine": 1}
 
 
 def test_a_completion_with_a_list_of_prompts_is_answered_like_vllm(engines, render_url, tokenizer):
@@ -181,6 +231,46 @@ def test_render_tier_unreachable_is_502(engines):
     assert not any(sent(e) for e in engines.values())
 
 
+def test_a_client_reusing_anothers_request_id_cannot_abort_it(engines, render_url):
+    """Two clients send the same X-Request-Id; one disconnects. The abort the proxy sends
+    names only the leaver's engine request (the proxy's own id), and the other client's
+    answer arrives whole."""
+    for name in ("d1", "d2"):
+        engines[name].behavior.token_delay_s = 0.05
+    body = {
+        "model": MODEL,
+        "prompt": SHORT,
+        "max_tokens": 30,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    same = {"X-Request-Id": "shared-id"}
+    with proxy(engines, render=[render_url], decode_policy="round-robin") as (base, _):
+        with httpx.stream(
+            "POST", f"{base}/v1/completions", json=body, headers=same, timeout=60
+        ) as victim:
+            with httpx.stream(
+                "POST", f"{base}/v1/completions", json=body, headers=same, timeout=60
+            ) as attacker:
+                for line in attacker.iter_lines():
+                    if line.startswith("data: {"):
+                        break
+            wait_until(lambda: any(e.aborted for e in engines.values()))
+            events = [line for line in victim.iter_lines() if line.startswith("data: ")]
+        assert victim.headers["x-request-id"] == "shared-id"
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[-2][6:])["usage"]["completion_tokens"] == 30
+    engine_ids = [
+        r["headers"]["x-request-id"]
+        for e in engines.values()
+        for r in e.requests
+        if "token_ids" in r["body"]
+    ]
+    assert len(set(engine_ids)) == 2 and "shared-id" not in engine_ids
+    (aborted,) = [rid for e in engines.values() for rid in e.aborted]
+    assert aborted in {f"generate-tokens-{rid}" for rid in engine_ids}
+
+
 def test_client_disconnect_mid_stream_aborts_on_the_engine(engines, render_url):
     for name in ("d1", "d2"):
         engines[name].behavior.token_delay_s = 0.2
@@ -194,5 +284,6 @@ def test_client_disconnect_mid_stream_aborts_on_the_engine(engines, render_url):
                     break
         wait_until(lambda: any(e.aborted for e in engines.values()))
     (decode,) = [e for e in engines.values() if e.aborted]
-    assert decode.aborted == ["generate-tokens-gone-1"]
+    (sent_to,) = [r for r in decode.requests if "token_ids" in r["body"]]
+    assert decode.aborted == ["generate-tokens-" + sent_to["headers"]["x-request-id"]]
     wait_until(lambda: decode.disconnects == 1)  # and its stream was closed

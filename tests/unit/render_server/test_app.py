@@ -115,6 +115,28 @@ def test_client_mistakes_are_400_with_openai_body(client, body, fragment):
         assert fragment in err["message"]
 
 
+@pytest.mark.parametrize(
+    ("xargs", "fragment"),
+    [
+        ({"kv_transfer_params": {"do_remote_prefill": True, "remote_port": 9}}, "steers KV"),
+        ({"ec_transfer_params": "x"}, "steers KV"),
+        ({"deep": {"nested": 1}}, "vllm_xargs"),  # vLLM allows strings, numbers and lists
+    ],
+)
+def test_vllm_xargs_cannot_carry_transfer_params_or_objects(client, xargs, fragment):
+    """vLLM copies vllm_xargs into extra_args, where its KV connectors read their params: a
+    render request that would put them there is refused, and the other xargs pass."""
+    body: dict[str, Any] = {"prompt": "hello", "max_tokens": 2}
+    resp = client.post("/v1/completions/render", json={**body, "vllm_xargs": xargs})
+    assert resp.status_code == 400, resp.text
+    assert fragment in resp.text
+    ok = client.post("/v1/completions/render", json={**body, "vllm_xargs": {"a": [1, "b"]}})
+    assert ok.status_code == 200, ok.text
+    rendered = ok.json()
+    rendered = rendered[0] if isinstance(rendered, list) else rendered
+    assert rendered["sampling_params"]["extra_args"] == {"a": [1, "b"]}
+
+
 def test_malformed_and_oversized_bodies_are_400(client):
     bad = client.post(
         "/v1/chat/completions/render",

@@ -1,0 +1,17 @@
+"""The request fields that steer an engine's connectors, and who may set them.
+
+vLLM hands a request's ``kv_transfer_params`` (and ``ec_transfer_params``, the encoder cache's)
+to the KV connectors: where to load a prompt's KV from, where to push it, which blocks. The
+fields reach the engine at the top level of a request or inside ``vllm_xargs`` (vLLM copies
+those into ``sampling_params.extra_args``, where the connectors read them), so a client who can
+set either can point an engine at any host. Only the proxy sets them; every part that takes a
+client's request removes them (the proxy) or refuses them (the render server, in
+``vllm_xargs``).
+
+Imports nothing: every part may use it.
+"""
+
+from __future__ import annotations
+
+#: The fields vLLM's connectors act on, top level or in ``vllm_xargs``/``extra_args``.
+STEERING_FIELDS = ("kv_transfer_params", "ec_transfer_params")
