@@ -10,14 +10,23 @@ as it lands; then every header field, the file's exact length and the checksum o
 are checked. Any difference raises :class:`BlockFileError` and the caller treats the block as
 missing (bytes that landed are never used). Files of another format (e.g. the CRC-32 files of
 format 2) are such a difference.
+
+The directories may be shared (the shared tier) or sit under a world-writable parent, so
+nothing in them is followed blindly: the namespace directory and its subdirectories must be
+real directories owned by this user and writable by nobody else (made 0700); temporary files
+get unpredictable names and are created with ``O_EXCL | O_NOFOLLOW`` and mode 0600 (a planted
+link is never written through); reads open with ``O_NOFOLLOW`` (a link where a block file
+should be is a corrupt block: deleted, never read).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
+import stat
 import struct
-import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -44,6 +53,26 @@ STALE_TMP_S = 600.0
 
 class BlockFileError(RuntimeError):
     """A block file exists but cannot be trusted (truncated, corrupt, other layout)."""
+
+
+#: Creating a temporary block file: never through a link, never an existing file.
+_CREATE = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+_OPEN_READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def own_dir(path: Path) -> None:
+    """Make ``path`` a directory only this user may use (0700), or raise ``OSError`` when
+    it is something else: a link, not a directory, another user's, or writable by others
+    (whoever controls it could swap the files in it)."""
+    with contextlib.suppress(FileExistsError):
+        path.mkdir(mode=0o700)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(errno.ENOTDIR, "not a directory (a link?)", str(path))
+    if st.st_uid != os.geteuid():
+        raise PermissionError(errno.EPERM, f"owned by uid {st.st_uid}, not us", str(path))
+    if st.st_mode & 0o077:
+        os.chmod(path, 0o700)
 
 
 def _fp16(fingerprint: str) -> bytes:
@@ -117,9 +146,12 @@ class FileStore:
     def __init__(self, root: str | os.PathLike, namespace: str, *, fsync: bool = False) -> None:
         self.dir = Path(root) / namespace
         self.fsync = fsync
-        self.dir.mkdir(parents=True, exist_ok=True)
+        Path(root).mkdir(parents=True, exist_ok=True)
+        own_dir(self.dir)
         self._dir = str(self.dir)
         self._fps: dict[str, bytes] = {}
+        #: Subdirectories checked by ``own_dir`` (at most 256: the keys' first two hex digits).
+        self._owned: set[Path] = set()
 
     def path(self, key: str, rank: int = 0) -> Path:
         return self.dir / key[:2] / f"{key}.r{rank}"
@@ -134,8 +166,10 @@ class FileStore:
         ``payload`` is one buffer or a sequence of buffers (a block's pieces, in order).
         """
         final = self.path(key, rank)
-        final.parent.mkdir(exist_ok=True)
-        tmp = final.parent / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp"
+        if final.parent not in self._owned:
+            own_dir(final.parent)
+            self._owned.add(final.parent)
+        tmp = final.parent / f".{final.name}.{os.urandom(8).hex()}.tmp"
         parts = _byte_views(payload)
         length = sum(p.nbytes for p in parts)
         header = _HEADER.pack(
@@ -148,7 +182,7 @@ class FileStore:
             bytes.fromhex(key),
         )
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(os.open(tmp, _CREATE, 0o600), "wb") as f:
                 f.write(header)
                 for p in parts:
                     f.write(p)
@@ -176,7 +210,12 @@ class FileStore:
         parts = _byte_views(out)
         size = sum(p.nbytes for p in parts)
         head = bytearray(HEADER_BYTES)
-        fd = os.open(path, os.O_RDONLY)
+        try:
+            fd = os.open(path, _OPEN_READ)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                self._discard(path, "a symbolic link, not a block file")
+            raise
         try:
             got, digest_read, longer = _read_hashing(fd, memoryview(head), parts)
         finally:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import stat
 import struct
+import threading
 import time
 import zlib
 
@@ -149,6 +151,58 @@ def test_scan_ignores_and_reaps_stale_temporaries(tmp_path):
     old = time.time() - 3600
     os.utime(tmp, (old, old))
     assert store.scan() == [KEY] and not tmp.exists()
+
+
+def test_a_planted_link_is_never_written_through(tmp_path):
+    """Someone who can write the block directory links every temporary name the store could
+    predict, and the block's own name, to a victim file: saving the block leaves the victim
+    as it was, and the block file is a plain file of mode 0600."""
+    store = FileStore(tmp_path, "ns")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious")
+    sub = store.path(KEY).parent
+    sub.mkdir(mode=0o700)
+    final = store.path(KEY)
+    planted = [sub / f".{final.name}.{os.getpid()}.{threading.get_ident()}.tmp", final]
+    for link in planted:
+        link.symlink_to(victim)
+    store.write(KEY, payload(), FP)
+    assert victim.read_bytes() == b"precious"
+    st = os.lstat(final)
+    assert stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600
+    assert stat.S_IMODE(os.lstat(sub).st_mode) == stat.S_IMODE(os.lstat(store.dir).st_mode) == 0o700
+    out = np.zeros(4096, np.uint8)
+    store.read_into(KEY, out, FP)
+    assert np.array_equal(out, payload())
+
+
+def test_a_link_where_a_block_file_should_be_is_a_miss(tmp_path):
+    """A link at a block's name is never read through (it could point at any file the
+    engine may read): the read fails as a corrupt block and the link is removed."""
+    store = FileStore(tmp_path, "ns")
+    other = FileStore(tmp_path, "other")
+    other.write(KEY, payload(seed=3), FP)  # a valid block file elsewhere
+    store.path(KEY).parent.mkdir(mode=0o700)
+    store.path(KEY).symlink_to(other.path(KEY))
+    with pytest.raises(BlockFileError, match="symbolic link"):
+        store.read_into(KEY, np.zeros(4096, np.uint8), FP)
+    assert not os.path.lexists(store.path(KEY)) and other.exists(KEY)
+
+
+def test_a_linked_or_foreign_directory_is_refused(tmp_path):
+    """The namespace or a key's subdirectory swapped for a link to a directory someone else
+    controls: the store refuses it rather than write blocks there."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (tmp_path / "root").mkdir()
+    (tmp_path / "root" / "ns").symlink_to(elsewhere)
+    with pytest.raises(NotADirectoryError):
+        FileStore(tmp_path / "root", "ns")
+    store = FileStore(tmp_path, "ns")
+    store.path(KEY).parent.symlink_to(elsewhere)
+    with pytest.raises(NotADirectoryError):
+        store.write(KEY, payload(), FP)
+    assert list(elsewhere.iterdir()) == []
 
 
 def test_index_evicts_least_hit_of_the_lru_window():
