@@ -11,6 +11,7 @@ import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -77,19 +78,18 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
                 return Response(raw, media_type="application/json")
         raise ProxyError(503, "no healthy instance to list models", code="no_upstream")
 
+    monitor_secret = config.monitor_secret()
+
     @app.get("/health")
-    async def health() -> JSONResponse:
+    async def health(request: Request) -> JSONResponse:
         decode = len(service.fleet.healthy("decode"))
         prefill = len(service.fleet.healthy("prefill"))
         status = 200 if decode else 503
-        return JSONResponse(
-            {
-                "status": "ok" if decode else "no_decode",
-                "healthy_decode": decode,
-                "healthy_prefill": prefill,
-            },
-            status_code=status,
-        )
+        body: dict[str, Any] = {"status": "ok" if decode else "no_decode"}
+        # the status for anyone (load balancers); the fleet's size only with the token
+        if monitor_secret is None or _bearer_ok(request.scope, monitor_secret):
+            body.update(healthy_decode=decode, healthy_prefill=prefill)
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics")
     async def metrics() -> Response:
@@ -126,7 +126,8 @@ _COMPLETIONS: dict[str, Route] = {path: route for route, path in PATHS.items()}
 
 
 class FrontDoor:
-    """API key on ``/v1/*``, admin token on ``/admin/*``; POSTs to the completion routes go
+    """API key on ``/v1/*``, admin token on ``/admin/*``, metrics token (else the API key) on
+    ``/metrics``; POSTs to the completion routes go
     straight to the service; everything else to FastAPI. Plain ASGI.
 
     Starlette's ``@app.middleware("http")`` wraps every request in a task group and memory
@@ -143,6 +144,7 @@ class FrontDoor:
         self.fast_path = service.fast_path
         self.api_key = config.api_key.get_secret_value() if config.api_key else None
         self.admin_token = config.admin_token.get_secret_value() if config.admin_token else None
+        self.monitor_secret = config.monitor_secret()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
@@ -151,6 +153,9 @@ class FrontDoor:
             if path.startswith("/v1/") and self.api_key is not None:
                 if not _bearer_ok(scope, self.api_key):
                     error = ProxyError(401, "invalid or missing API key", code="invalid_api_key")
+            elif path == "/metrics" and self.monitor_secret is not None:
+                if not _bearer_ok(scope, self.monitor_secret):
+                    error = ProxyError(401, "invalid or missing metrics token")
             elif path.startswith("/admin/"):
                 if self.admin_token is None:
                     error = ProxyError(404, "admin endpoints are disabled")

@@ -156,6 +156,17 @@ class ProxyConfig(_Strict):
     )
     api_key: SecretStr | None = None
     admin_token: SecretStr | None = None
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="bearer token for /metrics and /health's detail; unset: api_key's when "
+        "that is set, else both are open",
+    )
+
+    def monitor_secret(self) -> str | None:
+        """The bearer token /metrics and /health's detail need (None: open)."""
+        secret = self.metrics_token or self.api_key
+        return secret.get_secret_value() if secret is not None else None
+
     affinity_prefix_chars: int = Field(1024, ge=16, description="prefix-affinity key length")
     decision: DecisionConfig = DecisionConfig()
     timeouts: TimeoutConfig = TimeoutConfig()

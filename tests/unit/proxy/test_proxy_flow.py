@@ -467,6 +467,30 @@ def test_admission_limit_answers_429_with_retry_after(engines):
         assert metric(base, "vllm_pd_rejected_total", reason="queue_full") == 1
 
 
+@pytest.mark.parametrize("metrics_token", [None, "scrape"])
+def test_metrics_and_health_detail_are_closed_with_an_api_key(engines, metrics_token):
+    """With an API key set, /metrics (upstream URLs, traffic) needs a bearer token: the
+    metrics token when one is set, else the API key. /health still answers everyone (load
+    balancers probe it) but shows the fleet's size only with that token."""
+    token = metrics_token or "sekret"
+    overrides = {"metrics_token": metrics_token} if metrics_token else {}
+    with proxy(engines, api_key="sekret", **overrides) as (base, _):
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            resp = httpx.get(f"{base}/metrics", headers=headers, timeout=60)
+            assert resp.status_code == 401, resp.text
+            assert engines["d1"].url not in resp.text
+        ok = httpx.get(f"{base}/metrics", headers={"Authorization": f"Bearer {token}"})
+        assert ok.status_code == 200 and "vllm_pd_requests_total" in ok.text
+        assert engines["d1"].url in ok.text
+        open_health = httpx.get(f"{base}/health", timeout=60)
+        assert open_health.status_code == 200 and open_health.json() == {"status": "ok"}
+        detail = httpx.get(f"{base}/health", headers={"Authorization": f"Bearer {token}"})
+        assert detail.json() == {"status": "ok", "healthy_decode": 2, "healthy_prefill": 2}
+    with proxy(engines) as (base, _):  # no key at all: both open (loopback by default)
+        assert httpx.get(f"{base}/metrics", timeout=60).status_code == 200
+        assert "healthy_decode" in httpx.get(f"{base}/health", timeout=60).json()
+
+
 def test_api_key_and_admin_token(engines):
     with proxy(engines, api_key="sekret", admin_token="adm") as (base, _):
         body = {"model": "m", "prompt": SHORT, "max_tokens": 1}
