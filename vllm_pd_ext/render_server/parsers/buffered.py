@@ -88,8 +88,7 @@ class Llama3JsonToolParser(BufferedToolParser):
             if start <= end:
                 continue
             try:
-                obj, length = self._decoder.raw_decode(text[start:])
-                end = start + length
+                obj, end = self._decoder.raw_decode(text, start)  # no copy of the rest
                 args = obj["arguments"] if "arguments" in obj else obj["parameters"]
                 calls.append(
                     {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
@@ -112,24 +111,49 @@ DS_CALL_END = _ds("tool call end")
 DS_SEP = _ds("tool sep")
 
 
+_JSON_FENCE = "```json\n"
+_CALL_CLOSE = "```" + DS_CALL_END
+
+
+def deepseek_v3_calls(text: str) -> list[tuple[str, str]]:
+    """``(name, arguments)`` of each call in ``text``, exactly the matches of vLLM's
+    ``deepseek_v3`` pattern ``BEGIN(?P<type>.*)SEP(?P<name>.*)\\n```json\\n(?P<args>.*)\\n```END``
+    (``.`` stops at a line break), found in one pass instead of by backtracking, which costs
+    the cube of the length on model output full of markers.
+
+    What the pattern matches, read off its shape: a call starts at the first BEGIN on a line
+    that has a SEP after it; the name is the rest of the line after the line's last SEP (the
+    type is greedy); the next line is exactly ```json; the arguments are the whole line after
+    it; the line after that starts with ```END. A line whose first BEGIN fails cannot match
+    from a later BEGIN either (that one has fewer SEPs after it), so the search goes on at the
+    next line; after a match, right after its END.
+    """
+    calls: list[tuple[str, str]] = []
+    pos = 0
+    while (begin := text.find(DS_CALL_BEGIN, pos)) >= 0:
+        eol = text.find("\n", begin)
+        if eol < 0:
+            break
+        sep = text.rfind(DS_SEP, begin + len(DS_CALL_BEGIN), eol)
+        if sep >= 0 and text.startswith(_JSON_FENCE, eol + 1):
+            args = eol + 1 + len(_JSON_FENCE)
+            args_end = text.find("\n", args)
+            if args_end >= 0 and text.startswith(_CALL_CLOSE, args_end + 1):
+                calls.append((text[sep + len(DS_SEP) : eol], text[args:args_end]))
+                pos = args_end + 1 + len(_CALL_CLOSE)
+                continue
+        pos = eol + 1
+    return calls
+
+
 class DeepSeekV3ToolParser(BufferedToolParser):
     """vLLM's ``deepseek_v3``: typed calls with a fenced json block, between DeepSeek markers."""
 
     markers = (DS_CALLS_BEGIN,)
-    _call = re.compile(
-        re.escape(DS_CALL_BEGIN)
-        + r"(?P<type>.*)"
-        + re.escape(DS_SEP)
-        + r"(?P<name>.*)\n```json\n(?P<args>.*)\n```"
-        + re.escape(DS_CALL_END)
-    )
 
     def extract(self, text: str, content: str | None) -> tuple[list[dict[str, str]], str | None]:
         if DS_CALLS_BEGIN not in text:
             return [], content
-        calls = [
-            {"name": m.group("name"), "arguments": m.group("args")}
-            for m in self._call.finditer(text)
-        ]
+        calls = [{"name": name, "arguments": args} for name, args in deepseek_v3_calls(text)]
         before = text[: text.find(DS_CALLS_BEGIN)]
         return calls, before or None

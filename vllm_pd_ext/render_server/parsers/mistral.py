@@ -42,7 +42,17 @@ TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 _ALNUM = string.ascii_letters + string.digits
 _DECODER = json.JSONDecoder()
-_ARRAY_RE = re.compile(r"\[{.*}\]", re.DOTALL)
+
+
+def first_array(body: str) -> str | None:
+    """The first match of vLLM's ``\\[{.*}\\]`` (dot matching line breaks) in ``body``, found
+    without backtracking (which is quadratic in the length): from the first ``[{`` to the
+    last ``}]`` after it."""
+    start = body.find("[{")
+    if start < 0:
+        return None
+    end = body.rfind("}]", start + 2)
+    return body[start : end + 2] if end >= 0 else None
 
 
 def mistral_tool_call_id() -> str:
@@ -261,9 +271,10 @@ class MistralLegacyToolParser(BufferedToolParser):
         try:
             parsed, _ = _DECODER.raw_decode(body)
         except ValueError:
+            array = first_array(body)
             try:
-                parsed = json.loads(_ARRAY_RE.findall(body)[0])
-            except (IndexError, ValueError):
+                parsed = json.loads(array) if array is not None else None
+            except ValueError:
                 parsed = None
         calls = _legacy_calls(parsed)
         if not calls:
