@@ -363,9 +363,11 @@ class Derenderer:
                 pstate = state.parser_state
                 if pstate is None:
                     pstate = parser.initial_state(req.prompt_token_ids or [])
-                delta, pstate = parser.parse_delta(
-                    pstate, text, delta_ids, finished=finish_reason is not None
-                )
+                    delta, pstate = parser.parse_delta(
+                        pstate, text, delta_ids, finished=finish_reason is not None
+                    )
+                else:
+                    delta, pstate = _parse_carried(parser, pstate, text, delta_ids, finish_reason)
                 update["parser_state"] = pstate
                 tools_streamed = state.tools_streamed
                 ids = list(state.last_tool_call_ids)
@@ -578,6 +580,24 @@ def _check_chat_request(chat_request: ChatCompletionRequest | None) -> None:
     ``chat_request`` a derender call carries (e.g. a named tool that is not in ``tools``)."""
     if chat_request is not None:
         check_tool_usage({"tools": chat_request.tools, "tool_choice": chat_request.tool_choice})
+
+
+def _parse_carried(
+    parser: ChatParser,
+    pstate: dict[str, Any],
+    text: str,
+    token_ids: list[int],
+    finish_reason: str | None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``parse_delta`` over a parser state the client carried: a state of the wrong shape
+    (forged, or from another parser's configuration) is the client's mistake, a 400."""
+    try:
+        return parser.parse_delta(pstate, text, token_ids, finished=finish_reason is not None)
+    except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+        raise RenderError(
+            f"invalid stream_state.parser_state ({type(exc).__name__})",
+            param="stream_state.parser_state",
+        ) from None
 
 
 def _check_window(state: DerenderStreamState) -> None:

@@ -371,6 +371,35 @@ def test_reasoning_and_tool_call_stream(parser_client, size):
     assert finish == "tool_calls"
 
 
+@pytest.mark.parametrize(
+    "forged",
+    [
+        {"tools": 5},
+        {"tools": {"buf": 3, "in_calls": "x", "seen": []}},
+        {"reasoning_ended": False, "seen_start": "x", "pending": 7, "tools": {}},
+        {"tools": {"buf": "<tool_call>", "in_calls": True, "seen": 1}},
+        {"tools": []},
+    ],
+)
+def test_a_forged_parser_state_is_refused_or_read_never_a_500(parser_client, forged):
+    """The parser state rides with the client between streaming calls: one the parser cannot
+    read is refused as the client's mistake (400 naming it); one it can read (wrong types it
+    coerces) is parsed. Never an internal error."""
+    ids = _ids(parser_client, "hello <tool_call>")
+    body = {
+        "stream": True,
+        "generate_chunk": {"choices": [{"token_ids": ids, "finish_reason": "stop"}]},
+        "chat_request": _parser_chat_request(),
+        "prompt_token_ids": [1, 2],
+    }
+    resp = parser_client.post(
+        "/v1/chat/completions/derender", json={**body, "stream_state": {"parser_state": forged}}
+    )
+    assert resp.status_code in (200, 400), resp.text
+    if resp.status_code == 400:
+        assert resp.json()["error"]["param"] == "stream_state.parser_state"
+
+
 def test_parser_server_requires_chat_request(parser_client):
     resp = parser_client.post(
         "/v1/chat/completions/derender",
