@@ -4,8 +4,10 @@ The Rust tokenizer cuts added tokens (``<|im_start|>``, ``<|im_end|>``, ...) out
 before normalizing and pre-tokenizing, so each stretch of text between two added tokens is
 tokenized on its own. A chat prompt is therefore the concatenation of those segments' ids, and a
 conversation's earlier turns are segments already seen. This cache keys ids by segment text
-(LRU, bounded by characters) and only tokenizes segments it has not seen: turn *k+1* costs the
-new messages, not the whole history, and the ids equal a full ``encode`` exactly.
+(LRU, bounded by the bytes its entries hold: the text and its ids packed 4 bytes each, not as
+Python ints, which cost ~58 bytes per character of text) and only tokenizes segments it has not
+seen: turn *k+1* costs the new messages, not the whole history, and the ids equal a full
+``encode`` exactly.
 
 It is enabled only for tokenizers where that equivalence holds (added tokens without
 ``lstrip``/``rstrip``/``single_word``, and either no normalizer or only added tokens matched on
@@ -16,7 +18,9 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +29,9 @@ logger = logging.getLogger(__name__)
 
 #: Segments shorter than this are tokenized directly (a dict entry costs more than they do).
 MIN_CACHED_CHARS = 64
+#: What one entry costs beyond its text and its ids: the ids' array object and the dict and
+#: LRU links.
+_ENTRY_OVERHEAD = sys.getsizeof(array("I")) + 100
 
 
 def supports_segment_cache(backend: Any) -> bool:
@@ -52,7 +59,7 @@ def added_token_splitter(backend: Any) -> re.Pattern[str]:
 
 
 class SegmentCache:
-    """Thread-safe LRU of segment text -> token ids, bounded by total characters.
+    """Thread-safe LRU of segment text -> token ids, bounded by the bytes it holds.
 
     ``encode_pieces`` encodes texts without added tokens (default: the Rust tokenizer's batch
     encode; the render server passes the tiktoken fast path when it is exact, see
@@ -62,17 +69,18 @@ class SegmentCache:
     def __init__(
         self,
         backend: Any,
-        max_chars: int = 64 * 1024 * 1024,
+        max_bytes: int = 256 << 20,
         encode_pieces: Callable[[list[str]], list[list[int]]] | None = None,
     ) -> None:
         self.backend = backend
-        self.max_chars = max_chars
+        self.max_bytes = max_bytes
         added = backend.get_added_tokens_decoder()
         self.added_ids = {tok.content: tid for tid, tok in added.items()}
         self.splitter = added_token_splitter(backend)
         self.encode_pieces = encode_pieces or self._hf_encode_pieces
-        self._entries: OrderedDict[str, list[int]] = OrderedDict()
-        self._chars = 0
+        self._entries: OrderedDict[str, array[int]] = OrderedDict()
+        #: What the entries hold: text, packed ids and each entry's overhead.
+        self.bytes = 0
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -82,7 +90,7 @@ class SegmentCache:
         pieces = self.splitter.split(text)
         out: list[int] = []
         misses: list[tuple[int, str]] = []
-        parts: list[list[int] | None] = []
+        parts: list[list[int] | array[int] | None] = []
         with self._lock:
             for i, piece in enumerate(pieces):
                 if not piece:
@@ -115,8 +123,13 @@ class SegmentCache:
     def _put(self, piece: str, ids: list[int]) -> None:
         if piece in self._entries:
             return
-        self._entries[piece] = ids
-        self._chars += len(piece)
-        while self._chars > self.max_chars and self._entries:
-            old, _ = self._entries.popitem(last=False)
-            self._chars -= len(old)
+        packed = array("I", ids)
+        self._entries[piece] = packed
+        self.bytes += _cost(piece, packed)
+        while self.bytes > self.max_bytes and self._entries:
+            old, old_ids = self._entries.popitem(last=False)
+            self.bytes -= _cost(old, old_ids)
+
+
+def _cost(piece: str, ids: array[int]) -> int:
+    return sys.getsizeof(piece) + ids.itemsize * len(ids) + _ENTRY_OVERHEAD

@@ -43,8 +43,32 @@ def test_multi_turn_ids_equal_full_encode_and_reuse_history(name, request):
 
 def test_cache_is_bounded(tiny_qwen):
     tok = load_tokenizer(tiny_qwen, None)
-    cache = SegmentCache(tok.backend, max_chars=1000)
+    cache = SegmentCache(tok.backend, max_bytes=4000)
     for i in range(50):
         text = f"<|im_start|>user\n{i} " + "word " * 40 + "<|im_end|>"
         assert cache.encode(text) == tok.backend.encode(text, add_special_tokens=False).ids
-    assert cache._chars <= 1000
+    assert 0 < cache.bytes <= 4000
+
+
+def test_the_bound_is_what_the_cache_really_holds(tiny_qwen):
+    """Filled far past its bound with distinct segments, the cache holds no more memory than
+    its bound says (measured with tracemalloc, not estimated): ids are packed, not ints."""
+    import tracemalloc
+
+    tok = load_tokenizer(tiny_qwen, None)
+    bound = 2 << 20
+    cache = SegmentCache(tok.backend, max_bytes=bound)
+    rng = random.Random(3)
+    texts = [
+        "<|im_start|>user\n" + _text(rng, 60) + f" {i}<|im_end|>" for i in range(1500)
+    ]  # ~4x the bound in entries
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for text in texts:
+            cache.encode(text)
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert cache.bytes <= bound
+    assert held <= 1.25 * bound, f"{held} bytes held for a bound of {bound}"
