@@ -7,7 +7,6 @@ FastAPI serves the rest (models, health, metrics, admin).
 from __future__ import annotations
 
 import gc
-import hmac
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,14 +22,9 @@ from vllm_pd_ext.proxy.front_protocol import fast_cycle, front_protocol
 from vllm_pd_ext.proxy.request import PATHS, Route
 from vllm_pd_ext.proxy.service import ProxyService
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
+from vllm_pd_ext.util.auth import bearer_ok
 
 logger = logging.getLogger(__name__)
-
-
-def _bearer_ok(scope, secret: str) -> bool:
-    header = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
-    scheme, _, token = header.decode("latin-1").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(token.encode(), secret.encode())
 
 
 def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
@@ -87,7 +81,7 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
         status = 200 if decode else 503
         body: dict[str, Any] = {"status": "ok" if decode else "no_decode"}
         # the status for anyone (load balancers); the fleet's size only with the token
-        if monitor_secret is None or _bearer_ok(request.scope, monitor_secret):
+        if monitor_secret is None or bearer_ok(request.scope, monitor_secret):
             body.update(healthy_decode=decode, healthy_prefill=prefill)
         return JSONResponse(body, status_code=status)
 
@@ -151,15 +145,15 @@ class FrontDoor:
             path: str = scope["path"]
             error: ProxyError | None = None
             if path.startswith("/v1/") and self.api_key is not None:
-                if not _bearer_ok(scope, self.api_key):
+                if not bearer_ok(scope, self.api_key):
                     error = ProxyError(401, "invalid or missing API key", code="invalid_api_key")
             elif path == "/metrics" and self.monitor_secret is not None:
-                if not _bearer_ok(scope, self.monitor_secret):
+                if not bearer_ok(scope, self.monitor_secret):
                     error = ProxyError(401, "invalid or missing metrics token")
             elif path.startswith("/admin/"):
                 if self.admin_token is None:
                     error = ProxyError(404, "admin endpoints are disabled")
-                elif not _bearer_ok(scope, self.admin_token):
+                elif not bearer_ok(scope, self.admin_token):
                     error = ProxyError(401, "invalid or missing admin token")
             if error is not None:
                 await error_response(error)(scope, receive, send)

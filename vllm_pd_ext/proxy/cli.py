@@ -92,7 +92,7 @@ def add_parser(subparsers: Any) -> None:
 def build_config(args: argparse.Namespace) -> ProxyConfig:
     """Merge file, environment and flags (later wins) into one validated config."""
     data: dict[str, Any] = read_mapping(args.config) if args.config else {}
-    for key in ("api_key", "admin_token", "metrics_token", "host", "port"):
+    for key in ("api_key", "admin_token", "metrics_token", "render_api_key", "host", "port"):
         value = os.environ.get(ENV_PREFIX + key.upper())
         if value:
             data[key] = value

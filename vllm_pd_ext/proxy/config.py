@@ -156,6 +156,9 @@ class ProxyConfig(_Strict):
     )
     api_key: SecretStr | None = None
     admin_token: SecretStr | None = None
+    render_api_key: SecretStr | None = Field(
+        None, description="token mode: the render servers' API key (sent as a bearer token)"
+    )
     metrics_token: SecretStr | None = Field(
         None,
         description="bearer token for /metrics and /health's detail; unset: api_key's when "

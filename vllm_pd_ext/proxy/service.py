@@ -120,6 +120,11 @@ class ProxyService:
                 timeout_s=t.render_s,
                 connect_s=t.connect_s,
                 max_connections=self.config.max_in_flight,
+                api_key=(
+                    self.config.render_api_key.get_secret_value()
+                    if self.config.render_api_key
+                    else None
+                ),
             )
         await self.fleet.start()
 

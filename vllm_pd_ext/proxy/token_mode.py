@@ -122,12 +122,14 @@ class RenderTier:
         connect_s: float,
         max_connections: int,
         backoff_s: float = 2.0,
+        api_key: str | None = None,
     ):
         self.upstreams = [Upstream(u, max_connections=max_connections) for u in urls]
         self._down_until = [0.0] * len(urls)
         self._next = 0
         self._backoff_s = backoff_s
         self._timeout = Timeouts(total=timeout_s, connect=connect_s).client()
+        self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
     async def close(self) -> None:
         for upstream in self.upstreams:
@@ -148,7 +150,7 @@ class RenderTier:
             upstream = self.upstreams[i]
             try:
                 status, raw = await upstream.fetch(
-                    "POST", path, self._timeout, body, {"X-Request-Id": request_id}
+                    "POST", path, self._timeout, body, {"X-Request-Id": request_id, **self._auth}
                 )
             except UpstreamError as exc:
                 if exc.down:
@@ -158,6 +160,12 @@ class RenderTier:
                 raise ProxyError(
                     502, f"render server {upstream.base_url}: {exc.kind}", code="render_failed"
                 ) from None
+            if status == 401:  # the proxy's configuration, not the client's mistake
+                raise ProxyError(
+                    502,
+                    f"render server {upstream.base_url} refused the proxy's render_api_key",
+                    code="render_failed",
+                )
             if 400 <= status < 500:
                 raise passthrough(status, raw)
             if status != 200:

@@ -17,7 +17,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, SecretStr, ValidationError
 
 from vllm_pd_ext.render_server.derender import Derenderer
 from vllm_pd_ext.render_server.errors import (
@@ -38,8 +38,9 @@ from vllm_pd_ext.render_server.protocol import (
     DerenderCompletionStreamRequest,
 )
 from vllm_pd_ext.render_server.renderer import Renderer
-from vllm_pd_ext.render_server.settings import RenderSettings
+from vllm_pd_ext.render_server.settings import API_KEY_ENV, RenderSettings
 from vllm_pd_ext.render_server.tokenizer import load_tokenizer
+from vllm_pd_ext.util.auth import bearer_ok
 
 logger = logging.getLogger(__name__)
 
@@ -326,9 +327,33 @@ def create_app(settings: RenderSettings) -> FastAPI:
         )
 
     app.openapi = lambda: build_openapi(app)  # type: ignore[method-assign]
+    if settings.api_key is not None:
+        app.add_middleware(_ApiKey, secret=settings.api_key.get_secret_value())
     return app
 
 
+class _ApiKey:
+    """Every route but ``/health`` needs ``Authorization: Bearer <api key>`` (plain ASGI: no
+    task group per request)."""
+
+    def __init__(self, app: Any, secret: str) -> None:
+        self.app = app
+        self.secret = secret
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        needs_key = scope["type"] == "http" and scope["path"] != "/health"
+        if needs_key and not bearer_ok(scope, self.secret):
+            body = error_body("invalid or missing API key", err_type="Unauthorized", code=401)
+            await JSONResponse(body, status_code=401)(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
+
+
 def app_from_env() -> FastAPI:
-    """uvicorn factory for worker processes: settings come from :data:`SETTINGS_ENV`."""
-    return create_app(RenderSettings.model_validate_json(os.environ[SETTINGS_ENV]))
+    """uvicorn factory for worker processes: settings come from :data:`SETTINGS_ENV`, the
+    API key from :data:`API_KEY_ENV`."""
+    settings = RenderSettings.model_validate_json(os.environ[SETTINGS_ENV])
+    key = os.environ.get(API_KEY_ENV)
+    if key:
+        settings = settings.model_copy(update={"api_key": SecretStr(key)})
+    return create_app(settings)

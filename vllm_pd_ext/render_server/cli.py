@@ -10,7 +10,7 @@ import sys
 
 from pydantic import ValidationError
 
-from vllm_pd_ext.render_server.settings import RenderSettings
+from vllm_pd_ext.render_server.settings import API_KEY_ENV, RenderSettings
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,7 @@ def settings_from_args(args: argparse.Namespace) -> RenderSettings:
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         fast_bpe=args.fast_bpe,
         max_logprobs=args.max_logprobs,
+        api_key=os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
         log_level=args.log_level,
     )

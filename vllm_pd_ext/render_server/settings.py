@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from vllm_pd_ext.render_server.parsers import REASONING_PARSERS, TOOL_PARSERS
 
@@ -46,6 +46,11 @@ def _check_vllm_registered(kind: str, name: str) -> None:
         )
 
 
+#: Where ``vllm-pd render`` and its worker processes read the API key (never a flag: it would
+#: show in the process list).
+API_KEY_ENV = "VLLM_PD_RENDER_API_KEY"
+
+
 class RenderSettings(BaseModel):
     """Everything a render server needs; validated once, fails fast on a bad value."""
 
@@ -80,6 +85,11 @@ class RenderSettings(BaseModel):
         "ids identical to the HF tokenizer (else HF is used); False: always HF",
     )
     max_logprobs: int = Field(default=20, ge=-1)
+    api_key: SecretStr | None = Field(
+        default=None,
+        exclude=True,  # never in a dump: workers read it from API_KEY_ENV themselves
+        description=f"bearer token every route but /health needs (from ${API_KEY_ENV})",
+    )
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
     max_n: int = Field(default=16384, ge=1)
     log_level: str = "info"

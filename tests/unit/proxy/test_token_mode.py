@@ -222,6 +222,25 @@ def test_render_400_passes_through(engines, render_url):
     assert not any(sent(e) for e in engines.values())
 
 
+def test_a_render_server_with_an_api_key(engines, tiny_llama):
+    """A render server started with an API key answers only the proxy that has it; a proxy
+    without it gets 502 render_failed (its configuration), never the render server's 401."""
+    settings = RenderSettings(model=str(tiny_llama), served_model_name=MODEL, api_key="rk")
+    body = {"model": MODEL, "prompt": SHORT, "max_tokens": 2}
+    with ServerThread(create_render_app(settings)) as server:
+        url = f"http://127.0.0.1:{server.port}"
+        assert httpx.get(f"{url}/health", timeout=30).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer nope"}):
+            direct = httpx.post(f"{url}/v1/completions/render", json=body, headers=headers)
+            assert direct.status_code == 401 and direct.json()["error"]["code"] == 401
+        with proxy(engines, render=[url], render_api_key="rk") as (base, _):
+            ok = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+            assert ok.status_code == 200, ok.text
+        with proxy(engines, render=[url]) as (base, _):
+            refused = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
+            assert refused.status_code == 502 and refused.json()["error"]["code"] == "render_failed"
+
+
 def test_render_tier_unreachable_is_502(engines):
     dead = f"http://127.0.0.1:{free_port()}"
     with proxy(engines, render=[dead]) as (base, _):
