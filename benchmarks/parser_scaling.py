@@ -44,24 +44,30 @@ def _case(
     sizes: list[int],
     rounds: int,
     limit_s: float,
+    power: int,
 ) -> dict[str, Any]:
+    """``power``: how vLLM's time grows with the length (3: cubic), to stop it before a size
+    whose estimate passes ``limit_s``."""
     rows = []
     vllm_on = True
+    last: tuple[int, float] | None = None
     for n in sizes:
-        text = unit * (n // len(unit))
+        text = unit * max(1, n // len(unit))
+        if vllm_on and last is not None and last[1] * (len(text) / last[0]) ** power > limit_s:
+            vllm_on = False
         row: dict[str, Any] = {"chars": len(text), "ours_s": [], "vllm_s": []}
         for _ in range(rounds):
             row["ours_s"].append(_timed(ours, text))
             if vllm_on:
                 row["vllm_s"].append(_timed(theirs, text))
-        if row["vllm_s"] and max(row["vllm_s"]) > limit_s:
-            vllm_on = False
+        if row["vllm_s"]:
+            last = (len(text), max(row["vllm_s"]))
         rows.append(row)
         print(
             f"{name} {len(text):>8} chars: ours {min(row['ours_s']) * 1e3:8.2f} ms"
             + (f", vLLM {min(row['vllm_s']) * 1e3:10.1f} ms" if row["vllm_s"] else "")
         )
-    return {"input": f"{unit!r} repeated", "rows": rows}
+    return {"input": f"{unit!r} repeated", "vllm_growth_power": power, "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -82,6 +88,17 @@ def main(argv: list[str] | None = None) -> int:
             sizes,
             args.rounds,
             args.vllm_limit_s,
+            3,
+        ),
+        "deepseek_v3_lines": _case(
+            "deepseek_v3_lines",
+            (DS_CALL_BEGIN + DS_SEP) * 40 + "\n",
+            deepseek_v3_calls,
+            lambda t: list(deepseek.finditer(t)),
+            sizes,
+            args.rounds,
+            args.vllm_limit_s,
+            1,
         ),
         "mistral_array": _case(
             "mistral_array",
@@ -91,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             [*sizes, 4000000],
             args.rounds,
             args.vllm_limit_s,
+            2,
         ),
     }
     commit = subprocess.run(
