@@ -171,3 +171,35 @@ def test_side_channel_port_in_use_is_a_clear_error():
             SideChannelServer("127.0.0.1", server.port, dict)
     finally:
         server.close()
+
+
+@pytest.mark.parametrize(
+    ("host", "warned"),
+    [
+        ("127.0.0.1", False),
+        ("::1", False),
+        ("localhost", False),
+        ("0.0.0.0", True),
+        ("10.1.2.3", True),
+    ],
+)
+def test_an_unauthenticated_listener_beyond_loopback_is_warned_about(caplog, host, warned):
+    from vllm_pd_ext.connectors.common.side_channel import warn_if_exposed
+
+    with caplog.at_level("WARNING"):
+        warn_if_exposed(host, "the KV side channel")
+    lines = [r.getMessage() for r in caplog.records if "without authentication" in r.getMessage()]
+    assert len(lines) == int(warned)
+
+
+def test_kv_listeners_bind_loopback_unless_configured(tiny_qwen, monkeypatch):
+    """Without kv_ip, VLLM_HOST_IP or a host in the connector's config, the side channel and
+    the data server bind 127.0.0.1, never this host's routable address."""
+    from tests.unit.connectors.sched_harness import make_vllm_config
+    from vllm_pd_ext.connectors.common.scheduler import default_host
+
+    config = make_vllm_config(tiny_qwen, "kv_producer")
+    monkeypatch.delenv("VLLM_HOST_IP", raising=False)
+    assert default_host(config) == "127.0.0.1"
+    monkeypatch.setenv("VLLM_HOST_IP", "10.9.8.7")
+    assert default_host(config) == "10.9.8.7"

@@ -28,7 +28,8 @@ class TransferConfig(BaseModel):
     )
     backend_settings: dict[str, Any] = Field(
         default_factory=dict,
-        description="Backend settings, e.g. {'protocol': 'rdma'}; 'host' defaults to this IP.",
+        description="Backend settings, e.g. {'protocol': 'rdma'}; 'host' defaults as "
+        "side_channel_host does.",
     )
     transfer_mode: Literal["read", "write"] = Field(
         "read",
@@ -37,8 +38,9 @@ class TransferConfig(BaseModel):
     )
     side_channel_host: str | None = Field(
         None,
-        description="Host of the prefill side's handshake server; default: this host's IP "
-        "(VLLM_HOST_IP).",
+        description="Host the prefill side's handshake server binds and advertises; default: "
+        "VLLM_HOST_IP when set, else 127.0.0.1 (it authenticates nobody: name an address only "
+        "on a private network).",
     )
     side_channel_port: int | None = Field(
         None,

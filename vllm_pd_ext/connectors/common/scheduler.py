@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -73,14 +74,17 @@ def side_channel_address(vllm_config: VllmConfig, cfg: TransferConfig) -> tuple[
 
 
 def default_host(vllm_config: VllmConfig) -> str:
-    """The IP this engine advertises when the config names none (``kv_ip``, else vLLM's
-    guess of this host's IP, which honours ``VLLM_HOST_IP``)."""
+    """The address this engine's KV listeners bind and advertise when the config names none:
+    ``kv_ip`` where vLLM's config has it, else ``VLLM_HOST_IP`` when set, else 127.0.0.1. The
+    listeners authenticate nobody, so they face the network only when someone says so."""
     kv_ip = getattr(vllm_config.kv_transfer_config, "kv_ip", None)
     if kv_ip:
         return str(kv_ip)
-    from vllm.utils.network_utils import get_ip
+    return os.environ.get("VLLM_HOST_IP") or LOOPBACK
 
-    return get_ip()
+
+#: Where the KV listeners bind unless configured otherwise.
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass(frozen=True)

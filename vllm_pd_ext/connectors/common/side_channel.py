@@ -9,6 +9,7 @@ one (answered only once no write into it is in flight). Bodies are JSON, capped 
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import threading
@@ -139,3 +140,18 @@ def post_json(host: str, port: int, path: str, body: dict[str, Any], timeout: fl
             r.read()
     except (OSError, urllib.error.URLError) as e:
         raise SideChannelError(f"POST {path} to {host}:{port} failed: {e}") from e
+
+
+def warn_if_exposed(host: str, what: str) -> None:
+    """One WARNING line when an unauthenticated KV listener binds beyond loopback."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        logger.warning(
+            "%s listens on %s without authentication: anyone who can reach it can read and "
+            "write this engine's KV cache regions. Keep it on a private network.",
+            what,
+            host,
+        )

@@ -52,6 +52,7 @@ from vllm_pd_ext.connectors.common.side_channel import (
     SideChannelServer,
     fetch_handshake,
     post_json,
+    warn_if_exposed,
 )
 from vllm_pd_ext.connectors.common.stats import StatsRecorder
 from vllm_pd_ext.transport import Transport, TransportDescriptor, TransportError, get_backend
@@ -176,10 +177,12 @@ class TransferWorker:
         )
         settings = dict(self.cfg.backend_settings)
         settings.setdefault("host", self.kv_ip)
+        warn_if_exposed(str(settings["host"]), f"the {self.cfg.backend} KV data server")
         self.transport = get_backend(self.cfg.backend, **settings)
         for name, tensor in tensors.items():
             self.transport.register_tensor(name, tensor)
         if self.is_producer:
+            warn_if_exposed(self.side_host, "the KV side channel")
             self._server = SideChannelServer(
                 self.side_host,
                 self.side_port,
