@@ -356,3 +356,47 @@ def test_write_cancelled_by_a_decode_that_timed_out_is_never_written(pair):
     for layer in dc:
         assert torch.count_nonzero(block(dc, layer, 4)) == 0
         assert torch.count_nonzero(block(dc, layer, 8)) == 0
+
+
+def test_a_second_offer_for_a_transfer_is_refused_and_the_first_gets_the_push(pair, backend):
+    """Someone who learns a transfer id offers blocks of their own for it after the real
+    decode worker did: the prefill side refuses the second offer (first writer wins), and the
+    push lands in the real decode worker's blocks only."""
+    p, pc, d, dc, port = pair
+    thief = worker("kv_consumer", free_port(), backend=backend)
+    tc = caches(False)
+    thief.register_kv_caches(tc)
+    try:
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-9", ((1, 2),))]))
+        write_offer(d, port, "t-9", ((4, 0), (8, 1)))
+        poll(lambda: "t-9" in p._targets, "the real offer")
+        write_offer(thief, port, "t-9", ((4, 0), (8, 1)))
+        refused = poll(lambda: thief.get_finished(set())[1], "the thief's refusal")
+        assert refused == {"d-req"} and thief.get_block_ids_with_load_errors() == {4, 8}
+        for layer in pc:
+            p.save_kv_layer(layer)
+        p.wait_for_save()
+        p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), "t-9")]))
+        assert poll(lambda: d.get_finished(set())[1], "the push") == {"d-req"}
+        assert_copied(pc, dc, [(1, 4), (2, 8)])
+        assert all(torch.count_nonzero(t) == 0 for t in tc.values())
+    finally:
+        thief.shutdown()
+
+
+def test_a_written_notice_nobody_waits_for_is_dropped(pair, caplog):
+    """'written' notices for transfers no load waits for (forged, or from nobody we asked)
+    are not kept: they cannot fill the decode worker's memory or complete a later load."""
+    p, _pc, d, _dc, _port = pair
+    assert p.transport is not None and d.transport is not None
+    peer = p.transport.connect(d.transport.descriptor())
+    for i in range(50):
+        p._notify(peer, {"op": "written", "transfer_id": f"forged-{i}", "ok": True})
+
+    def dropped() -> int:
+        d.get_finished(set())  # handles the notices that arrived
+        return sum("ignored a 'written' notice" in r.getMessage() for r in caplog.records)
+
+    with caplog.at_level("WARNING"):
+        poll(lambda: dropped() == 50, "all 50 notices handled")
+    assert d._written == {}

@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 #: Handshake document format version.
 HANDSHAKE_VERSION = 1
+#: WRITE offers a prefill worker keeps at once (each waits for its prefill request, or for
+#: ``_prune_offers``); more are refused.
+MAX_OFFERS = 4096
 
 
 class LoadFailed(RuntimeError):
@@ -147,6 +150,9 @@ class TransferWorker:
         self._loads: dict[str, Future] = {}
         self._load_blocks: dict[str, tuple[int, ...]] = {}
         self._written: dict[str, tuple[bool, str]] = {}  # transfer id -> (ok, error)
+        #: WRITE transfers a load is waiting for: only their "written" notices are kept, so
+        #: notices nobody asked for cannot fill ``_written``.
+        self._awaiting: set[str] = set()
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
         # prefill side
@@ -334,6 +340,8 @@ class TransferWorker:
                     raise LoadFailed("the read ended after the prefill side's lease could end")
                 self._notify(peer.peer_id, {"op": "done", "req": spec.remote.request_id})
             else:
+                with self._lock:
+                    self._awaiting.add(str(spec.transfer_id))
                 post_json(
                     spec.remote.host,
                     spec.remote.port + self.tp_rank,
@@ -357,6 +365,11 @@ class TransferWorker:
             raise LoadFailed(
                 f"KV load of {spec.req_id} from {spec.remote.host}:{spec.remote.port} failed: {e}"
             ) from e
+        finally:
+            if spec.transfer_id is not None:
+                with self._lock:
+                    self._awaiting.discard(str(spec.transfer_id))
+                    self._written.pop(str(spec.transfer_id), None)
         self.stats.transfer(time.perf_counter() - t0, nbytes)
 
     def _move(self, peer: _Peer, pairs: Any, deadline: float, *, read: bool) -> int:
@@ -411,8 +424,13 @@ class TransferWorker:
             pairs=[[(int(d), int(i)) for d, i in group] for group in body["pairs"]],
             reply_to=str(body["engine_id"]),
         )
+        tid = str(body["transfer_id"])
         with self._lock:
-            self._targets[str(body["transfer_id"])] = target
+            if tid in self._targets:
+                raise ValueError(f"transfer {tid} already has a target: the first offer stands")
+            if len(self._targets) >= MAX_OFFERS:
+                raise ValueError(f"{MAX_OFFERS} offers are waiting already")
+            self._targets[tid] = target
 
     def _push_pairs(self, push: _Push, target: _Target) -> list[np.ndarray]:
         """Per group: (our block, decode block) for each position the decode side offered."""
@@ -550,11 +568,12 @@ class TransferWorker:
                 with self._lease_lock:
                     self._leases.renew(str(body.get("req")))
             elif op == "written":
+                tid = str(body.get("transfer_id"))
                 with self._lock:
-                    self._written[str(body.get("transfer_id"))] = (
-                        bool(body.get("ok")),
-                        str(body.get("error", "")),
-                    )
+                    if tid in self._awaiting:
+                        self._written[tid] = (bool(body.get("ok")), str(body.get("error", "")))
+                        continue
+                logger.warning("ignored a 'written' notice from %s for no waiting load", n.sender)
 
     def _free(self, req_id: str) -> None:
         self._held.pop(req_id, None)
