@@ -111,6 +111,12 @@ class TcpConfig(BaseModel):
         None, ge=65536, description="SO_SNDBUF/SO_RCVBUF; None keeps the kernel's autotuning."
     )
     coalesce: bool = Field(True, description="Merge spans adjacent on both sides.")
+    max_connections: int = Field(
+        256,
+        ge=1,
+        description="Peer connections the data server serves at once (a thread each); more "
+        "are closed as they come.",
+    )
 
 
 class _Stalled(OSError):
@@ -348,12 +354,22 @@ class _Server:
                 continue
             except OSError:
                 return
-            _tune(conn, self.cfg)
             with self._lock:
                 if self._stop.is_set():
                     conn.close()
                     return
-                self._conns.add(conn)
+                full = len(self._conns) >= self.cfg.max_connections
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                logger.warning(
+                    "tcp data server: %d connections already; closed one from %s",
+                    self.cfg.max_connections,
+                    addr[0],
+                )
+                conn.close()
+                continue
+            _tune(conn, self.cfg)
             self._threads = [t for t in self._threads if t.is_alive()]
             t = threading.Thread(
                 target=self._serve, args=(conn,), name=f"pdext-tcp-serve-{addr[1]}", daemon=True

@@ -266,3 +266,40 @@ def _recv(s: socket.socket, n: int) -> bytes:
         assert more, "the server hung up"
         data += more
     return data
+
+
+def test_connections_beyond_the_cap_are_closed_at_once() -> None:
+    """Each served connection costs a thread: past ``max_connections`` the server closes new
+    ones as they come, and serves again once one goes."""
+    t = _local(max_connections=2)
+    try:
+        port = int(t.descriptor().address.rpartition(":")[2])
+        held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
+            extra.settimeout(5)
+            with contextlib.suppress(ConnectionResetError):
+                assert extra.recv(1) == b""  # closed by the server, unanswered
+        held.pop().close()
+
+        def answered() -> bool:
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                s.settimeout(5)
+                s.sendall(tcp_hello())
+                with contextlib.suppress(ConnectionResetError):
+                    return len(s.recv(8)) > 0
+                return False
+
+        deadline = time.monotonic() + 10
+        while not answered():  # the server notices the closed one, then serves again
+            assert time.monotonic() < deadline, "never served again"
+            time.sleep(0.05)
+        for s in held:
+            s.close()
+    finally:
+        t.close()
+
+
+def tcp_hello() -> bytes:
+    from vllm_pd_ext.transport import tcp
+
+    return tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 1) + b"x"
