@@ -203,3 +203,34 @@ def test_kv_listeners_bind_loopback_unless_configured(tiny_qwen, monkeypatch):
     assert default_host(config) == "127.0.0.1"
     monkeypatch.setenv("VLLM_HOST_IP", "10.9.8.7")
     assert default_host(config) == "10.9.8.7"
+
+
+def test_side_channel_bounds_its_connections_and_closes_idle_ones():
+    """Each connection costs a thread: past the cap new ones are closed as they come, and a
+    client that sends nothing is closed after the idle timeout (no slow client holds a thread
+    for ever)."""
+    import socket
+    import time
+
+    server = SideChannelServer(
+        "127.0.0.1", 0, lambda: {"v": 1}, max_connections=2, idle_timeout_s=0.5
+    )
+    try:
+        held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(2)]
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as extra:
+            extra.settimeout(5)
+            assert extra.recv(1) == b""  # closed unanswered: both slots are taken
+        for s in held:  # the idle ones are closed by the server
+            s.settimeout(5)
+            assert s.recv(1) == b""
+            s.close()
+        deadline = time.monotonic() + 10
+        while True:  # the slots come free just after the server closed those connections
+            try:
+                assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}
+                break
+            except SideChannelError:
+                assert time.monotonic() < deadline, "the side channel never served again"
+                time.sleep(0.05)
+    finally:
+        server.close()

@@ -23,6 +23,10 @@ logger = logging.getLogger(__name__)
 
 #: Largest request body the server reads.
 MAX_BODY = 8 << 20
+#: Connections served at once (a thread each); more are closed as they come.
+MAX_CONNECTIONS = 64
+#: A connection that sends nothing for this long is closed (a slow client holds no thread).
+IDLE_TIMEOUT_S = 10.0
 
 
 class SideChannelError(RuntimeError):
@@ -32,7 +36,9 @@ class SideChannelError(RuntimeError):
 class SideChannelServer:
     """Serves ``handshake`` at ``GET /handshake`` and passes POST bodies to ``post_routes``.
 
-    Runs one daemon thread (plus one per connection); ``close()`` stops it.
+    Runs one daemon thread plus one per connection, at most ``max_connections`` (more are
+    closed as they come); a connection idle for ``idle_timeout_s`` is closed. ``close()``
+    stops it.
     """
 
     def __init__(
@@ -41,10 +47,15 @@ class SideChannelServer:
         port: int,
         handshake: Callable[[], dict[str, Any]],
         post_routes: Mapping[str, Callable[[dict[str, Any]], None]] | None = None,
+        *,
+        max_connections: int = MAX_CONNECTIONS,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = idle_timeout_s  # socket timeout on every read: no slow client for ever
+
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("side channel: " + fmt, *args)
 
@@ -83,13 +94,12 @@ class SideChannelServer:
         self._handshake = handshake
         self._post_routes = dict(post_routes or {})
         try:
-            self._server = ThreadingHTTPServer((host, port), Handler)
+            self._server = _BoundedServer((host, port), Handler, max_connections)
         except OSError as e:
             raise SideChannelError(
                 f"cannot bind the KV side channel on {host}:{port} ({e}); set "
                 f"kv_connector_extra_config.side_channel_port (or kv_port) to a free port"
             ) from e
-        self._server.daemon_threads = True
         self.host, self.port = host, int(self._server.server_address[1])
         self._thread = threading.Thread(
             target=self._server.serve_forever,
@@ -104,6 +114,38 @@ class SideChannelServer:
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=2.0)
+
+
+class _BoundedServer(ThreadingHTTPServer):
+    """A threading HTTP server that serves at most ``limit`` connections at once."""
+
+    daemon_threads = True
+
+    def __init__(self, address: tuple[str, int], handler: type, limit: int) -> None:
+        self._slots = threading.BoundedSemaphore(limit)
+        self._limit = limit
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            logger.warning(
+                "KV side channel: %d connections already; closed one from %s",
+                self._limit,
+                client_address[0],
+            )
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 #: P/D hosts talk to each other directly: never through an HTTP proxy from the environment.
