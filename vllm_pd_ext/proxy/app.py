@@ -171,7 +171,10 @@ class FrontDoor:
     def server_protocol(self) -> type | str:
         """uvicorn's ``http`` setting to serve this app with."""
         if self.fast_path:
-            protocol = front_protocol(self.service.config.max_body_bytes)
+            c = self.service.config
+            protocol = front_protocol(
+                c.max_body_bytes, c.client_header_timeout_s, c.client_body_timeout_s
+            )
             if protocol is not None:
                 return protocol
         return "auto"

@@ -149,5 +149,6 @@ def main(args: argparse.Namespace) -> int:
         access_log=False,
         http=app.server_protocol(),
         proxy_headers=False,  # the proxy never reads the client's address
+        limit_concurrency=config.max_connections,
     )
     return 0

@@ -143,6 +143,20 @@ class ProxyConfig(_Strict):
     max_queued: int = Field(512, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_connections: int = Field(
+        2048, ge=1, description="client connections at once; beyond them, requests get 503"
+    )
+    client_header_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="fast path: a request's head must arrive within this (from the "
+        "connection or its first byte), else the connection is closed",
+    )
+    client_body_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="fast path: a request's body must arrive within this after its head",
+    )
     fast_path: bool = Field(
         True,
         description="serve the completion routes through the proxy's lean HTTP request cycle "

@@ -383,7 +383,7 @@ def internals_ok() -> bool:
     return _CHECKED[0]
 
 
-_PROTOCOLS: dict[int, type] = {}
+_PROTOCOLS: dict[tuple[int, float, float], type] = {}
 
 
 def is_front_protocol(protocol: object) -> bool:
@@ -391,20 +391,47 @@ def is_front_protocol(protocol: object) -> bool:
     return type(protocol) in _PROTOCOLS.values()
 
 
-def front_protocol(max_body_bytes: int) -> type | None:
+def front_protocol(max_body_bytes: int, head_s: float = 10.0, body_s: float = 60.0) -> type | None:
     """The protocol class ``vllm-pd proxy`` serves with on the fast path (None: the
-    installed uvicorn lacks what it needs; serve with uvicorn's default protocol)."""
-    if max_body_bytes in _PROTOCOLS:
-        return _PROTOCOLS[max_body_bytes]
+    installed uvicorn lacks what it needs; serve with uvicorn's default protocol).
+
+    A request's head must arrive within ``head_s`` (from the connection, or from the request's
+    first byte) and its body within ``body_s`` after the head, else the connection is closed:
+    a client that trickles bytes holds no connection for ever (uvicorn times out only idle
+    keep-alive connections).
+    """
+    key = (max_body_bytes, head_s, body_s)
+    if key in _PROTOCOLS:
+        return _PROTOCOLS[key]
     if not internals_ok():
         return None
 
     class FrontProtocol(_impl.HttpToolsProtocol):
+        _read_timer: asyncio.TimerHandle | None = None
+
+        def _read_within(self, seconds: float) -> None:
+            """Close the connection unless what is being read arrives within ``seconds``."""
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+            self._read_timer = self.loop.call_later(seconds, self._read_too_slow)
+
+        def _read_done(self) -> None:
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
+
+        def _read_too_slow(self) -> None:
+            self._read_timer = None
+            logger.debug("closed a client connection that sent its request too slowly")
+            self.transport.close()
+
         def connection_made(self, transport) -> None:
             held = _HeadWithBody(transport, asyncio.get_running_loop())
             super().connection_made(held)  # type: ignore[arg-type]  # a transport, delegating
+            self._read_within(head_s)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self._read_done()
             cycle = getattr(self, "cycle", None)
             super().connection_lost(exc)
             if cycle is not None and getattr(cycle, "disconnected", False):
@@ -413,12 +440,14 @@ def front_protocol(max_body_bytes: int) -> type | None:
                     watch._client_gone()
 
         def on_message_begin(self) -> None:
+            self._read_within(head_s)
             # The ASGI scope is built only for requests that go uvicorn's way.
             self.url = b""
             self.expect_100_continue = False
             self.headers: list[tuple[bytes, bytes]] = []
 
         def on_headers_complete(self) -> None:
+            self._read_within(body_s)
             parser = self.parser
             cycle = self.cycle
             if (
@@ -456,6 +485,7 @@ def front_protocol(max_body_bytes: int) -> type | None:
             super().on_body(body)
 
         def on_message_complete(self) -> None:
+            self._read_done()
             cycle = self.cycle
             if type(cycle) is FastCycle:
                 if not cycle.response_complete:
@@ -465,7 +495,7 @@ def front_protocol(max_body_bytes: int) -> type | None:
                 return
             super().on_message_complete()
 
-    _PROTOCOLS[max_body_bytes] = FrontProtocol
+    _PROTOCOLS[key] = FrontProtocol
     return FrontProtocol
 
 

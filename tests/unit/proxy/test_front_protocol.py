@@ -217,3 +217,27 @@ def test_fast_path_false_serves_uvicorns_own_protocol():
     assert create_app(config.model_copy(update={"fast_path": True})).server_protocol() is (
         front_protocol(config.max_body_bytes)
     )
+
+
+@pytest.mark.parametrize(
+    "sent",
+    [
+        b"",  # connects and says nothing
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",  # a head that never ends
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",  # a body
+        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ",  # uvicorn's path too
+    ],
+    ids=["silent", "head", "body", "other-route"],
+)
+def test_a_client_that_trickles_its_request_is_closed(sent):
+    """A request's head must arrive within the head timeout and its body within the body
+    timeout, else the connection is closed (unanswered): slow clients hold no connection."""
+    with ServerThread(app, http=front_protocol(LIMIT, 0.3, 0.3)) as srv:
+        conn = Conn(srv.port)
+        conn.send(sent)
+        conn.sock.settimeout(10)  # the test's own bound; the server closes at ~0.3 s
+        assert conn.sock.recv(1) == b""
+        # a prompt client on the same server is served
+        ok = Conn(srv.port)
+        ok.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
+        assert ok.response()[0] == 200
