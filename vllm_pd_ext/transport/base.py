@@ -57,6 +57,9 @@ logger = logging.getLogger(__name__)
 
 #: Version of the descriptor wire format; bumped on incompatible changes.
 DESCRIPTOR_VERSION = 1
+#: Notifications a transport keeps until they are drained; more are refused (the sender gets
+#: an error), so a peer that floods them cannot fill memory.
+MAX_QUEUED_NOTIFICATIONS = 16384
 
 
 class TransferOp(str, Enum):

@@ -4,7 +4,8 @@ Each transport runs one :class:`NotifyServer` (a listening socket and one daemon
 advertises its ``host:port`` in its descriptor. :func:`send_notification` opens a connection,
 sends one frame and waits for a one-byte acknowledgement, so a returned call means the peer
 has queued the message. Frames: ``u32 sender length, sender (UTF-8), u32 payload length,
-payload``; payloads are capped at :data:`MAX_PAYLOAD` bytes.
+payload``; payloads are capped at :data:`MAX_PAYLOAD` bytes, sender names at :data:`MAX_SENDER`,
+and at most :data:`MAX_QUEUED_NOTIFICATIONS` wait to be drained (more get no ack).
 """
 
 from __future__ import annotations
@@ -16,13 +17,15 @@ import socket
 import struct
 import threading
 
-from vllm_pd_ext.transport.base import Notification
+from vllm_pd_ext.transport.base import MAX_QUEUED_NOTIFICATIONS, Notification
 from vllm_pd_ext.transport.errors import TransferError, TransferTimeout
 
 logger = logging.getLogger(__name__)
 
 #: Largest payload a notification may carry.
 MAX_PAYLOAD = 64 * 1024
+#: Longest sender name a frame may carry.
+MAX_SENDER = 1024
 _LEN = struct.Struct("!I")
 _ACK = b"\x06"
 _CONN_TIMEOUT_S = 5.0
@@ -74,11 +77,15 @@ class NotifyServer:
                 try:
                     conn.settimeout(_CONN_TIMEOUT_S)
                     (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+                    if n > MAX_SENDER:
+                        raise ValueError(f"sender name of {n} bytes exceeds {MAX_SENDER}")
                     sender = _recv_exact(conn, n).decode()
                     (m,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
                     if m > MAX_PAYLOAD:
                         raise ValueError(f"notification of {m} bytes exceeds {MAX_PAYLOAD}")
                     payload = _recv_exact(conn, m)
+                    if len(self._queue) >= MAX_QUEUED_NOTIFICATIONS:
+                        raise ValueError("too many notifications waiting")  # no ack: an error
                     self._queue.append(Notification(sender=sender, payload=payload))
                     conn.sendall(_ACK)
                 except (OSError, ValueError, UnicodeDecodeError) as e:

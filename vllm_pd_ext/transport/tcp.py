@@ -57,6 +57,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from vllm_pd_ext.transport.base import (
+    MAX_QUEUED_NOTIFICATIONS,
     Notification,
     Region,
     TransferOp,
@@ -391,7 +392,11 @@ class _Server:
                 if kind == _NOTIFY:
                     if nbytes > MAX_NOTIFY_PAYLOAD:
                         raise ValueError(f"notification of {nbytes} bytes")
-                    self.notes.append(Notification(sender=peer, payload=link.recv(nbytes)))
+                    payload = link.recv(nbytes)
+                    if len(self.notes) >= MAX_QUEUED_NOTIFICATIONS:
+                        self._fail(link, xid, "too many notifications waiting")
+                        continue
+                    self.notes.append(Notification(sender=peer, payload=payload))
                     link.send(_RSP.pack(_OK, 0, xid, 0))
                     continue
                 pairs = np.frombuffer(link.recv(16 * nspans), dtype="<i8").reshape(-1, 2)
