@@ -121,8 +121,8 @@ _COMPLETIONS: dict[str, Route] = {path: route for route, path in PATHS.items()}
 
 class FrontDoor:
     """API key on ``/v1/*``, admin token on ``/admin/*``, metrics token (else the API key) on
-    ``/metrics``; POSTs to the completion routes go
-    straight to the service; everything else to FastAPI. Plain ASGI.
+    ``/metrics``; POSTs to the completion routes go straight to the service; everything else
+    to FastAPI. Plain ASGI.
 
     Starlette's ``@app.middleware("http")`` wraps every request in a task group and memory
     stream; measured, that was ~17% of the proxy's CPU per request. FastAPI's routing and
