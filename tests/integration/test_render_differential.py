@@ -17,6 +17,8 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +104,19 @@ def _pair(
     return ours, ref
 
 
+@contextmanager
+def _serving(started: Sequence[VllmServer]) -> Iterator[None]:
+    """Wait until every server in ``started`` is healthy; stop them all on leaving (also when
+    one never became healthy)."""
+    try:
+        for server in started:
+            server.wait_healthy(timeout=300)
+        yield
+    finally:
+        for server in started:
+            server.stop(grace=10)
+
+
 @pytest.fixture(scope="module")
 def servers(tiny_qwen, tmp_path_factory):
     need("vllm", why=REFERENCE)
@@ -110,13 +125,8 @@ def servers(tiny_qwen, tmp_path_factory):
     plain = _pair(Path(tiny_qwen), log_dir, [])
     parsed = _pair(think, log_dir, PARSER_ARGS)
     started = [*plain, *parsed]
-    try:
-        for server in started:
-            server.wait_healthy(timeout=300)
+    with _serving(started):
         yield {"plain": plain, "parsed": parsed}
-    finally:
-        for server in started:
-            server.stop(grace=10)
 
 
 MISTRAL_ARGS = ["--tool-call-parser", "mistral", "--enable-auto-tool-choice"]
@@ -139,13 +149,8 @@ def mistral_servers(tiny_llama, tmp_path_factory):
         "legacy": _pair(legacy, log_dir, MISTRAL_ARGS),
     }
     started = [server for pair in pairs.values() for server in pair]
-    try:
-        for server in started:
-            server.wait_healthy(timeout=300)
+    with _serving(started):
         yield pairs
-    finally:
-        for server in started:
-            server.stop(grace=10)
 
 
 def _post(server: VllmServer, path: str, body, rid: str = "same") -> tuple[int, Any]:
@@ -626,13 +631,8 @@ def json_servers(tiny_qwen, tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("render-diff-json-logs")
     think = add_think_tokens(Path(tiny_qwen), tmp_path_factory.mktemp("tiny-qwen-think-json"))
     pair = _pair(think, log_dir, PARSER_ARGS, {"VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"})
-    try:
-        for server in pair:
-            server.wait_healthy(timeout=300)
+    with _serving(pair):
         yield pair
-    finally:
-        for server in pair:
-            server.stop(grace=10)
 
 
 def _same_render(ours: VllmServer, ref: VllmServer, body: dict, status: int | None = 200) -> None:
@@ -843,13 +843,8 @@ def qwen3_servers(tiny_qwen, tmp_path_factory):
     need("vllm", why=REFERENCE)
     log_dir = tmp_path_factory.mktemp("render-diff-qwen3-logs")
     pair = _pair(Path(tiny_qwen), log_dir, ["--reasoning-parser", "qwen3"])
-    try:
-        for server in pair:
-            server.wait_healthy(timeout=300)
+    with _serving(pair):
         yield pair
-    finally:
-        for server in pair:
-            server.stop(grace=10)
 
 
 def test_qwen3_without_think_tokens_render_identical(qwen3_servers):

@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 from fastapi.testclient import TestClient
 
+from tests.unit.render_server.helpers import derender_chat_stream
 from vllm_pd_ext.render_server.app import create_app
 from vllm_pd_ext.render_server.settings import RenderSettings
 
@@ -330,32 +331,10 @@ def test_reasoning_and_tool_call_stream(parser_client, size):
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Zürich"}}\n</tool_call>'
     )
     ids = _ids(parser_client, text)
-    sizes = [size] * (len(ids) // size) + ([len(ids) % size] if len(ids) % size else [])
-    state = None
     reasoning, content, finish = [], [], None
     calls: list[Any] = []
-    pos = 0
-    for i, n in enumerate(sizes):
-        last = i == len(sizes) - 1
-        resp = parser_client.post(
-            "/v1/chat/completions/derender",
-            json={
-                "stream": True,
-                "generate_chunk": {
-                    "choices": [
-                        {"token_ids": ids[pos : pos + n], "finish_reason": "stop" if last else None}
-                    ]
-                },
-                "stream_state": state,
-                "chat_request": _parser_chat_request(),
-                "prompt_token_ids": [1, 2],
-            },
-        )
-        pos += n
-        assert resp.status_code == 200, resp.text
-        out = resp.json()
-        state = out["stream_state"]
-        assert state["output_token_ids"] == []  # no replay buffer
+    for out in derender_chat_stream(parser_client, ids, size, _parser_chat_request(), [1, 2]):
+        assert out["stream_state"]["output_token_ids"] == []  # no replay buffer
         choice = out["chunk"]["choices"][0]
         reasoning.append(choice["delta"].get("reasoning") or "")
         content.append(choice["delta"].get("content") or "")
@@ -443,29 +422,9 @@ def test_a_tool_parser_that_does_not_fit_the_tokenizer_stops_the_server(tiny_qwe
 
 def _stream_split(c, ids: list[int], size: int, chat_request: dict, prompt: list[int]) -> tuple:
     """``(reasoning, content)`` of ``ids`` derendered as a stream of ``size``-token chunks."""
-    state, reasoning, content = None, "", ""
-    for pos in range(0, len(ids), size):
-        last = pos + size >= len(ids)
-        resp = c.post(
-            "/v1/chat/completions/derender",
-            json={
-                "stream": True,
-                "generate_chunk": {
-                    "choices": [
-                        {
-                            "token_ids": ids[pos : pos + size],
-                            "finish_reason": "stop" if last else None,
-                        }
-                    ]
-                },
-                "stream_state": state,
-                "chat_request": chat_request,
-                "prompt_token_ids": prompt,
-            },
-        )
-        assert resp.status_code == 200, resp.text
-        state = resp.json()["stream_state"]
-        delta = resp.json()["chunk"]["choices"][0]["delta"]
+    reasoning, content = "", ""
+    for out in derender_chat_stream(c, ids, size, chat_request, prompt):
+        delta = out["chunk"]["choices"][0]["delta"]
         reasoning += delta.get("reasoning") or ""
         content += delta.get("content") or ""
     return reasoning, content

@@ -10,6 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from tests.skips import requires
+from tests.unit.render_server.helpers import derender_chat_stream
 from vllm_pd_ext.render_server.app import create_app
 from vllm_pd_ext.render_server.errors import RenderError
 from vllm_pd_ext.render_server.parsers import TOOL_PARSERS
@@ -173,25 +174,9 @@ def test_server_derenders_mistral_calls(tiny_mistral):
                 "prompt_token_ids": [1],
             },
         ).json()
-        state, streamed, finish = None, "", None
+        streamed, finish = "", None
         calls: list[Any] = []
-        for i in range(0, len(ids), 3):
-            last = i + 3 >= len(ids)
-            out = client.post(
-                "/v1/chat/completions/derender",
-                json={
-                    "stream": True,
-                    "generate_chunk": {
-                        "choices": [
-                            {"token_ids": ids[i : i + 3], "finish_reason": "stop" if last else None}
-                        ]
-                    },
-                    "stream_state": state,
-                    "chat_request": chat_request,
-                    "prompt_token_ids": [1],
-                },
-            ).json()
-            state = out["stream_state"]
+        for out in derender_chat_stream(client, ids, 3, chat_request, [1]):
             choice = out["chunk"]["choices"][0]
             streamed += choice["delta"]["content"] or ""
             calls += choice["delta"].get("tool_calls") or []

@@ -12,6 +12,7 @@ from fastapi.testclient import TestClient
 from pydantic import ValidationError
 
 from tests.skips import requires
+from tests.unit.render_server.helpers import derender_chat_stream
 from vllm_pd_ext.render_server.app import create_app
 from vllm_pd_ext.render_server.settings import RenderSettings
 
@@ -114,30 +115,9 @@ def test_vllm_source_parser_batch_and_stream(tiny_qwen, size):
             (c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"]
         ] == want
 
-        state, content, finish = None, "", None
+        content, finish = "", None
         calls: dict[Any, Any] = {}
-        for i in range(0, len(ids), size):
-            last = i + size >= len(ids)
-            resp = client.post(
-                "/v1/chat/completions/derender",
-                json={
-                    "stream": True,
-                    "generate_chunk": {
-                        "choices": [
-                            {
-                                "token_ids": ids[i : i + size],
-                                "finish_reason": "stop" if last else None,
-                            }
-                        ]
-                    },
-                    "stream_state": state,
-                    "chat_request": CHAT_REQUEST,
-                    "prompt_token_ids": [1],
-                },
-            )
-            assert resp.status_code == 200, resp.text
-            out = resp.json()
-            state = out["stream_state"]
+        for out in derender_chat_stream(client, ids, size, CHAT_REQUEST, [1]):
             choice = out["chunk"]["choices"][0]
             content += choice["delta"]["content"] or ""
             for tc in choice["delta"].get("tool_calls") or []:
