@@ -8,10 +8,17 @@ set either can point an engine at any host. Only the proxy sets them; every part
 client's request removes them (the proxy) or refuses them (the render server, in
 ``vllm_xargs``).
 
-Imports nothing: every part may use it.
+Imports nothing of ours: every part may use it.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 #: The fields vLLM's connectors act on, top level or in ``vllm_xargs``/``extra_args``.
 STEERING_FIELDS = ("kv_transfer_params", "ec_transfer_params")
+
+
+def without_steering(fields: dict[str, Any]) -> dict[str, Any]:
+    """``fields`` (``vllm_xargs``, ``extra_args``) without the ``STEERING_FIELDS``."""
+    return {k: v for k, v in fields.items() if k not in STEERING_FIELDS}

@@ -19,7 +19,7 @@ from starlette.requests import ClientDisconnect
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, schema_error
 from vllm_pd_ext.proxy.front_protocol import FastCycle
-from vllm_pd_ext.transfer_params import STEERING_FIELDS
+from vllm_pd_ext.transfer_params import STEERING_FIELDS, without_steering
 
 if TYPE_CHECKING:
     from vllm_pd_ext.proxy.token_mode import TokenRequest
@@ -190,7 +190,7 @@ def _strip_steering(body: dict[str, Any], config: ProxyConfig) -> bool:
     for name in STEERING_FIELDS:
         body.pop(name, None)
     if isinstance(xargs, dict):
-        body["vllm_xargs"] = {k: v for k, v in xargs.items() if k not in STEERING_FIELDS}
+        body["vllm_xargs"] = without_steering(xargs)
     return True
 
 

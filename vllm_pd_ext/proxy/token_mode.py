@@ -23,7 +23,7 @@ from typing import Any
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
 from vllm_pd_ext.proxy.request import RequestContext
 from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
-from vllm_pd_ext.transfer_params import STEERING_FIELDS
+from vllm_pd_ext.transfer_params import STEERING_FIELDS, without_steering
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class TokenRequest:
         if isinstance(sampling, dict):
             extra = sampling.get("extra_args")
             if isinstance(extra, dict) and any(name in extra for name in STEERING_FIELDS):
-                kept = {k: v for k, v in extra.items() if k not in STEERING_FIELDS}
+                kept = without_steering(extra)
                 generate["sampling_params"] = {**sampling, "extra_args": kept or None}
         ids = generate.get("token_ids")
         if not isinstance(ids, list) or not ids:
