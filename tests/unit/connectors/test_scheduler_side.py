@@ -160,6 +160,22 @@ def test_decode_refuses_a_different_prompt(producer_config, consumer_config):
     assert [r.request_id for r in meta.release] == [params["remote_request_id"]]  # P freed
 
 
+def test_decode_refuses_a_read_without_prompt_hash(producer_config, consumer_config):
+    """Params naming a real prefill's blocks, without the hash that ties them to a prompt (as
+    a client would forge them to read another request's KV): not loaded."""
+    params = finished_params(producer_config)
+    del params["prompt_hash"]
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, dict(params), prompt=[99] * PROMPT)
+    sched.add_request(req)
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.recv == []
+    assert out.num_scheduled_tokens[req.request_id] == PROMPT  # computed locally
+    assert [r.request_id for r in out.kv_connector_metadata.release] == [
+        params["remote_request_id"]
+    ]
+
+
 def test_decode_refuses_too_few_remote_blocks(producer_config, consumer_config):
     params = finished_params(producer_config)
     params["remote_block_ids"] = params["remote_block_ids"][:1]

@@ -19,7 +19,8 @@ per group) and computes token N itself. A load whose token count is not exactly 
 refused, since a state at the wrong position would corrupt every following token.
 
 Loads are refused (the prompt is recomputed locally instead) when the params are incomplete,
-name too few blocks, or carry a prompt hash that differs from this request's prompt.
+name too few blocks, or, for a READ, carry no prompt hash or one that differs from this
+request's prompt.
 """
 
 from __future__ import annotations
@@ -181,6 +182,8 @@ class TransferScheduler:
                         raise ValueError("no remote state block")
                 if not remote.engine_id:
                     raise ValueError("no remote_engine_id")
+                if not p.get("prompt_hash"):
+                    raise ValueError("no prompt_hash")  # blocks read must be this prompt's
             elif mode == WRITE:
                 n = want
                 if not p.get("transfer_id"):
