@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
+import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.tools.pd_demo import (
     NIXL_CPU,
     completion_body,
@@ -186,8 +189,10 @@ def pdext_connector(
 
 def pdext_pair(vllm_servers, model, name: str, backend: str = "mooncake", lease_s: float = 8.0):
     """A healthy PdExtMoRIIOConnector prefill (core 0) and decode (core 1), prefix caching off;
-    returns (prefill, decode, prefill side-channel port)."""
+    returns (prefill, decode, prefill side-channel port). Both hold one fresh fleet key: the
+    prefill signs its answers, the decode loads only signed ones."""
     side = free_port()
+    key = secrets.token_hex(fleet_key.MIN_KEY_BYTES)
     servers = [
         vllm_servers.start(
             model,
@@ -196,6 +201,7 @@ def pdext_pair(vllm_servers, model, name: str, backend: str = "mooncake", lease_
             cpu_core=core,
             kv_transfer_config=pdext_connector(kv_role, port, backend, lease_s),
             extra_args=["--no-enable-prefix-caching"],
+            env={fleet_key.KEY_ENV: key},
         )
         for role, kv_role, core, port in (
             ("prefill", "kv_producer", 0, side),
@@ -228,3 +234,30 @@ def run_doctor(prefill: VllmServer, decode: VllmServer, prompts: int = 2, tokens
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+class Trap:
+    """A listener on 127.0.0.1 that counts the connections it is offered (and closes them)."""
+
+    def __init__(self) -> None:
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.sock.settimeout(0.1)
+        self.port = self.sock.getsockname()[1]
+        self.accepted = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except TimeoutError:
+                continue
+            self.accepted += 1
+            conn.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        self.sock.close()

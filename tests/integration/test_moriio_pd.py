@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tests.integration.fleet_helpers import (
+    Trap,
     pdext_connector,
     pdext_pair,
     run_doctor,
@@ -63,6 +64,36 @@ def test_split_output_equals_colocated(pair, tiny_qwen, mode, prompt_tokens):
     loaded = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before
     assert prompt_tokens - 1 <= loaded <= prompt_tokens
     wait_idle(prefill)  # P's blocks were freed once D had them
+    assert prefill.metric(HELD) == 0
+
+
+def test_decode_engine_refuses_forged_read_params(pair, tiny_qwen):
+    """Someone who reaches the decode engine directly sends a real prefill's answer with its
+    port pointed at a trap, and the same answer unsigned: neither loads (the output is the
+    colocated one), the trap is never contacted, and the real answer still loads after."""
+    prefill, decode, _ = pair
+    prompt_ids = make_prompt_ids(tiny_qwen, 120)
+    trap = Trap()
+    try:
+        with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+            body = completion_body(decode, prompt_ids, 8)
+            colocated, _ = stream_completion(client, decode, body)
+            params, _ = prefill_leg(client, prefill, completion_body(prefill, prompt_ids, 8))
+            assert params["signature"]
+            unsigned = {k: v for k, v in params.items() if k != "signature"}
+            for forged in ({**params, "remote_port": trap.port}, unsigned):
+                before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
+                ids, _ = stream_completion(client, decode, {**body, "kv_transfer_params": forged})
+                assert ids == colocated
+                assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) == before
+            before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
+            ids, _ = stream_completion(client, decode, {**body, "kv_transfer_params": params})
+            assert ids == colocated
+            assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before >= 119
+        assert trap.accepted == 0
+    finally:
+        trap.close()
+    wait_idle(prefill)
     assert prefill.metric(HELD) == 0
 
 

@@ -8,10 +8,8 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
@@ -19,6 +17,7 @@ import psutil
 import pytest
 
 from tests.conftest import requires_vllm
+from tests.integration.fleet_helpers import Trap
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE, parse_metrics
 from vllm_pd_ext.util.vllm_process import free_port
@@ -43,38 +42,11 @@ def _stream_text(url: str, body: dict) -> tuple[str, dict | None]:
     return text, usage
 
 
-class _Trap:
-    """A listener on 127.0.0.1 that counts the connections it is offered (and closes them)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.sock.settimeout(0.1)
-        self.port = self.sock.getsockname()[1]
-        self.accepted = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            self.accepted += 1
-            conn.close()
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
-        self.sock.close()
-
-
 def _client_cannot_steer_the_decode_connector(proxy: str, decode_url: str, body: dict) -> None:
     """A client's kv_transfer_params in vllm_xargs (vLLM copies them into extra_args, where
     the connectors read them), pointing the decode engine at a trap: the trap is never
     contacted, the decode side loads nothing external, and the answer is the colocated one."""
-    trap = _Trap()
+    trap = Trap()
     try:
         steer = {
             "do_remote_prefill": True,

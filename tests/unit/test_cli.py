@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -95,3 +96,35 @@ def test_up_tiered_cache_wraps_the_pd_connector_in_multiconnector():
     assert first["kv_connector"] == "NixlConnector"
     assert second["kv_connector"] == "PdExtFlexKVConnector"
     assert second["kv_connector_extra_config"] == {"cpu_capacity_gb": 1}
+
+
+def test_up_generates_a_private_fleet_key_and_removes_it(tmp_path, monkeypatch):
+    from vllm_pd_ext import fleet_key
+
+    monkeypatch.delenv(fleet_key.KEY_FILE_ENV, raising=False)
+    monkeypatch.delenv(fleet_key.KEY_ENV, raising=False)
+    stack = _built_stack(tmp_path, connector="pdext")
+    path = Path(stack.key_env[fleet_key.KEY_FILE_ENV])
+    assert fleet_key.load_key(stack.key_env) is not None
+    assert path.parent.stat().st_mode & 0o777 == 0o700
+    stack.stop_all()
+    assert not path.parent.exists()
+
+
+def test_up_hands_on_the_callers_fleet_key(tmp_path, monkeypatch):
+    from vllm_pd_ext import fleet_key
+
+    monkeypatch.setenv(fleet_key.KEY_ENV, "ab" * 32)
+    stack = _built_stack(tmp_path, connector="pdext")
+    assert stack.key_env == {} and stack.key_dir is None  # engines inherit the caller's
+
+
+def test_up_refuses_an_unsafe_fleet_key(tmp_path, monkeypatch, capsys):
+    from vllm_pd_ext import fleet_key
+    from vllm_pd_ext.tools.launcher import UpConfig, run_up
+
+    key = fleet_key.write_key_file(tmp_path / "fleet.key")
+    key.chmod(0o644)
+    monkeypatch.setenv(fleet_key.KEY_FILE_ENV, str(key))
+    assert run_up(UpConfig(model=str(tmp_path), log_dir=tmp_path / "logs")) == 2
+    assert "chmod 600" in capsys.readouterr().err

@@ -16,9 +16,11 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +31,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.util.busy_threads import summary
 from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.util.vllm_process import (
@@ -201,6 +204,9 @@ class Stack:
         self._stop = threading.Event()
         self.model_dir: str = ""
         self.served_name: str = ""
+        #: The engines' fleet-key environment, and the private directory of a generated key.
+        self.key_env: dict[str, str] = {}
+        self.key_dir: Path | None = None
 
     # -- building ----------------------------------------------------------------------
 
@@ -213,6 +219,7 @@ class Stack:
         env = {
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            **self.key_env,
         }
         cpu_core = None
         if cfg.device == "cuda":
@@ -289,6 +296,7 @@ class Stack:
         self.model_dir = str(ensure_model(cfg.model)) if cfg.model in MODELS else cfg.model
         local = Path(self.model_dir)
         self.served_name = local.name if local.is_dir() else self.model_dir
+        self.key_env = self._fleet_key()
         slot = 0
         parts: list[Part] = []
         if cfg.mode == "token":
@@ -310,6 +318,16 @@ class Stack:
         )
         self.parts = [*parts, proxy]
 
+    def _fleet_key(self) -> dict[str, str]:
+        """What hands every engine the fleet key (:mod:`vllm_pd_ext.fleet_key`): the caller's
+        own, checked, when set (engines inherit it); else a fresh key in a private temporary
+        directory, removed when the stack stops."""
+        if fleet_key.load_key() is not None:
+            return {}
+        self.key_dir = Path(tempfile.mkdtemp(prefix="vllm-pd-key-"))
+        path = fleet_key.write_key_file(self.key_dir / "fleet.key")
+        return {fleet_key.KEY_FILE_ENV: str(path)}
+
     # -- running -----------------------------------------------------------------------
 
     def _say(self, message: str) -> None:
@@ -327,6 +345,13 @@ class Stack:
             f"starting {what} ({self.config.mode} mode, connector {self.config.connector}); "
             f"logs in {self.config.log_dir}"
         )
+        if self.key_dir is not None:
+            where = "generated for this stack"
+        elif os.environ.get(fleet_key.KEY_FILE_ENV):
+            where = f"from ${fleet_key.KEY_FILE_ENV}"
+        else:
+            where = f"from ${fleet_key.KEY_ENV}"
+        self._say(f"fleet key {where}: KV transfer params are signed and checked")
 
     def start_proxy(self) -> None:
         proxy = self.parts[-1]
@@ -420,6 +445,8 @@ class Stack:
             if part.handle is not None:
                 with contextlib.suppress(Exception):
                     part.handle.stop()
+        if self.key_dir is not None:
+            shutil.rmtree(self.key_dir, ignore_errors=True)
         self._say("stopped everything it started")
 
     def request_stop(self, *_args) -> None:
@@ -476,7 +503,11 @@ class Stack:
 def run_up(config: UpConfig) -> int:
     """The ``vllm-pd up`` command: returns the exit status."""
     stack = Stack(config)
-    stack.build()
+    try:
+        stack.build()
+    except fleet_key.FleetKeyError as e:
+        print(f"vllm-pd up: fleet key: {e}", file=sys.stderr)
+        return 2
     previous = {
         sig: signal.signal(sig, stack.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)
     }

@@ -20,8 +20,9 @@ from tests.unit.connectors.sched_harness import (
     make_vllm_config,
     step,
 )
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.common.metadata import PdTransferMetadata, RemoteRef
-from vllm_pd_ext.connectors.common.scheduler import prompt_hash
+from vllm_pd_ext.connectors.common.scheduler import SIGNED_FIELDS, prompt_hash
 
 SIDE_PORT = 23456
 PROMPT = 40  # two full blocks and a half one
@@ -174,6 +175,40 @@ def test_decode_refuses_a_read_without_prompt_hash(producer_config, consumer_con
     assert [r.request_id for r in out.kv_connector_metadata.release] == [
         params["remote_request_id"]
     ]
+
+
+def _forgeries(params: dict) -> dict[str, dict]:
+    other_key = bytes.fromhex("cd" * 32)
+    return {
+        "unsigned": {k: v for k, v in params.items() if k != fleet_key.SIGNATURE},
+        "host changed": {**params, "remote_host": "10.0.0.9"},
+        "blocks changed": {**params, "remote_block_ids": [7, 8, 9]},
+        "another key": {**params, "signature": fleet_key.sign(other_key, params, SIGNED_FIELDS)},
+        "signature not a string": {**params, "signature": 1},
+    }
+
+
+def test_with_a_fleet_key_decode_loads_signed_params_only(
+    producer_config, consumer_config, monkeypatch
+):
+    """A prefill signs its answer; a decode loads it, and refuses every forgery of it (the
+    prompt is computed locally, and nothing is sent to the host a forgery names)."""
+    monkeypatch.setenv(fleet_key.KEY_ENV, "ab" * 32)
+    params = finished_params(producer_config)
+    assert fleet_key.verify(bytes.fromhex("ab" * 32), params, SIGNED_FIELDS)
+    sched = make_scheduler(consumer_config)
+    sched.add_request(make_request(PROMPT, dict(params)))
+    out, _ = step(sched)
+    assert len(out.kv_connector_metadata.recv) == 1  # the real answer loads
+    for name, forged in _forgeries(params).items():
+        sched = make_scheduler(consumer_config)
+        req = make_request(PROMPT, dict(forged))
+        sched.add_request(req)
+        out, _ = step(sched)
+        meta = out.kv_connector_metadata
+        assert meta.recv == [], name
+        assert out.num_scheduled_tokens[req.request_id] == PROMPT, name  # computed locally
+        assert meta.release == [] and meta.renew == [], name
 
 
 def test_decode_refuses_too_few_remote_blocks(producer_config, consumer_config):

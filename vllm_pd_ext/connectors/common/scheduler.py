@@ -20,7 +20,8 @@ refused, since a state at the wrong position would corrupt every following token
 
 Loads are refused (the prompt is recomputed locally instead) when the params are incomplete,
 name too few blocks, or, for a READ, carry no prompt hash or one that differs from this
-request's prompt.
+request's prompt, or (with a fleet key, :mod:`vllm_pd_ext.fleet_key`) no valid signature: a
+prefill signs the fields of its answer that a decode side acts on.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.common.config import TransferConfig
 from vllm_pd_ext.connectors.common.metadata import (
     READ,
@@ -58,6 +60,21 @@ logger = logging.getLogger(__name__)
 
 #: Name the params carry so a decode instance can tell our protocol from another's.
 PROTOCOL = "pdext"
+#: The fields of a prefill's answer its fleet-key signature covers: everything a decode side
+#: acts on (the flags it flips in place are not among them).
+SIGNED_FIELDS = (
+    "transfer_mode",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_num_tokens",
+    "prompt_hash",
+    "tp_size",
+    "lease_s",
+    "protocol",
+)
 
 
 def prompt_hash(token_ids: Any, n: int) -> str:
@@ -138,6 +155,15 @@ class TransferScheduler:
         self._pushed: set[str] = set()
         self._waiting_remote: dict[str, RemoteRef] = {}
         self._last_renew = time.monotonic()
+        #: Signs this prefill's answers; a decode side loads only what carries its signature.
+        self.key = fleet_key.load_key()
+        if self.key is None:
+            logger.warning(
+                "no fleet key (%s / %s): kv_transfer_params are neither signed nor checked, "
+                "so whoever can send this engine a request can point its connector anywhere",
+                fleet_key.KEY_FILE_ENV,
+                fleet_key.KEY_ENV,
+            )
 
     def _blocks_for(
         self, group_blocks: Sequence[Sequence[int]], n_tokens: int
@@ -184,6 +210,8 @@ class TransferScheduler:
                     raise ValueError("no remote_engine_id")
                 if not p.get("prompt_hash"):
                     raise ValueError("no prompt_hash")  # blocks read must be this prompt's
+                if not self._authentic(p):
+                    raise ValueError("no valid fleet-key signature")
             elif mode == WRITE:
                 n = want
                 if not p.get("transfer_id"):
@@ -215,7 +243,11 @@ class TransferScheduler:
         p = request.kv_transfer_params
         if not p:
             return
-        if p.get("do_remote_prefill") and (p.get("transfer_mode") or READ) == READ:
+        if (
+            p.get("do_remote_prefill")
+            and (p.get("transfer_mode") or READ) == READ
+            and self._authentic(p)  # forged params: no renewals or releases to where they say
+        ):
             # Without these there is nowhere to send renewals; _load_plan refuses the load.
             with contextlib.suppress(KeyError, TypeError, ValueError):
                 self._waiting_remote[request.request_id] = RemoteRef(
@@ -228,6 +260,10 @@ class TransferScheduler:
             self._truncate_for_prefill(request)
             if self._mode(p) == WRITE and p.get("transfer_id"):
                 self._write_reqs[request.request_id] = request
+
+    def _authentic(self, p: dict[str, Any]) -> bool:
+        """Whether READ params come from a prefill of this fleet (always, without a key)."""
+        return self.key is None or fleet_key.verify(self.key, p, SIGNED_FIELDS)
 
     def _truncate_for_prefill(self, request: Request) -> None:
         p = request.kv_transfer_params
@@ -364,7 +400,7 @@ class TransferScheduler:
         n = min(request.num_computed_tokens, request.num_prompt_tokens)
         ids = self._blocks_for(groups, n)
         self._send.append(SendSpec(req_id, mode, ids, p.get("transfer_id")))
-        return True, {
+        answer = {
             "do_remote_prefill": True,
             "do_remote_decode": False,
             "transfer_mode": mode,
@@ -379,3 +415,6 @@ class TransferScheduler:
             "lease_s": self.cfg.lease_s,
             "protocol": PROTOCOL,
         }
+        if self.key is not None:
+            answer[fleet_key.SIGNATURE] = fleet_key.sign(self.key, answer, SIGNED_FIELDS)
+        return True, answer
