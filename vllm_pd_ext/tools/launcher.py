@@ -351,7 +351,10 @@ class Stack:
             where = f"from ${fleet_key.KEY_FILE_ENV}"
         else:
             where = f"from ${fleet_key.KEY_ENV}"
-        self._say(f"fleet key {where}: KV transfer params are signed and checked")
+        if self.config.connector == "pdext":
+            self._say(f"fleet key {where}: KV transfer params are signed and checked")
+        else:
+            self._say(f"fleet key {where} (vLLM's NixlConnector does not use it)")
 
     def start_proxy(self) -> None:
         proxy = self.parts[-1]
