@@ -18,6 +18,31 @@ from typing import Any
 #: The fields vLLM's connectors act on, top level or in ``vllm_xargs``/``extra_args``.
 STEERING_FIELDS = ("kv_transfer_params", "ec_transfer_params")
 
+#: What a fleet-key signature (:mod:`vllm_pd_ext.fleet_key`) covers in the params a decode
+#: engine running our connector acts on: everything it acts on, and not the flags it flips in
+#: place. READ: the prefill engine's answer, signed by that engine.
+READ_SIGNED_FIELDS = (
+    "transfer_mode",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_num_tokens",
+    "prompt_hash",
+    "tp_size",
+    "lease_s",
+    "protocol",
+)
+#: WRITE: the decode leg's params, built and signed by the proxy.
+WRITE_SIGNED_FIELDS = (
+    "transfer_mode",
+    "transfer_id",
+    "remote_engine_id",
+    "remote_host",
+    "remote_port",
+)
+
 
 def without_steering(fields: dict[str, Any]) -> dict[str, Any]:
     """``fields`` (``vllm_xargs``, ``extra_args``) without the ``STEERING_FIELDS``."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import secrets
 import socket
 import subprocess
@@ -26,7 +27,11 @@ from vllm_pd_ext.tools.pd_demo import (
     prefill_leg,
     stream_completion,
 )
+from vllm_pd_ext.transfer_params import WRITE_SIGNED_FIELDS
 from vllm_pd_ext.util.vllm_process import VllmServer, free_port
+
+#: The fleet key of every pdext pair and every proxy these tests start.
+FLEET_KEY = secrets.token_hex(fleet_key.MIN_KEY_BYTES)
 
 
 def nixl_pair(
@@ -94,7 +99,8 @@ def wait_idle(server: VllmServer, timeout: float = 60.0) -> None:
 
 @contextlib.contextmanager
 def running_proxy(args: list[str], log: Path, ready_timeout: float = 60) -> Iterator[str]:
-    """Start the proxy with ``args``, wait for ``/health`` 200, yield its URL, stop it.
+    """Start the proxy with ``args`` and ``FLEET_KEY``, wait for ``/health`` 200, yield its
+    URL, stop it.
 
     On exit asserts the proxy shut down cleanly on SIGTERM.
     """
@@ -102,6 +108,7 @@ def running_proxy(args: list[str], log: Path, ready_timeout: float = 60) -> Iter
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "vllm_pd_ext.cli", "proxy", "--port", str(port), *args],
+            env={**os.environ, fleet_key.KEY_ENV: FLEET_KEY},
             stdout=out,
             stderr=subprocess.STDOUT,
             start_new_session=True,
@@ -130,7 +137,8 @@ def running_proxy(args: list[str], log: Path, ready_timeout: float = 60) -> Iter
 
 
 def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
-    """Both legs at once, as the proxy's pdext-write protocol sends them."""
+    """Both legs at once, as the proxy's pdext-write protocol sends them (the decode leg's
+    params signed with ``FLEET_KEY``)."""
     tid = uuid.uuid4().hex
     p_body = {
         **completion_body(prefill, prompt_ids, 1),
@@ -155,6 +163,8 @@ def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
             "remote_port": side,
         },
     }
+    d_params = d_body["kv_transfer_params"]
+    d_params["signature"] = fleet_key.sign(bytes.fromhex(FLEET_KEY), d_params, WRITE_SIGNED_FIELDS)
     result: dict[str, Any] = {}
     leg = threading.Thread(
         target=lambda: result.setdefault(
@@ -189,10 +199,9 @@ def pdext_connector(
 
 def pdext_pair(vllm_servers, model, name: str, backend: str = "mooncake", lease_s: float = 8.0):
     """A healthy PdExtMoRIIOConnector prefill (core 0) and decode (core 1), prefix caching off;
-    returns (prefill, decode, prefill side-channel port). Both hold one fresh fleet key: the
-    prefill signs its answers, the decode loads only signed ones."""
+    returns (prefill, decode, prefill side-channel port). Both hold ``FLEET_KEY``: the prefill
+    signs its answers, the decode loads only what is signed."""
     side = free_port()
-    key = secrets.token_hex(fleet_key.MIN_KEY_BYTES)
     servers = [
         vllm_servers.start(
             model,
@@ -201,7 +210,7 @@ def pdext_pair(vllm_servers, model, name: str, backend: str = "mooncake", lease_
             cpu_core=core,
             kv_transfer_config=pdext_connector(kv_role, port, backend, lease_s),
             extra_args=["--no-enable-prefix-caching"],
-            env={fleet_key.KEY_ENV: key},
+            env={fleet_key.KEY_ENV: FLEET_KEY},
         )
         for role, kv_role, core, port in (
             ("prefill", "kv_producer", 0, side),

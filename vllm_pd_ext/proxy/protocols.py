@@ -38,6 +38,8 @@ the decode leg; concurrent ones send both legs at once with params the proxy bui
     transfer_id, remote_engine_id, remote_host, remote_port}`` with P's side channel
     (``bootstrap_addr``) and ``engine_id`` (or null). Prefill instances need
     ``bootstrap_addr``. A decode retry on another instance runs colocated (``binds_decode``).
+    With a fleet key the proxy signs D's params (``Signing``); a decode engine with the key
+    refuses unsigned ones.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
+
+from vllm_pd_ext import fleet_key
+from vllm_pd_ext.transfer_params import WRITE_SIGNED_FIELDS
 
 if TYPE_CHECKING:
     from vllm_pd_ext.proxy.config import InstanceConfig
@@ -279,8 +284,38 @@ PROTOCOLS: dict[str, Callable[[], PDProtocol]] = {
 }
 
 
-def make_protocol(name: str) -> PDProtocol:
-    """The protocol named ``name`` (one of ``PROTOCOLS``)."""
+#: The protocols whose decode-leg params, built by the proxy, our connector checks against a
+#: fleet-key signature, and the fields signed.
+SIGNED_DECODE_PARAMS: dict[str, tuple[str, ...]] = {"pdext-write": WRITE_SIGNED_FIELDS}
+
+
+class Signing:
+    """``inner`` with each decode leg's params signed under the fleet key."""
+
+    def __init__(self, inner: PDProtocol, key: bytes, fields: tuple[str, ...]):
+        self.inner, self.key, self.fields = inner, key, fields
+        self.name = inner.name
+        self.concurrent = inner.concurrent
+        self.binds_decode = inner.binds_decode
+
+    def missing(self, inst: InstanceConfig) -> list[str]:
+        return self.inner.missing(inst)
+
+    def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
+        plan = self.inner.plan(request_id, prefill, decode)
+        if plan.decode_params is None:
+            return plan
+        params = dict(plan.decode_params)
+        params[fleet_key.SIGNATURE] = fleet_key.sign(self.key, params, self.fields)
+        return LegPlan(prefill_params=plan.prefill_params, decode_params=params)
+
+
+def make_protocol(name: str, key: bytes | None = None) -> PDProtocol:
+    """The protocol named ``name`` (one of ``PROTOCOLS``); with the fleet ``key``, signing
+    the decode params of those in ``SIGNED_DECODE_PARAMS``."""
     if name not in PROTOCOLS:
         raise ValueError(f"unknown P/D protocol {name!r}; choose one of {', '.join(PROTOCOLS)}")
-    return PROTOCOLS[name]()
+    protocol = PROTOCOLS[name]()
+    if key is not None and name in SIGNED_DECODE_PARAMS:
+        return Signing(protocol, key, SIGNED_DECODE_PARAMS[name])
+    return protocol

@@ -38,6 +38,7 @@ import time
 
 from fastapi.responses import Response
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.proxy.admission import Admission
 from vllm_pd_ext.proxy.background import Background
 from vllm_pd_ext.proxy.batch import Batch
@@ -50,7 +51,7 @@ from vllm_pd_ext.proxy.errors import ProxyError
 from vllm_pd_ext.proxy.fleet import Fleet
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg, discard
-from vllm_pd_ext.proxy.protocols import make_protocol
+from vllm_pd_ext.proxy.protocols import SIGNED_DECODE_PARAMS, make_protocol
 from vllm_pd_ext.proxy.relay import Relay, StreamRelay
 from vllm_pd_ext.proxy.request import ClientRequest, Route, parse_request, read_body
 from vllm_pd_ext.proxy.routing import Router
@@ -76,7 +77,16 @@ class ProxyService:
             on_queued=metrics.queued.set,
         )
         self.router = Router(config, self.fleet, metrics)
-        protocol = make_protocol(config.protocol)
+        key = fleet_key.load_key()
+        if key is None and config.protocol in SIGNED_DECODE_PARAMS:
+            logger.warning(
+                "no fleet key (%s / %s): %s decode params go unsigned, and decode engines "
+                "that hold a key will compute those prompts themselves",
+                fleet_key.KEY_FILE_ENV,
+                fleet_key.KEY_ENV,
+                config.protocol,
+            )
+        protocol = make_protocol(config.protocol, key)
         t = config.timeouts
         self.background = Background(
             config.max_in_flight,

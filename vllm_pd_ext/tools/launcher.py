@@ -171,11 +171,14 @@ class ToolProcess:
     """A ``vllm-pd`` subcommand (proxy, render) as a child process with the same stop()
     contract as VllmServer."""
 
-    def __init__(self, command: str, args: list[str], log_path: Path):
+    def __init__(
+        self, command: str, args: list[str], log_path: Path, env: dict[str, str] | None = None
+    ):
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "vllm_pd_ext.cli", command, *args],
+                env={**os.environ, **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -313,15 +316,15 @@ class Stack:
             name="proxy",
             url=f"http://127.0.0.1:{cfg.proxy_port}",
             start=lambda: ToolProcess(
-                "proxy", ["--config", str(config_path)], cfg.log_dir / "proxy.log"
+                "proxy", ["--config", str(config_path)], cfg.log_dir / "proxy.log", self.key_env
             ),
         )
         self.parts = [*parts, proxy]
 
     def _fleet_key(self) -> dict[str, str]:
-        """What hands every engine the fleet key (:mod:`vllm_pd_ext.fleet_key`): the caller's
-        own, checked, when set (engines inherit it); else a fresh key in a private temporary
-        directory, removed when the stack stops."""
+        """What hands the engines and the proxy the fleet key (:mod:`vllm_pd_ext.fleet_key`):
+        the caller's own, checked, when set (they inherit it); else a fresh key in a private
+        temporary directory, removed when the stack stops."""
         if fleet_key.load_key() is not None:
             return {}
         self.key_dir = Path(tempfile.mkdtemp(prefix="vllm-pd-key-"))

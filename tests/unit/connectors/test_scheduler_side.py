@@ -22,7 +22,10 @@ from tests.unit.connectors.sched_harness import (
 )
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.common.metadata import PdTransferMetadata, RemoteRef
-from vllm_pd_ext.connectors.common.scheduler import SIGNED_FIELDS, prompt_hash
+from vllm_pd_ext.connectors.common.scheduler import prompt_hash
+from vllm_pd_ext.proxy.config import InstanceConfig
+from vllm_pd_ext.proxy.protocols import make_protocol
+from vllm_pd_ext.transfer_params import READ_SIGNED_FIELDS, WRITE_SIGNED_FIELDS
 
 SIDE_PORT = 23456
 PROMPT = 40  # two full blocks and a half one
@@ -183,7 +186,10 @@ def _forgeries(params: dict) -> dict[str, dict]:
         "unsigned": {k: v for k, v in params.items() if k != fleet_key.SIGNATURE},
         "host changed": {**params, "remote_host": "10.0.0.9"},
         "blocks changed": {**params, "remote_block_ids": [7, 8, 9]},
-        "another key": {**params, "signature": fleet_key.sign(other_key, params, SIGNED_FIELDS)},
+        "another key": {
+            **params,
+            "signature": fleet_key.sign(other_key, params, READ_SIGNED_FIELDS),
+        },
         "signature not a string": {**params, "signature": 1},
     }
 
@@ -195,7 +201,7 @@ def test_with_a_fleet_key_decode_loads_signed_params_only(
     prompt is computed locally, and nothing is sent to the host a forgery names)."""
     monkeypatch.setenv(fleet_key.KEY_ENV, "ab" * 32)
     params = finished_params(producer_config)
-    assert fleet_key.verify(bytes.fromhex("ab" * 32), params, SIGNED_FIELDS)
+    assert fleet_key.verify(bytes.fromhex("ab" * 32), params, READ_SIGNED_FIELDS)
     sched = make_scheduler(consumer_config)
     sched.add_request(make_request(PROMPT, dict(params)))
     out, _ = step(sched)
@@ -209,6 +215,44 @@ def test_with_a_fleet_key_decode_loads_signed_params_only(
         assert meta.recv == [], name
         assert out.num_scheduled_tokens[req.request_id] == PROMPT, name  # computed locally
         assert meta.release == [] and meta.renew == [], name
+
+
+def test_with_a_fleet_key_decode_takes_write_params_the_proxy_signed_only(
+    consumer_config, monkeypatch
+):
+    """The proxy's pdext-write protocol, given the key, signs the decode leg's params; a
+    decode engine with the key plans the offer for them and for no forgery of them."""
+    monkeypatch.setenv(fleet_key.KEY_ENV, "ab" * 32)
+    prefill = InstanceConfig(
+        url="http://127.0.0.1:1", role="prefill", bootstrap_addr=f"127.0.0.1:{SIDE_PORT}"
+    )
+    decode = InstanceConfig(url="http://127.0.0.1:2", role="decode")
+    protocol = make_protocol("pdext-write", bytes.fromhex("ab" * 32))
+    params = protocol.plan("req-1", prefill, decode).decode_params
+    assert params is not None
+    sched = make_scheduler(consumer_config)
+    sched.add_request(make_request(PROMPT, dict(params)))
+    out, _ = step(sched)
+    assert [spec.mode for spec in out.kv_connector_metadata.recv] == ["write"]
+    unsigned = make_protocol("pdext-write").plan("req-2", prefill, decode).decode_params
+    assert unsigned is not None
+    other_key = bytes.fromhex("cd" * 32)
+    forgeries = {
+        "unsigned": unsigned,
+        "host changed": {**params, "remote_host": "10.0.0.9"},
+        "transfer id changed": {**params, "transfer_id": "someone-elses"},
+        "another key": {
+            **params,
+            "signature": fleet_key.sign(other_key, params, WRITE_SIGNED_FIELDS),
+        },
+    }
+    for name, forged in forgeries.items():
+        sched = make_scheduler(consumer_config)
+        req = make_request(PROMPT, dict(forged))
+        sched.add_request(req)
+        out, _ = step(sched)
+        assert out.kv_connector_metadata.recv == [], name
+        assert out.num_scheduled_tokens[req.request_id] == PROMPT, name  # computed locally
 
 
 def test_decode_refuses_too_few_remote_blocks(producer_config, consumer_config):

@@ -21,7 +21,7 @@ refused, since a state at the wrong position would corrupt every following token
 Loads are refused (the prompt is recomputed locally instead) when the params are incomplete,
 name too few blocks, or, for a READ, carry no prompt hash or one that differs from this
 request's prompt, or (with a fleet key, :mod:`vllm_pd_ext.fleet_key`) no valid signature: a
-prefill signs the fields of its answer that a decode side acts on.
+prefill signs the fields of its answer that a decode side acts on, the proxy a WRITE's.
 """
 
 from __future__ import annotations
@@ -48,6 +48,7 @@ from vllm_pd_ext.connectors.common.metadata import (
     RemoteRef,
     SendSpec,
 )
+from vllm_pd_ext.transfer_params import READ_SIGNED_FIELDS, WRITE_SIGNED_FIELDS
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -60,21 +61,6 @@ logger = logging.getLogger(__name__)
 
 #: Name the params carry so a decode instance can tell our protocol from another's.
 PROTOCOL = "pdext"
-#: The fields of a prefill's answer its fleet-key signature covers: everything a decode side
-#: acts on (the flags it flips in place are not among them).
-SIGNED_FIELDS = (
-    "transfer_mode",
-    "remote_engine_id",
-    "remote_request_id",
-    "remote_host",
-    "remote_port",
-    "remote_block_ids",
-    "remote_num_tokens",
-    "prompt_hash",
-    "tp_size",
-    "lease_s",
-    "protocol",
-)
 
 
 def prompt_hash(token_ids: Any, n: int) -> str:
@@ -210,14 +196,14 @@ class TransferScheduler:
                     raise ValueError("no remote_engine_id")
                 if not p.get("prompt_hash"):
                     raise ValueError("no prompt_hash")  # blocks read must be this prompt's
-                if not self._authentic(p):
-                    raise ValueError("no valid fleet-key signature")
             elif mode == WRITE:
                 n = want
                 if not p.get("transfer_id"):
                     raise ValueError("no transfer_id")
             else:
                 raise ValueError(f"unknown transfer_mode {mode!r}")
+            if not self._authentic(p, mode):
+                raise ValueError("no valid fleet-key signature")
         except (KeyError, TypeError, ValueError) as e:
             logger.warning(
                 "request %s: unusable kv_transfer_params (%s); computing the prompt locally",
@@ -246,7 +232,7 @@ class TransferScheduler:
         if (
             p.get("do_remote_prefill")
             and (p.get("transfer_mode") or READ) == READ
-            and self._authentic(p)  # forged params: no renewals or releases to where they say
+            and self._authentic(p, READ)  # forged: no renewals or releases where they say
         ):
             # Without these there is nowhere to send renewals; _load_plan refuses the load.
             with contextlib.suppress(KeyError, TypeError, ValueError):
@@ -261,9 +247,11 @@ class TransferScheduler:
             if self._mode(p) == WRITE and p.get("transfer_id"):
                 self._write_reqs[request.request_id] = request
 
-    def _authentic(self, p: dict[str, Any]) -> bool:
-        """Whether READ params come from a prefill of this fleet (always, without a key)."""
-        return self.key is None or fleet_key.verify(self.key, p, SIGNED_FIELDS)
+    def _authentic(self, p: dict[str, Any], mode: str) -> bool:
+        """Whether a decode request's params come from this fleet (always, without a key): a
+        READ's from a prefill engine, a WRITE's from the proxy."""
+        fields = READ_SIGNED_FIELDS if mode == READ else WRITE_SIGNED_FIELDS
+        return self.key is None or fleet_key.verify(self.key, p, fields)
 
     def _truncate_for_prefill(self, request: Request) -> None:
         p = request.kv_transfer_params
@@ -416,5 +404,5 @@ class TransferScheduler:
             "protocol": PROTOCOL,
         }
         if self.key is not None:
-            answer[fleet_key.SIGNATURE] = fleet_key.sign(self.key, answer, SIGNED_FIELDS)
+            answer[fleet_key.SIGNATURE] = fleet_key.sign(self.key, answer, READ_SIGNED_FIELDS)
         return True, answer
