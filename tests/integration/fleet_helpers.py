@@ -164,7 +164,9 @@ def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
         },
     }
     d_params = d_body["kv_transfer_params"]
-    d_params["signature"] = fleet_key.sign(bytes.fromhex(FLEET_KEY), d_params, WRITE_SIGNED_FIELDS)
+    d_params[fleet_key.SIGNATURE] = fleet_key.sign(
+        bytes.fromhex(FLEET_KEY), d_params, WRITE_SIGNED_FIELDS
+    )
     result: dict[str, Any] = {}
     leg = threading.Thread(
         target=lambda: result.setdefault(

@@ -26,6 +26,7 @@ from tests.integration.fleet_helpers import (
     split_write,
     wait_idle,
 )
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.tools.pd_demo import (
     completion_body,
     make_prompt_ids,
@@ -79,8 +80,8 @@ def test_decode_engine_refuses_forged_read_params(pair, tiny_qwen):
             body = completion_body(decode, prompt_ids, 8)
             colocated, _ = stream_completion(client, decode, body)
             params, _ = prefill_leg(client, prefill, completion_body(prefill, prompt_ids, 8))
-            assert params["signature"]
-            unsigned = {k: v for k, v in params.items() if k != "signature"}
+            assert params[fleet_key.SIGNATURE]
+            unsigned = {k: v for k, v in params.items() if k != fleet_key.SIGNATURE}
             for forged in ({**params, "remote_port": trap.port}, unsigned):
                 before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
                 ids, _ = stream_completion(client, decode, {**body, "kv_transfer_params": forged})

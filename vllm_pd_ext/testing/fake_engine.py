@@ -35,6 +35,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.util.vllm_process import free_port
 
 #: The served model's name in ``/v1/models`` and answers.
@@ -447,7 +448,8 @@ def check_params(connector: str, params: dict) -> list[str]:
             need(params.get("do_remote_prefill") is True, "do_remote_prefill")
             need(isinstance(params.get("remote_host"), str), "remote_host")
             need(_port(params.get("remote_port")), "int remote_port")
-        need(set(params) == keys, f"exactly the keys {sorted(keys)}")
+        optional = {fleet_key.SIGNATURE} if leg == "decode" else set()  # a keyed proxy
+        need(keys <= set(params) <= keys | optional, f"exactly the keys {sorted(keys)}")
     return errors
 
 

@@ -11,7 +11,9 @@ import pytest
 from pydantic import ValidationError
 
 from tests.unit.proxy.helpers import LONG, metric, proxy, sent, wait_until
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.transfer_params import WRITE_SIGNED_FIELDS
 
 BODY = {"model": "m", "prompt": LONG, "max_tokens": 4}
 
@@ -183,6 +185,23 @@ def test_pdext_write_legs(engines, engine_ids):
     }
     assert d_body["stream"] is True and d_body["stream_options"] == {"include_usage": True}
     assert engines["p1"].pulls == 1 and engines["p1"].held_blocks == {}
+    no_param_errors(engines)
+
+
+def test_pdext_write_decode_params_are_signed_with_the_proxys_fleet_key(engines, monkeypatch):
+    """A proxy holding the fleet key signs what its decode leg's connector acts on; the
+    prefill leg's params stay as they were."""
+    key = "ab" * 32
+    monkeypatch.setenv(fleet_key.KEY_ENV, key)
+    play(engines, "pdext-write")
+    with proxy(engines, protocol="pdext-write", instances=coordinated_fleet(engines)) as (base, _):
+        assert httpx.post(f"{base}/v1/completions", json=BODY, timeout=60).status_code == 200
+    (p_body,) = sent(engines["p1"])
+    (d_body,) = sent(engines["d1"])
+    assert fleet_key.SIGNATURE not in p_body["kv_transfer_params"]
+    params = d_body["kv_transfer_params"]
+    assert fleet_key.verify(bytes.fromhex(key), params, WRITE_SIGNED_FIELDS)
+    assert not fleet_key.verify(bytes.fromhex("cd" * 32), params, WRITE_SIGNED_FIELDS)
     no_param_errors(engines)
 
 
