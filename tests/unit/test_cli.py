@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 
 def test_help_lists_every_subcommand():
     out = subprocess.run(
@@ -32,18 +34,28 @@ def test_building_the_parser_imports_no_engine_code():
     assert out.strip() == ""
 
 
-def _built_stack(tmp_path, **fields):
+@pytest.fixture
+def built_stack(tmp_path):
+    """Builds (never starts) stacks; stops each at the end, which removes a generated key."""
     from vllm_pd_ext.tools.launcher import Stack, UpConfig
 
-    stack = Stack(UpConfig(model=str(tmp_path), log_dir=tmp_path / "logs", **fields))
-    stack.build()
-    return stack
+    stacks = []
+
+    def build(**fields):
+        stack = Stack(UpConfig(model=str(tmp_path), log_dir=tmp_path / "logs", **fields))
+        stacks.append(stack)
+        stack.build()
+        return stack
+
+    yield build
+    for stack in stacks:
+        stack.stop_all()
 
 
-def test_up_token_mode_with_pdext_builds_render_tier_and_proxy_config(tmp_path):
+def test_up_token_mode_with_pdext_builds_render_tier_and_proxy_config(tmp_path, built_stack):
     from vllm_pd_ext.proxy.config import ProxyConfig
 
-    stack = _built_stack(tmp_path, mode="token", connector="pdext", render=2, decode=2)
+    stack = built_stack(mode="token", connector="pdext", render=2, decode=2)
     names = [p.name for p in stack.parts]
     assert names == ["render-0", "render-1", "prefill-0", "decode-0", "decode-1", "proxy"]
     written = json.loads((tmp_path / "logs" / "proxy.json").read_text())
@@ -98,12 +110,12 @@ def test_up_tiered_cache_wraps_the_pd_connector_in_multiconnector():
     assert second["kv_connector_extra_config"] == {"cpu_capacity_gb": 1}
 
 
-def test_up_generates_a_private_fleet_key_and_removes_it(tmp_path, monkeypatch):
+def test_up_generates_a_private_fleet_key_and_removes_it(built_stack, monkeypatch):
     from vllm_pd_ext import fleet_key
 
     monkeypatch.delenv(fleet_key.KEY_FILE_ENV, raising=False)
     monkeypatch.delenv(fleet_key.KEY_ENV, raising=False)
-    stack = _built_stack(tmp_path, connector="pdext")
+    stack = built_stack(connector="pdext")
     path = Path(stack.key_env[fleet_key.KEY_FILE_ENV])
     assert fleet_key.load_key(stack.key_env) is not None
     assert path.parent.stat().st_mode & 0o777 == 0o700
@@ -111,11 +123,11 @@ def test_up_generates_a_private_fleet_key_and_removes_it(tmp_path, monkeypatch):
     assert not path.parent.exists()
 
 
-def test_up_hands_on_the_callers_fleet_key(tmp_path, monkeypatch):
+def test_up_hands_on_the_callers_fleet_key(built_stack, monkeypatch):
     from vllm_pd_ext import fleet_key
 
     monkeypatch.setenv(fleet_key.KEY_ENV, "ab" * 32)
-    stack = _built_stack(tmp_path, connector="pdext")
+    stack = built_stack(connector="pdext")
     assert stack.key_env == {} and stack.key_dir is None  # engines inherit the caller's
 
 

@@ -29,7 +29,10 @@ def test_up_example_builds_a_valid_stack(path, tmp_path):
     data = {**read_mapping(path), "model": str(tmp_path), "log_dir": str(tmp_path / "logs")}
     config = UpConfig.model_validate(data)
     stack = Stack(config)
-    stack.build()
+    try:
+        stack.build()
+    finally:
+        stack.stop_all()  # nothing was started; removes the key it generated
     proxy = ProxyConfig.model_validate(json.loads((tmp_path / "logs" / "proxy.json").read_text()))
     assert proxy.token_mode == (config.mode == "token")
     assert len(proxy.render) == (config.render if config.mode == "token" else 0)
