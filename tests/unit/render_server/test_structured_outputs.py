@@ -91,11 +91,11 @@ def hermes(tiny_qwen_think):
 
 
 @pytest.fixture()
-def hermes_json(tiny_qwen_think, monkeypatch):
-    """hermes with VLLM_ENFORCE_STRICT_TOOL_CALLING=0: JSON-constrained forced tool calls."""
+def hermes_json(hermes, monkeypatch):
+    """hermes with VLLM_ENFORCE_STRICT_TOOL_CALLING=0 (read per request, as vLLM does):
+    JSON-constrained forced tool calls."""
     monkeypatch.setenv("VLLM_ENFORCE_STRICT_TOOL_CALLING", "0")
-    with TestClient(create_app(_settings(tiny_qwen_think))) as c:
-        yield c
+    return hermes
 
 
 def _render(client, body, path="/v1/chat/completions/render"):
