@@ -210,6 +210,7 @@ class Stack:
         #: The engines' fleet-key environment, and the private directory of a generated key.
         self.key_env: dict[str, str] = {}
         self.key_dir: Path | None = None
+        self.key_source = ""  # where the key came from, for the log
 
     # -- building ----------------------------------------------------------------------
 
@@ -326,7 +327,9 @@ class Stack:
         the caller's own, checked, when set (they inherit it); else a fresh key in a private
         temporary directory, removed when the stack stops."""
         if fleet_key.load_key() is not None:
+            self.key_source = "from the caller's environment"
             return {}
+        self.key_source = "generated for this stack"
         self.key_dir = Path(tempfile.mkdtemp(prefix="vllm-pd-key-"))
         path = fleet_key.write_key_file(self.key_dir / "fleet.key")
         return {fleet_key.KEY_FILE_ENV: str(path)}
@@ -348,16 +351,10 @@ class Stack:
             f"starting {what} ({self.config.mode} mode, connector {self.config.connector}); "
             f"logs in {self.config.log_dir}"
         )
-        if self.key_dir is not None:
-            where = "generated for this stack"
-        elif os.environ.get(fleet_key.KEY_FILE_ENV):
-            where = f"from ${fleet_key.KEY_FILE_ENV}"
-        else:
-            where = f"from ${fleet_key.KEY_ENV}"
         if self.config.connector == "pdext":
-            self._say(f"fleet key {where}: KV transfer params are signed and checked")
+            self._say(f"fleet key {self.key_source}: KV transfer params are signed and checked")
         else:
-            self._say(f"fleet key {where} (vLLM's NixlConnector does not use it)")
+            self._say(f"fleet key {self.key_source} (vLLM's NixlConnector does not use it)")
 
     def start_proxy(self) -> None:
         proxy = self.parts[-1]
