@@ -9,6 +9,10 @@ EXTRAS  ?= cpu,nixl,mooncake-cpu,dev
 STAMP   := $(VENV)/.bootstrap-$(subst $(comma),-,$(EXTRAS))
 
 PORT    ?= 8000
+# The unit lane is single-threaded Python: one pytest-xdist worker per core (at most 4, each
+# holds vLLM and torch in memory), a test file's tests on one worker (module fixtures once).
+# The integration lane stays serial: its engines are pinned to cores 0 and 1.
+UNIT_PAR ?= -n auto --maxprocesses 4 --dist loadfile
 UP_ARGS ?=
 
 .PHONY: up demo test unit lint venv clean
@@ -29,11 +33,11 @@ demo: $(STAMP)
 # Every exit code but 0 stops make, "no tests collected" (5) included. Under CI=true a test
 # whose dependency is missing fails instead of skipping (tests/skips.py).
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest tests/unit
+	$(VENV)/bin/python -m pytest tests/unit $(UNIT_PAR)
 	$(VENV)/bin/python -m pytest tests --ignore=tests/unit
 
 unit: $(STAMP)
-	$(VENV)/bin/python -m pytest tests/unit
+	$(VENV)/bin/python -m pytest tests/unit $(UNIT_PAR)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check vllm_pd_ext tests benchmarks examples
