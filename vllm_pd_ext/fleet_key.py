@@ -16,6 +16,10 @@ Where the key comes from (the first that is set):
 Neither set: no key, nothing is signed or checked (a warning says so once per process).
 ``vllm-pd up`` writes a fresh key file for its stack and hands it to every engine.
 
+Its other uses: the KV side channel's requests and answers carry a tag under the key
+(:func:`tag`, with a timestamp and a nonce a :class:`ReplayGuard` remembers), and the ``tcp``
+data path's HELLO is a challenge both ends answer with the key.
+
 Imports nothing of ours: every part may use it.
 """
 
@@ -27,7 +31,10 @@ import json
 import os
 import secrets
 import stat
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +117,60 @@ def verify(key: bytes, params: Mapping[str, Any], fields: Sequence[str]) -> bool
     """Whether ``params`` carry a valid signature of ``fields`` under ``key`` (constant-time)."""
     claimed = params.get(SIGNATURE)
     return isinstance(claimed, str) and hmac.compare_digest(claimed, _digest(key, params, fields))
+
+
+def tag(key: bytes, *parts: bytes | str) -> bytes:
+    """HMAC-SHA256 under ``key`` of ``parts``, each length-prefixed (so no two different lists
+    of parts share a tag). Start ``parts`` with a label of what is tagged, so a tag made for
+    one purpose is never valid for another."""
+    mac = hmac.new(key, digestmod=hashlib.sha256)
+    for part in parts:
+        raw = part.encode() if isinstance(part, str) else part
+        mac.update(len(raw).to_bytes(8, "big"))
+        mac.update(raw)
+    return mac.digest()
+
+
+#: How far a tagged message's timestamp may be from our clock (seconds, either way).
+MAX_SKEW_S = 30.0
+#: Nonces a :class:`ReplayGuard` remembers at most.
+MAX_NONCES = 1 << 16
+
+
+class ReplayGuard:
+    """Accepts each (timestamp, nonce) once, and only timestamps within ``max_skew_s`` of now.
+
+    Bounded: it remembers at most ``max_nonces`` nonces. When it must forget one to take a new
+    one, it also refuses from then on every timestamp not newer than the forgotten one's, so a
+    forgotten nonce can never be replayed. Thread-safe.
+    """
+
+    def __init__(
+        self,
+        max_skew_s: float = MAX_SKEW_S,
+        max_nonces: int = MAX_NONCES,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.max_skew_s, self.max_nonces = max_skew_s, max_nonces
+        self._clock = clock
+        self._seen: OrderedDict[str, float] = OrderedDict()  # nonce -> timestamp, by arrival
+        self._floor = float("-inf")
+        self._lock = threading.Lock()
+
+    def check(self, timestamp: float, nonce: str) -> str | None:
+        """None if the message is fresh (and remember it), else why it is refused."""
+        now = self._clock()
+        if abs(now - timestamp) > self.max_skew_s:
+            return f"timestamp {timestamp:.0f} is {now - timestamp:+.0f}s off our clock"
+        with self._lock:
+            while self._seen and next(iter(self._seen.values())) < now - self.max_skew_s:
+                self._seen.popitem(last=False)  # too old to be accepted again anyway
+            if timestamp <= self._floor:
+                return "timestamp older than nonces already forgotten"
+            if nonce in self._seen:
+                return "replayed (nonce seen before)"
+            if len(self._seen) >= self.max_nonces:
+                _, forgotten = self._seen.popitem(last=False)
+                self._floor = max(self._floor, forgotten)
+            self._seen[nonce] = timestamp
+        return None

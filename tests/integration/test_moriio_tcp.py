@@ -1,32 +1,77 @@
 """PdExtMoRIIOConnector over our ``tcp`` transport backend on two real `vllm serve`: both modes
-give colocated output and load the prompt (a module of its own, so only two engines run at once).
+give colocated output and load the prompt, and the KV path refuses whoever lacks the fleet key
+(a module of its own, so only two engines run at once).
 """
 
 from __future__ import annotations
 
+import socket
+import time
+
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import pdext_pair, split_read, split_write, wait_idle
+from tests.integration.fleet_helpers import (
+    FLEET_KEY,
+    pdext_pair,
+    split_read,
+    split_write,
+    wait_idle,
+)
+from tests.unit.transport.peer import raw_tcp_hello
+from vllm_pd_ext.connectors.common.side_channel import fetch_handshake
 from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 
 pytestmark = pytest.mark.integration
 
+UNAUTHENTICATED = "vllm:pdext_kv_unauthenticated_total"
 
-def test_over_our_tcp_backend(vllm_servers, tiny_qwen):
-    """The same connector over the ``tcp`` transport backend, both modes (its own pair)."""
-    prefill, decode, side = pdext_pair(vllm_servers, tiny_qwen, "moriio-tcp", backend="tcp")
-    try:
-        prompt_ids = make_prompt_ids(tiny_qwen, 300)
-        with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
-            body = completion_body(prefill, prompt_ids, 16)
-            colocated, _ = stream_completion(client, prefill, body)
-            before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
-            assert split_read(client, prefill, decode, prompt_ids, 16) == colocated
-            assert split_write(client, prefill, decode, side, prompt_ids, 16) == colocated
-        assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before >= 2 * 299
-        wait_idle(prefill)
-    finally:
-        prefill.stop()
-        decode.stop()
+
+@pytest.fixture(scope="module")
+def pair(vllm_servers, tiny_qwen):
+    return pdext_pair(vllm_servers, tiny_qwen, "moriio-tcp", backend="tcp")
+
+
+def test_over_our_tcp_backend(pair, tiny_qwen):
+    """The same connector over the ``tcp`` transport backend, both modes."""
+    prefill, decode, side = pair
+    prompt_ids = make_prompt_ids(tiny_qwen, 300)
+    with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+        body = completion_body(prefill, prompt_ids, 16)
+        colocated, _ = stream_completion(client, prefill, body)
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
+        assert split_read(client, prefill, decode, prompt_ids, 16) == colocated
+        assert split_write(client, prefill, decode, side, prompt_ids, 16) == colocated
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before >= 2 * 299
+    wait_idle(prefill)
+
+
+def test_the_kv_path_refuses_whoever_lacks_the_fleet_key(pair, tiny_qwen):
+    """An attacker who reaches the prefill engine's side channel and data server: the
+    untagged handshake is refused with nothing of the layout in the answer, a raw socket that
+    cannot prove the key gets no read, write or notification through, and the prefill engine
+    counts both refusals on its /metrics (shipped with the next request's step)."""
+    from vllm_pd_ext.transport import tcp
+
+    prefill, decode, side = pair
+    before = prefill.metric(UNAUTHENTICATED)
+    answer = httpx.get(f"http://127.0.0.1:{side}/handshake", timeout=10)
+    assert answer.status_code == 401, answer.text
+    assert "transport" not in answer.text and "layout" not in answer.text
+    doc = fetch_handshake("127.0.0.1", side, 10.0, bytes.fromhex(FLEET_KEY))  # the fleet's
+    host, _, port = doc["transport"]["address"].rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        kind, message = raw_tcp_hello(s)
+        assert kind == tcp._FAIL and "no proof of the fleet key" in message
+        s.settimeout(10)
+        assert s.recv(1) == b"", "the data server kept the connection open"
+    prompt_ids = make_prompt_ids(tiny_qwen, 120)
+    with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+        colocated, _ = stream_completion(client, decode, completion_body(decode, prompt_ids, 8))
+        assert split_read(client, prefill, decode, prompt_ids, 8) == colocated
+    deadline = time.monotonic() + 60
+    while prefill.metric(UNAUTHENTICATED) - before < 2:
+        assert time.monotonic() < deadline, "the refusals never reached the prefill's /metrics"
+        time.sleep(0.5)
+    wait_idle(prefill)

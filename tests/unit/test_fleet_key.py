@@ -72,3 +72,47 @@ def test_a_signature_covers_each_signed_field_and_only_those():
     assert not verify(bytes.fromhex("cd" * 32), signed, FIELDS)
     assert not verify(key, {**signed, "signature": None}, FIELDS)
     assert not verify(key, PARAMS, FIELDS)
+
+
+def test_tags_depend_on_every_part_and_its_boundaries():
+    key = bytes(32)
+    base = fleet_key.tag(key, "label", b"ab", "c")
+    assert base == fleet_key.tag(key, "label", "ab", b"c")  # str parts are their UTF-8
+    assert base != fleet_key.tag(key, "label", b"a", b"bc")  # moved boundary
+    assert base != fleet_key.tag(key, "other", b"ab", b"c")
+    assert base != fleet_key.tag(bytes(range(32)), "label", b"ab", b"c")
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_replay_guard_takes_each_nonce_once_and_only_fresh_timestamps():
+    clock = _Clock()
+    guard = fleet_key.ReplayGuard(max_skew_s=30, clock=clock)
+    assert guard.check(1000.0, "a") is None
+    assert "replayed" in (guard.check(1000.0, "a") or "")
+    assert "off our clock" in (guard.check(960.0, "b") or "")
+    assert "off our clock" in (guard.check(1040.0, "b") or "")
+    assert guard.check(1029.0, "b") is None
+
+
+def test_replay_guard_is_bounded_and_never_forgets_a_nonce_it_could_still_accept():
+    """Full, it forgets its oldest nonce, and from then on refuses every timestamp up to that
+    one's: the forgotten nonce's message cannot be replayed."""
+    clock = _Clock()
+    guard = fleet_key.ReplayGuard(max_skew_s=30, max_nonces=3, clock=clock)
+    for i, stamp in enumerate((995.0, 996.0, 997.0)):
+        assert guard.check(stamp, f"n{i}") is None
+    assert guard.check(998.0, "n3") is None  # forgets n0 (995)
+    assert guard.check(995.0, "n0") is not None  # the forgotten one, replayed
+    assert guard.check(994.0, "older") is not None
+    assert guard.check(999.0, "n4") is None
+    assert len(guard._seen) == 3
+    clock.now = 1100.0  # every nonce is past the window: dropped, nothing refused wrongly
+    assert guard.check(1100.0, "n5") is None
+    assert list(guard._seen) == ["n5"]

@@ -261,6 +261,9 @@ class Transport(abc.ABC):
 
     #: Name under which the backend is registered (``get_backend(name)``).
     backend_name: ClassVar[str] = ""
+    #: Whether the backend takes a fleet key (``key=`` setting) and then serves only peers
+    #: that prove they hold it. Engines we only drive (Mooncake's, MoRI's) cannot.
+    authenticates_peers: ClassVar[bool] = False
 
     def __init__(self, *, coalesce_spans: bool = True) -> None:
         self.stats = TransferStats()

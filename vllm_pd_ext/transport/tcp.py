@@ -26,23 +26,30 @@ Shape:
   :class:`TransferError`; the next transfer reconnects. A peer that makes no progress for
   ``io_timeout_s`` counts as gone. ``wait`` is always bounded by its own timeout.
 
-Wire (little-endian): HELLO ``"PDXT", u16 version, u16 id length, id`` both ways; request
-``u8 kind, u32 name length, u64 transfer id, u64 spans, u64 payload bytes``, name, spans as
-int64 ``(offset, length)`` pairs, payload; answer ``u8 kind, u32 message length, u64 transfer
-id, u64 payload bytes``, message, payload. Host memory only (CPU tensors or buffers).
+Wire (little-endian): HELLO ``"PDXT", u16 version, u16 id length, id, 16-byte nonce`` from the
+client; the server's HELLO the same plus a 32-byte proof; the client's 32-byte proof; the
+server's verdict (an answer frame, OK or FAIL with the reason). Then requests ``u8 kind, u32
+name length, u64 transfer id, u64 spans, u64 payload bytes``, name, spans as int64 ``(offset,
+length)`` pairs, payload; answers ``u8 kind, u32 message length, u64 transfer id, u64 payload
+bytes``, message, payload. Host memory only (CPU tensors or buffers).
 
-Like Mooncake's and MoRI's engines, the data server does not authenticate peers: anyone who
-can reach ``host:port`` can read and write the registered regions (within their bounds).
-Bind it to a private interface.
+With a fleet key (``key=``, :mod:`vllm_pd_ext.fleet_key`) each proof is the HMAC of both
+nonces and both ids under the key, labelled by side: a peer that does not hold the key can
+neither be served (no read, write or notification gets through) nor pass as a server, and a
+recorded HELLO is worthless (fresh nonces each time). Without a key the proofs are zeros and
+the data server serves anyone who can reach ``host:port`` (within the regions' bounds), as
+Mooncake's and MoRI's engines do: then bind it to a private interface.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import hmac
 import itertools
 import logging
 import queue
+import secrets
 import socket
 import struct
 import threading
@@ -56,6 +63,7 @@ from typing import Any
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.transport.base import (
     MAX_QUEUED_NOTIFICATIONS,
     Notification,
@@ -77,8 +85,10 @@ from vllm_pd_ext.transport.spans import LENGTH, LOCAL, REMOTE
 
 logger = logging.getLogger(__name__)
 
-_MAGIC, _VERSION = b"PDXT", 1
+_MAGIC, _VERSION = b"PDXT", 2
 _HELLO = struct.Struct("<4sHH")
+_NONCE, _PROOF = 16, 32
+_NO_PROOF = bytes(_PROOF)
 _REQ = struct.Struct("<BIQQQ")  # kind, name length, transfer id, spans, payload bytes
 _RSP = struct.Struct("<BIQQ")  # kind, message length, transfer id, payload bytes
 _WRITE, _READ, _NOTIFY = 1, 2, 3
@@ -91,6 +101,8 @@ MAX_NOTIFY_PAYLOAD = 64 * 1024
 #: Receive timeout of one blocking call: how often idle threads look at their stop flag.
 _POLL_S = 0.25
 _DRAIN_CHUNK = 1 << 20
+#: Refused peers are logged at most this often.
+_REFUSAL_LOG_EVERY_S = 10.0
 
 
 class TcpConfig(BaseModel):
@@ -122,6 +134,10 @@ class TcpConfig(BaseModel):
 
 class _Stalled(OSError):
     """No byte moved for ``io_timeout_s``."""
+
+
+class _Refused(ValueError):
+    """A peer that could not prove the fleet key."""
 
 
 class _Closed(OSError):
@@ -331,10 +347,19 @@ def _check_spans(pairs: np.ndarray, size: int, nbytes: int | None) -> str | None
 class _Server:
     """The data server: answers peers' WRITE, READ and NOTIFY requests."""
 
-    def __init__(self, cfg: TcpConfig, engine_id: str, memory: _Memory) -> None:
+    def __init__(
+        self,
+        cfg: TcpConfig,
+        engine_id: str,
+        memory: _Memory,
+        key: bytes | None,
+        on_refused: Callable[[], None] | None,
+    ) -> None:
         self.cfg = cfg
         self.engine_id = engine_id
         self.memory = memory
+        self.key, self.on_refused = key, on_refused
+        self._last_refusal_log = float("-inf")
         self.notes: deque[Notification] = deque()
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -373,14 +398,17 @@ class _Server:
             _tune(conn, self.cfg)
             self._threads = [t for t in self._threads if t.is_alive()]
             t = threading.Thread(
-                target=self._serve, args=(conn,), name=f"pdext-tcp-serve-{addr[1]}", daemon=True
+                target=self._serve,
+                args=(conn, addr[0]),
+                name=f"pdext-tcp-serve-{addr[1]}",
+                daemon=True,
             )
             self._threads.append(t)
             t.start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, address: str) -> None:
         link = _Link(conn, self.cfg, self._stop)
-        peer = "?"
+        peer = f"? at {address}"
         try:
             peer = self._hello(link)
             while True:
@@ -408,6 +436,11 @@ class _Server:
                     raise ValueError(f"unknown request kind {kind}")
         except _Closed:
             pass
+        except _Refused as e:
+            now = time.monotonic()
+            if now - self._last_refusal_log >= _REFUSAL_LOG_EVERY_S:  # a scan floods no log
+                self._last_refusal_log = now
+                logger.warning("tcp data connection from %s dropped: %s", peer, e)
         except (OSError, ValueError, UnicodeDecodeError) as e:
             if not self._stop.is_set():
                 logger.warning("tcp data connection from %s dropped: %s", peer, e)
@@ -417,13 +450,23 @@ class _Server:
             conn.close()
 
     def _hello(self, link: _Link) -> str:
+        """Exchange HELLOs; with a key, serve only a peer that proves it holds it."""
         magic, version, n = _HELLO.unpack(link.recv(_HELLO.size))
-        if magic != _MAGIC or version != _VERSION:
+        if magic != _MAGIC or version != _VERSION or n > _MAX_NAME:
             raise ValueError(f"not a pdext tcp peer (magic {magic!r}, version {version})")
-        peer = link.recv(n).decode()
-        me = self.engine_id.encode()
-        link.send(_HELLO.pack(_MAGIC, _VERSION, len(me)) + me)
-        return peer
+        peer, theirs = link.recv(n), link.recv(_NONCE)
+        me, mine = self.engine_id.encode(), secrets.token_bytes(_NONCE)
+        proof = _proof(self.key, "server", theirs, mine, me, peer)
+        link.send(_HELLO.pack(_MAGIC, _VERSION, len(me)) + me + mine + proof)
+        claimed = link.recv(_PROOF)
+        expected = _proof(self.key, "client", theirs, mine, peer, me)
+        if not hmac.compare_digest(claimed, expected):
+            self._fail(link, 0, "refused: no proof of the fleet key (is this peer given it?)")
+            if self.on_refused is not None:
+                self.on_refused()
+            raise _Refused("refused a peer without the fleet key")
+        link.send(_RSP.pack(_OK, 0, 0, 0))
+        return peer.decode()
 
     def _fail(self, link: _Link, xid: int, message: str) -> None:
         msg = message.encode()[:_MAX_MESSAGE]
@@ -513,7 +556,12 @@ class _PeerConn:
     """One persistent connection to a peer's data server: a writer and a reader thread."""
 
     def __init__(
-        self, cfg: TcpConfig, engine_id: str, desc: TransportDescriptor, memory: _Memory
+        self,
+        cfg: TcpConfig,
+        engine_id: str,
+        desc: TransportDescriptor,
+        memory: _Memory,
+        key: bytes | None,
     ) -> None:
         self.cfg = cfg
         self.peer = desc.engine_id
@@ -528,19 +576,13 @@ class _PeerConn:
         self.link = _Link(sock, cfg, self._stop)
         try:
             sock.settimeout(cfg.connect_timeout_s)
-            me = engine_id.encode()
-            sock.sendall(_HELLO.pack(_MAGIC, _VERSION, len(me)) + me)
-            magic, version, n = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
-            theirs = _recv_exact(sock, n).decode() if magic == _MAGIC else ""
+            _client_hello(sock, key, engine_id.encode(), desc)
         except (OSError, UnicodeDecodeError, struct.error) as e:
             sock.close()
             raise PeerUnreachable(f"tcp peer {desc.address} did not say hello: {e}") from e
-        if magic != _MAGIC or version != _VERSION or theirs != desc.engine_id:
+        except PeerMismatch:
             sock.close()
-            raise PeerMismatch(
-                f"{desc.address} answered as {theirs or magic!r} (version {version}), "
-                f"expected tcp engine {desc.engine_id}"
-            )
+            raise
         _tune(sock, cfg)
         self._lock = threading.Lock()
         self._pending: dict[int, _Job] = {}
@@ -699,6 +741,53 @@ class _PeerConn:
         return None
 
 
+def _proof(
+    key: bytes | None, side: str, client_nonce: bytes, server_nonce: bytes, *ids: bytes
+) -> bytes:
+    """One side's HELLO proof: the HMAC of both nonces and both ids (its own first) under the
+    fleet key; zeros without one."""
+    if key is None:
+        return _NO_PROOF
+    return fleet_key.tag(key, f"tcp hello {side}", client_nonce, server_nonce, *ids)
+
+
+def _client_hello(
+    sock: socket.socket, key: bytes | None, me: bytes, desc: TransportDescriptor
+) -> None:
+    """Our side of the HELLO: the peer must be ``desc``'s engine and, with a key, prove it holds
+    it; then prove we do, and take the server's verdict. :class:`PeerMismatch` if not."""
+    mine = secrets.token_bytes(_NONCE)
+    sock.sendall(_HELLO.pack(_MAGIC, _VERSION, len(me)) + me + mine)
+    magic, version, n = _HELLO.unpack(_recv_exact(sock, _HELLO.size))
+    if magic != _MAGIC or version != _VERSION or n > _MAX_NAME:
+        raise PeerMismatch(
+            f"{desc.address} answered as {magic!r} (version {version}), expected a pdext tcp "
+            f"engine (version {_VERSION})"
+        )
+    theirs_id = _recv_exact(sock, n)
+    theirs, claimed = _recv_exact(sock, _NONCE), _recv_exact(sock, _PROOF)
+    if theirs_id.decode() != desc.engine_id:
+        raise PeerMismatch(
+            f"{desc.address} answered as {theirs_id.decode()!r}, expected tcp engine "
+            f"{desc.engine_id}"
+        )
+    if key is None and claimed != _NO_PROOF:
+        raise PeerMismatch(
+            f"tcp peer {desc.engine_id} at {desc.address} authenticates with a fleet key and "
+            "this engine has none"
+        )
+    if not hmac.compare_digest(claimed, _proof(key, "server", mine, theirs, theirs_id, me)):
+        raise PeerMismatch(
+            f"tcp peer {desc.engine_id} at {desc.address} did not prove it holds the fleet key "
+            "(is it given the same one?)"
+        )
+    sock.sendall(_proof(key, "client", mine, theirs, me, theirs_id))
+    kind, msg_len, _, _ = _RSP.unpack(_recv_exact(sock, _RSP.size))
+    if kind != _OK:
+        reason = _recv_exact(sock, min(msg_len, _MAX_MESSAGE)).decode("utf-8", "replace")
+        raise PeerMismatch(f"tcp peer {desc.engine_id} at {desc.address}: {reason}")
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -714,15 +803,26 @@ class TcpTransport(Transport):
     """:class:`Transport` over our own TCP data path (host memory)."""
 
     backend_name = "tcp"
+    authenticates_peers = True
 
-    def __init__(self, config: TcpConfig | None = None, **settings: Any) -> None:
+    def __init__(
+        self,
+        config: TcpConfig | None = None,
+        *,
+        key: bytes | None = None,
+        on_refused: Callable[[], None] | None = None,
+        **settings: Any,
+    ) -> None:
+        """``key``: the fleet key peers must prove they hold (None: serve anyone);
+        ``on_refused`` is called for each connection refused for want of it."""
         cfg = config or TcpConfig(**settings)
         super().__init__(coalesce_spans=cfg.coalesce)
         self.config = cfg
+        self._key = key
         self._memory = _Memory()
         self._engine_id = f"tcp-{uuid.uuid4().hex[:12]}"
         try:
-            self._server = _Server(cfg, self._engine_id, self._memory)
+            self._server = _Server(cfg, self._engine_id, self._memory, key, on_refused)
         except OSError as e:
             raise TransportError(
                 f"tcp data server could not bind {cfg.host}:{cfg.port}: {e}"
@@ -757,7 +857,7 @@ class TcpTransport(Transport):
             old = self._conns.get(desc.engine_id)
             if old is not None and old.dead is None and old.address == desc.address:
                 return
-        conn = _PeerConn(self.config, self._engine_id, desc, self._memory)
+        conn = _PeerConn(self.config, self._engine_id, desc, self._memory, self._key)
         with self._conns_lock:
             old = self._conns.get(desc.engine_id)
             self._conns[desc.engine_id] = conn
@@ -775,7 +875,7 @@ class TcpTransport(Transport):
         with self._conns_lock:
             conn = self._conns.get(desc.engine_id)
             if conn is None or conn.dead is not None:
-                conn = _PeerConn(self.config, self._engine_id, desc, self._memory)
+                conn = _PeerConn(self.config, self._engine_id, desc, self._memory, self._key)
                 self._conns[desc.engine_id] = conn
             return conn
 

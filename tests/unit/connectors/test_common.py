@@ -123,6 +123,7 @@ def test_stats_take_aggregate_reduce():
     assert rec.take() is None
     rec.transfer(0.5, 1_000_000)
     rec.failure()
+    rec.refused()
     rec.blocks_held(3)
     first = rec.take()
     assert first is not None
@@ -135,6 +136,7 @@ def test_stats_take_aggregate_reduce():
         "GB/s": 0.004,
         "failures": 1,
         "lease_expiries": 2,
+        "unauthenticated": 1,
         "blocks_held": 3,
     }
     assert PdTransferStats().is_empty()
@@ -158,8 +160,103 @@ def test_side_channel_routes_and_errors(monkeypatch):
         assert e.value.code == 400 and "not a JSON object" in json.loads(e.value.read())["error"]
     finally:
         server.close()
-    with pytest.raises(SideChannelError, match=r"handshake with 127\.0\.0\.1"):
+    with pytest.raises(SideChannelError, match=r"/handshake to 127\.0\.0\.1"):
         fetch_handshake("127.0.0.1", server.port, 1.0)
+
+
+KEY = bytes(range(32))
+
+
+def _raw(port: int, method: str, path: str, body: bytes | None = None, headers=None):
+    """A request written by hand: (status, answer headers, JSON body)."""
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=body, headers=headers or {}, method=method
+    )
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(req, timeout=5) as r:
+            return r.status, r.headers, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, e.headers, json.loads(e.read())
+
+
+def test_keyed_side_channel_serves_tagged_requests_and_tags_its_answers():
+    offers: list[Any] = []
+    server = SideChannelServer(
+        "127.0.0.1", 0, lambda: {"v": 1}, {"/write_target": offers.append}, key=KEY
+    )
+    try:
+        assert fetch_handshake("127.0.0.1", server.port, 2.0, KEY) == {"v": 1}
+        post_json("127.0.0.1", server.port, "/write_target", {"transfer_id": "t"}, 2.0, KEY)
+        assert offers == [{"transfer_id": "t"}]
+        assert server.refused == 0
+    finally:
+        server.close()
+
+
+def test_keyed_side_channel_refuses_what_is_not_tagged_with_its_key():
+    """Without the header, with another key's tag, with the body changed after tagging, with
+    a replayed header and with a stale timestamp: 401 each time, the route never runs, and
+    each refusal is counted."""
+    from vllm_pd_ext.connectors.common import side_channel
+
+    offers: list[Any] = []
+    refusals: list[int] = []
+    server = SideChannelServer(
+        "127.0.0.1",
+        0,
+        lambda: {"secret": "layout"},
+        {"/write_target": offers.append},
+        key=KEY,
+        on_refused=lambda: refusals.append(1),
+    )
+    body = json.dumps({"transfer_id": "t"}).encode()
+    good = side_channel._signed_headers(KEY, "POST", "/write_target", body)
+    stamp, nonce, _ = good[side_channel.AUTH_HEADER].split(".")
+    stale = str(int(stamp) - 120_000)
+    stale_tag = side_channel._request_tag(KEY, "POST", "/write_target", stale, nonce + "0", body)
+    attempts = {
+        "no header": ("POST", {}, body),
+        "other key": (
+            "POST",
+            side_channel._signed_headers(bytes(32), "POST", "/write_target", body),
+            body,
+        ),
+        "altered body": ("POST", good, json.dumps({"transfer_id": "evil"}).encode()),
+        "stale": ("POST", {side_channel.AUTH_HEADER: f"{stale}.{nonce}0.{stale_tag}"}, body),
+        "handshake untagged": ("GET", {}, None),
+    }
+    try:
+        for what, (method, headers, data) in attempts.items():
+            path = "/handshake" if method == "GET" else "/write_target"
+            status, _, answer = _raw(server.port, method, path, data, headers)
+            assert status == 401 and "unauthenticated" in answer["error"], what
+            assert "secret" not in json.dumps(answer), what
+        assert _raw(server.port, "POST", "/write_target", body, good)[0] == 200
+        status, _, answer = _raw(server.port, "POST", "/write_target", body, good)  # replayed
+        assert status == 401 and "replayed" in answer["error"]
+        assert offers == [{"transfer_id": "t"}]
+        assert len(refusals) == server.refused == len(attempts) + 1
+    finally:
+        server.close()
+
+
+def test_a_keyed_client_trusts_no_answer_without_the_servers_tag():
+    """A server without the key (or an impostor) answers: the client refuses the answer."""
+    server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, {"/renew": lambda body: None})
+    try:
+        with pytest.raises(SideChannelError, match="no valid fleet-key tag"):
+            fetch_handshake("127.0.0.1", server.port, 2.0, KEY)
+        with pytest.raises(SideChannelError, match="no valid fleet-key tag"):
+            post_json("127.0.0.1", server.port, "/renew", {"req": "r"}, 2.0, KEY)
+    finally:
+        server.close()
+    keyed = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, key=bytes(32))
+    try:
+        with pytest.raises(SideChannelError, match="401"):
+            fetch_handshake("127.0.0.1", keyed.port, 2.0, KEY)
+    finally:
+        keyed.close()
 
 
 def test_side_channel_port_in_use_is_a_clear_error():

@@ -57,7 +57,13 @@ def caches(fill: bool, heads: int = HEADS, shape: str = "cpu") -> dict[str, torc
 
 
 def worker(
-    role: str, port: int, clock=None, backend: str = "mooncake", tp_size: int = 1, **cfg
+    role: str,
+    port: int,
+    clock=None,
+    backend: str = "mooncake",
+    tp_size: int = 1,
+    key: bytes | None = None,
+    **cfg,
 ) -> TransferWorker:
     settings = {
         "backend": backend,
@@ -80,6 +86,7 @@ def worker(
         num_blocks=NUM_BLOCKS,
         block_sizes=(BLOCK,),
         model={"layers": LAYERS},
+        key=key,
         **({"clock": clock} if clock else {}),
     )
 
@@ -95,8 +102,10 @@ def pair(request, backend):
     opts = getattr(request, "param", {})
     port = free_port()
     clock = Clock()
-    p = worker("kv_producer", port, clock=clock, backend=backend, **opts.get("p", {}))
-    d = worker("kv_consumer", free_port(), backend=backend, **opts.get("d", {}))
+    key = opts.get("key")  # the fleet key of both sides, unless "d_key" gives the decode's
+    p = worker("kv_producer", port, clock=clock, backend=backend, key=key, **opts.get("p", {}))
+    d_key = opts.get("d_key", key)
+    d = worker("kv_consumer", free_port(), backend=backend, key=d_key, **opts.get("d", {}))
     shape = opts.get("shape", "cpu")
     pc, dc = caches(True, shape=shape), caches(False, shape=shape, **opts.get("dcache", {}))
     p.register_kv_caches(pc)
@@ -133,8 +142,14 @@ def recv(d: TransferWorker, spec: RecvSpec) -> None:
     d.start_load_kv()
 
 
+KEY, OTHER_KEY = bytes(range(32)), bytes(range(1, 33))
+
+
 @pytest.mark.parametrize(
-    "pair", [{}, {"shape": "kv-first"}], indirect=True, ids=["cpu", "kv-first"]
+    "pair",
+    [{}, {"shape": "kv-first"}, {"key": KEY}],
+    indirect=True,
+    ids=["cpu", "kv-first", "fleet key"],
 )
 def test_read_mode_copies_blocks_and_frees_prefill(pair):
     p, pc, d, dc, port = pair
@@ -203,6 +218,7 @@ def write_offer(d, port, transfer_id, pairs):
     recv(d, RecvSpec("d-req", "write", ref, (pairs,), (local,), transfer_id=transfer_id))
 
 
+@pytest.mark.parametrize("pair", [{}, {"key": KEY}], indirect=True, ids=["no key", "fleet key"])
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_write_mode_pushes_into_decode_blocks(pair, layerwise):
     p, pc, d, dc, port = pair
@@ -293,6 +309,28 @@ def test_a_peer_with_another_tp_size_is_refused_at_handshake(pair, mode, caplog)
         offer["tp_size"] = 2  # the same offer with the prefill's TP size is taken
         post_json("127.0.0.1", port, "/write_target", offer, 5.0)
         assert "t-tp" in p._targets
+
+
+@pytest.mark.parametrize("pair", [{"key": KEY, "d_key": OTHER_KEY}], indirect=True)
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_a_decode_worker_with_another_fleet_key_loads_nothing(pair, mode):
+    """The prefill side refuses its side-channel requests (counted), and the load fails (the
+    scheduler then recomputes): no block is written on either side."""
+    p, _, d, dc, port = pair
+    if mode == "read":
+        p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+        p.get_finished({"p-req"})
+        ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
+        recv(d, RecvSpec("d-req", "read", ref, (((5, 1), (9, 2)),), ((5, 9),)))
+    else:
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),))]))
+        write_offer(d, port, "t-1", ((5, 0), (9, 1)))
+    done = poll(lambda: d.get_finished(set())[1], "the failed load")
+    assert done == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == {5, 9}
+    assert all(torch.count_nonzero(t) == 0 for t in dc.values())
+    assert p.stats.take().data["unauthenticated"] >= 1
+    assert "t-1" not in p._targets
 
 
 def test_unreachable_prefill_is_a_load_error(pair):

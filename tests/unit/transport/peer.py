@@ -1,4 +1,5 @@
-"""A transport in a second process, driven over a pipe: the remote side of contract tests.
+"""A transport in a second process, driven over a pipe: the remote side of contract tests;
+and a raw ``tcp``-backend client written from the wire format (what an attacker would send).
 
 The child owns named numpy buffers registered with its transport and answers commands;
 the parent-side :class:`PeerProcess` sends them with a bounded wait for every reply.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import socket
 from typing import Any
 
 import numpy as np
@@ -19,6 +21,40 @@ REPLY_TIMEOUT_S = 60.0
 def pattern(seed: int, size: int) -> np.ndarray:
     """Deterministic bytes for a buffer."""
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+
+
+def raw_tcp_hello(s: socket.socket, key: bytes | None = None, proof: bytes | None = None):
+    """A raw client's HELLO, written from the wire format: our id "x" and nonce, the server's
+    HELLO, our proof (under ``key``, zeros without one, or ``proof`` as given); the server's
+    verdict ``(kind, message)``."""
+    from vllm_pd_ext import fleet_key
+    from vllm_pd_ext.transport import tcp
+
+    s.settimeout(5)
+    nonce = bytes(range(16))
+    s.sendall(tcp._HELLO.pack(b"PDXT", 2, 1) + b"x" + nonce)
+    magic, version, n = tcp._HELLO.unpack(recv_exact(s, tcp._HELLO.size))
+    assert (magic, version) == (b"PDXT", 2)
+    server_id, server_nonce, _ = recv_exact(s, n), recv_exact(s, 16), recv_exact(s, 32)
+    if proof is None:
+        proof = (
+            fleet_key.tag(key, "tcp hello client", nonce, server_nonce, b"x", server_id)
+            if key
+            else bytes(32)
+        )
+    s.sendall(proof)
+    kind, msg_len, _, _ = tcp._RSP.unpack(recv_exact(s, tcp._RSP.size))
+    return kind, recv_exact(s, msg_len).decode()
+
+
+def recv_exact(s: socket.socket, n: int) -> bytes:
+    """Exactly ``n`` bytes from ``s`` (an assertion error if the other side hangs up first)."""
+    data = b""
+    while len(data) < n:
+        more = s.recv(n - len(data))
+        assert more, "the server hung up"
+        data += more
+    return data
 
 
 def _serve(conn: Any, backend: str) -> None:

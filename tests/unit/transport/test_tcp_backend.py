@@ -14,7 +14,7 @@ import pydantic
 import pytest
 
 from tests.skips import need
-from tests.unit.transport.peer import PeerProcess, pattern
+from tests.unit.transport.peer import PeerProcess, pattern, raw_tcp_hello, recv_exact
 from vllm_pd_ext.transport import (
     RegistrationError,
     TransferError,
@@ -244,28 +244,15 @@ def test_a_span_outside_the_region_is_refused_however_it_is_written(span) -> Non
     try:
         port = int(t.descriptor().address.rpartition(":")[2])
         with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-            s.settimeout(5)
-            s.sendall(tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 1) + b"x")
-            magic, _, n = tcp._HELLO.unpack(_recv(s, tcp._HELLO.size))
-            assert magic == tcp._MAGIC
-            _recv(s, n)
+            assert raw_tcp_hello(s) == (tcp._OK, "")
             spans = np.array([span], dtype="<i8").tobytes()
             s.sendall(tcp._REQ.pack(tcp._READ, 1, 7, 1, 0) + b"r" + spans)
-            kind, msg_len, xid, nbytes = tcp._RSP.unpack(_recv(s, tcp._RSP.size))
-            message = _recv(s, msg_len).decode()
+            kind, msg_len, xid, nbytes = tcp._RSP.unpack(recv_exact(s, tcp._RSP.size))
+            message = recv_exact(s, msg_len).decode()
         assert (kind, xid, nbytes) == (tcp._FAIL, 7, 0), message
         assert "leaves the region" in message
     finally:
         t.close()
-
-
-def _recv(s: socket.socket, n: int) -> bytes:
-    data = b""
-    while len(data) < n:
-        more = s.recv(n - len(data))
-        assert more, "the server hung up"
-        data += more
-    return data
 
 
 def test_connections_beyond_the_cap_are_closed_at_once() -> None:
@@ -302,4 +289,90 @@ def test_connections_beyond_the_cap_are_closed_at_once() -> None:
 def tcp_hello() -> bytes:
     from vllm_pd_ext.transport import tcp
 
-    return tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 1) + b"x"
+    return tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 1) + b"x" + bytes(16)
+
+
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
+
+
+def test_peers_holding_the_fleet_key_write_read_and_notify() -> None:
+    a, b = _local(key=KEY), _local(key=KEY)
+    src, dst = pattern(1, 8192), np.zeros(8192, dtype=np.uint8)
+    back = np.zeros(4096, dtype=np.uint8)
+    try:
+        a.register_buffer("src", src.ctypes.data, src.nbytes, owner=src)
+        a.register_buffer("back", back.ctypes.data, back.nbytes, owner=back)
+        b.register_buffer("dst", dst.ctypes.data, dst.nbytes, owner=dst)
+        peer = a.connect(b.descriptor())
+        a.wait(a.write(peer, "src", "dst", [(0, 0, 8192)]), WAIT_S)
+        assert (dst == src).all()
+        a.wait(a.read(peer, "back", "dst", [(0, 4096, 4096)]), WAIT_S)
+        assert (back == src[4096:]).all()
+        a.notify(peer, b"done")
+        deadline = time.monotonic() + WAIT_S
+        while not (notes := b.drain_notifications()):
+            assert time.monotonic() < deadline, "the notification never arrived"
+            time.sleep(0.01)
+        assert [(n.sender, n.payload) for n in notes] == [(a.engine_id, b"done")]
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.parametrize("proof", ["zeros", "other key", "replayed"])
+def test_a_raw_peer_without_the_fleet_key_can_neither_read_write_nor_notify(proof) -> None:
+    """An attacker's socket speaks the HELLO without the key (no proof, a proof under another
+    key, or a valid proof recorded from another connection): the server says why it refuses,
+    closes, and then a READ, a WRITE and a NOTIFY sent anyway get no answer and change nothing."""
+    from vllm_pd_ext import fleet_key
+    from vllm_pd_ext.transport import tcp
+
+    refused: list[int] = []
+    t = _local(key=KEY, on_refused=lambda: refused.append(1))
+    buf = pattern(5, 4096)
+    t.register_buffer("r", buf.ctypes.data, buf.nbytes, owner=buf)
+    port = int(t.descriptor().address.rpartition(":")[2])
+    try:
+        given = {"zeros": bytes(32), "other key": None, "replayed": None}[proof]
+        if proof == "replayed":  # a valid proof for an earlier connection's nonces
+            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+                assert raw_tcp_hello(s, key=KEY) == (tcp._OK, "")
+            given = fleet_key.tag(KEY, "tcp hello client", bytes(range(16)), bytes(16), b"x", b"")
+        key = OTHER_KEY if proof == "other key" else None
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+            kind, message = raw_tcp_hello(s, key=key, proof=given)
+            assert kind == tcp._FAIL and "no proof of the fleet key" in message
+            span = np.array([(0, 64)], dtype="<i8").tobytes()
+            with contextlib.suppress(OSError):
+                s.sendall(tcp._REQ.pack(tcp._READ, 1, 1, 1, 0) + b"r" + span)
+                s.sendall(tcp._REQ.pack(tcp._WRITE, 1, 2, 1, 64) + b"r" + span + bytes(64))
+                s.sendall(tcp._REQ.pack(tcp._NOTIFY, 0, 3, 0, 4) + b"done")
+            with contextlib.suppress(ConnectionResetError):
+                assert s.recv(1) == b"", "the server answered after refusing the HELLO"
+        assert (buf == pattern(5, 4096)).all()
+        assert t.drain_notifications() == []
+        assert refused == [1]
+    finally:
+        t.close()
+
+
+@pytest.mark.parametrize(
+    ("client_key", "server_key", "why"),
+    [
+        (KEY, None, "did not prove it holds the fleet key"),
+        (None, KEY, "authenticates with a fleet key and this engine has none"),
+        (KEY, OTHER_KEY, "did not prove it holds the fleet key"),
+    ],
+    ids=["keyless server", "keyless client", "different keys"],
+)
+def test_transports_with_different_keys_do_not_connect(client_key, server_key, why) -> None:
+    from vllm_pd_ext.transport import PeerMismatch
+
+    client, server = _local(key=client_key), _local(key=server_key)
+    try:
+        with pytest.raises(PeerMismatch, match=why):
+            client.connect(server.descriptor())
+    finally:
+        client.close()
+        server.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.common.config import TransferConfig, parse_transfer_config
 from vllm_pd_ext.connectors.common.scheduler import (
     TransferScheduler,
@@ -100,4 +101,5 @@ def make_worker(
         block_sizes=tuple(g.block_size for g in groups),
         model=model_facts(vllm_config, kv_cache_config),
         group_of=group_of,
+        key=fleet_key.load_key(),
     )

@@ -5,19 +5,32 @@ KV layout and its fingerprint). POST routes hand their body to a callback: ``/wr
 takes a decode worker's offer of where a WRITE-mode transfer should land, ``/cancel`` withdraws
 one (answered only once no write into it is in flight). Bodies are JSON, capped at
 :data:`MAX_BODY`. Clients: :func:`fetch_handshake` and :func:`post_json`.
+
+With a fleet key (:mod:`vllm_pd_ext.fleet_key`) both directions are authenticated: a request
+carries :data:`AUTH_HEADER` ``<timestamp>.<nonce>.<tag>``, the tag over the method, path,
+timestamp, nonce and body; the server answers anything else 401 and accepts each nonce once
+(:class:`~vllm_pd_ext.fleet_key.ReplayGuard`). Its answer carries the tag of the request's
+nonce, the status and the answer's body, which the client checks: a handshake document or an
+acknowledgement cannot be forged either. Without a key nothing is tagged or checked.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import ipaddress
 import json
 import logging
+import secrets
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from vllm_pd_ext import fleet_key
 
 logger = logging.getLogger(__name__)
 
@@ -27,6 +40,28 @@ MAX_BODY = 8 << 20
 MAX_CONNECTIONS = 64
 #: A connection that sends nothing for this long is closed (a slow client holds no thread).
 IDLE_TIMEOUT_S = 10.0
+#: The header that carries a request's or an answer's fleet-key tag.
+AUTH_HEADER = "X-PdExt-Auth"
+#: Refusals logged at most this often (a scan must not flood the engine's log).
+_WARN_EVERY_S = 10.0
+
+
+def _request_tag(key: bytes, method: str, path: str, stamp: str, nonce: str, body: bytes) -> str:
+    digest = hashlib.sha256(body).digest()
+    return fleet_key.tag(key, "side-channel request", method, path, stamp, nonce, digest).hex()
+
+
+def _answer_tag(key: bytes, nonce: str, status: int, body: bytes) -> str:
+    digest = hashlib.sha256(body).digest()
+    return fleet_key.tag(key, "side-channel answer", nonce, str(status), digest).hex()
+
+
+def _signed_headers(key: bytes | None, method: str, path: str, body: bytes) -> dict[str, str]:
+    if key is None:
+        return {}
+    stamp, nonce = str(int(time.time() * 1000)), secrets.token_hex(16)
+    value = f"{stamp}.{nonce}.{_request_tag(key, method, path, stamp, nonce, body)}"
+    return {AUTH_HEADER: value}
 
 
 class SideChannelError(RuntimeError):
@@ -38,7 +73,8 @@ class SideChannelServer:
 
     Runs one daemon thread plus one per connection, at most ``max_connections`` (more are
     closed as they come); a connection idle for ``idle_timeout_s`` is closed. ``close()``
-    stops it.
+    stops it. With ``key``, only requests tagged with it are served (see the module's
+    docstring); ``on_refused`` is called for each other one.
     """
 
     def __init__(
@@ -48,6 +84,8 @@ class SideChannelServer:
         handshake: Callable[[], dict[str, Any]],
         post_routes: Mapping[str, Callable[[dict[str, Any]], None]] | None = None,
         *,
+        key: bytes | None = None,
+        on_refused: Callable[[], None] | None = None,
         max_connections: int = MAX_CONNECTIONS,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
@@ -59,19 +97,38 @@ class SideChannelServer:
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("side channel: " + fmt, *args)
 
-            def _reply(self, status: int, body: dict[str, Any]) -> None:
+            def _reply(self, status: int, body: dict[str, Any], nonce: str | None = None) -> None:
                 raw = json.dumps(body).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(raw)))
+                if outer._key is not None and nonce is not None:
+                    self.send_header(AUTH_HEADER, _answer_tag(outer._key, nonce, status, raw))
                 self.end_headers()
                 self.wfile.write(raw)
 
+            def _authenticate(self, method: str, body: bytes) -> str | None:
+                """The request's nonce if it may be served (always without a key); otherwise
+                answer 401 and return None."""
+                if outer._key is None:
+                    return ""
+                problem, nonce = outer._check_tag(
+                    outer._key, method, self.path, self.headers.get(AUTH_HEADER), body
+                )
+                if problem is None:
+                    return nonce
+                outer._refuse(self.client_address[0], method, self.path, problem)
+                self._reply(401, {"error": f"unauthenticated: {problem}"})
+                return None
+
             def do_GET(self) -> None:
-                if self.path != "/handshake":
-                    self._reply(404, {"error": f"no route {self.path}"})
+                nonce = self._authenticate("GET", b"")
+                if nonce is None:
                     return
-                self._reply(200, outer._handshake())
+                if self.path != "/handshake":
+                    self._reply(404, {"error": f"no route {self.path}"}, nonce)
+                    return
+                self._reply(200, outer._handshake(), nonce)
 
             def do_POST(self) -> None:
                 route = outer._post_routes.get(self.path)
@@ -82,17 +139,31 @@ class SideChannelServer:
                     n = int(self.headers.get("Content-Length", "0"))
                     if not 0 < n <= MAX_BODY:
                         raise ValueError(f"body of {n} bytes")
-                    body = json.loads(self.rfile.read(n))
+                except ValueError as e:
+                    self._reply(400, {"error": str(e)})
+                    return
+                raw = self.rfile.read(n)
+                nonce = self._authenticate("POST", raw)
+                if nonce is None:
+                    return
+                try:
+                    body = json.loads(raw)
                     if not isinstance(body, dict):
                         raise ValueError("body is not a JSON object")
                     route(body)
                 except (ValueError, KeyError, TypeError) as e:
-                    self._reply(400, {"error": str(e)})
+                    self._reply(400, {"error": str(e)}, nonce)
                     return
-                self._reply(200, {"ok": True})
+                self._reply(200, {"ok": True}, nonce)
 
         self._handshake = handshake
         self._post_routes = dict(post_routes or {})
+        self._key = key
+        self._replays = fleet_key.ReplayGuard()
+        self._on_refused = on_refused
+        self._last_warning = float("-inf")
+        self._lock = threading.Lock()
+        self.refused = 0
         try:
             self._server = _BoundedServer((host, port), Handler, max_connections)
         except OSError as e:
@@ -108,6 +179,45 @@ class SideChannelServer:
             daemon=True,
         )
         self._thread.start()
+
+    def _check_tag(
+        self, key: bytes, method: str, path: str, header: str | None, body: bytes
+    ) -> tuple[str | None, str]:
+        """(None, nonce) for a request tagged with ``key`` and fresh, else (why not, "")."""
+        stamp, _, rest = (header or "").partition(".")
+        nonce, _, claimed = rest.partition(".")
+        well_formed = (
+            0 < len(stamp) <= 16
+            and 0 < len(nonce) <= 64
+            and 0 < len(claimed) <= 128
+            and (stamp + nonce + claimed).isascii()
+            and stamp.isdigit()
+        )
+        if not well_formed:
+            return f"no valid {AUTH_HEADER} header (is this peer given the fleet key?)", ""
+        if not hmac.compare_digest(claimed, _request_tag(key, method, path, stamp, nonce, body)):
+            return "bad tag (a different fleet key, or the request was altered)", ""
+        problem = self._replays.check(int(stamp) / 1000, nonce)
+        return problem, nonce
+
+    def _refuse(self, client: str, method: str, path: str, problem: str) -> None:
+        with self._lock:
+            self.refused += 1
+            now = time.monotonic()
+            warn = now - self._last_warning >= _WARN_EVERY_S
+            if warn:
+                self._last_warning = now
+        if warn:
+            logger.warning(
+                "KV side channel refused %s %s from %s: %s (%d refused so far)",
+                method,
+                path[:100],
+                client,
+                problem,
+                self.refused,
+            )
+        if self._on_refused is not None:
+            self._on_refused()
 
     def close(self) -> None:
         """Stop serving (bounded)."""
@@ -157,35 +267,69 @@ def _url(host: str, port: int, path: str) -> str:
     return f"http://{h}:{port}{path}"
 
 
-def fetch_handshake(host: str, port: int, timeout: float) -> dict[str, Any]:
-    """``GET /handshake`` from a peer; :class:`SideChannelError` on any failure."""
+def _exchange(
+    host: str,
+    port: int,
+    method: str,
+    path: str,
+    body: bytes | None,
+    timeout: float,
+    key: bytes | None,
+) -> bytes:
+    """One request to a peer's side channel: the answer's body if it is 200 (and, with ``key``,
+    tagged by the peer under it); :class:`SideChannelError` otherwise."""
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    headers.update(_signed_headers(key, method, path, body or b""))
+    req = urllib.request.Request(_url(host, port, path), data=body, headers=headers, method=method)
     try:
-        with _OPENER.open(_url(host, port, "/handshake"), timeout=timeout) as r:
-            body = json.loads(r.read(MAX_BODY + 1))
-    except (OSError, ValueError, urllib.error.URLError) as e:
-        raise SideChannelError(f"handshake with {host}:{port} failed: {e}") from e
+        with _OPENER.open(req, timeout=timeout) as r:
+            raw = r.read(MAX_BODY + 1)
+            status, tag = r.status, r.headers.get(AUTH_HEADER)
+    except urllib.error.HTTPError as e:
+        detail = e.read(4096).decode("utf-8", "replace")
+        raise SideChannelError(f"{method} {path} to {host}:{port}: {e.code} {detail}") from e
+    except (OSError, urllib.error.URLError) as e:
+        raise SideChannelError(f"{method} {path} to {host}:{port} failed: {e}") from e
+    if key is not None:
+        nonce = headers[AUTH_HEADER].split(".")[1]
+        if not isinstance(tag, str) or not hmac.compare_digest(
+            tag.encode(), _answer_tag(key, nonce, status, raw).encode()
+        ):
+            raise SideChannelError(
+                f"{method} {path} to {host}:{port}: the answer carries no valid fleet-key tag "
+                "(is that engine given the same fleet key?)"
+            )
+    return raw
+
+
+def fetch_handshake(
+    host: str, port: int, timeout: float, key: bytes | None = None
+) -> dict[str, Any]:
+    """``GET /handshake`` from a peer; :class:`SideChannelError` on any failure."""
+    raw = _exchange(host, port, "GET", "/handshake", None, timeout, key)
+    try:
+        body = json.loads(raw)
+    except ValueError as e:
+        raise SideChannelError(f"handshake with {host}:{port}: not JSON ({e})") from e
     if not isinstance(body, dict):
         raise SideChannelError(f"handshake with {host}:{port}: answer is not a JSON object")
     return body
 
 
-def post_json(host: str, port: int, path: str, body: dict[str, Any], timeout: float) -> None:
+def post_json(
+    host: str,
+    port: int,
+    path: str,
+    body: dict[str, Any],
+    timeout: float,
+    key: bytes | None = None,
+) -> None:
     """POST ``body`` to a peer; :class:`SideChannelError` unless it answers 200."""
-    req = urllib.request.Request(
-        _url(host, port, path),
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
-    )
-    try:
-        with _OPENER.open(req, timeout=timeout) as r:
-            r.read()
-    except (OSError, urllib.error.URLError) as e:
-        raise SideChannelError(f"POST {path} to {host}:{port} failed: {e}") from e
+    _exchange(host, port, "POST", path, json.dumps(body).encode(), timeout, key)
 
 
 def warn_if_exposed(host: str, what: str) -> None:
-    """One WARNING line when an unauthenticated KV listener binds beyond loopback."""
+    """One WARNING line when a KV listener that authenticates nobody binds beyond loopback."""
     try:
         loopback = ipaddress.ip_address(host).is_loopback
     except ValueError:

@@ -7,6 +7,8 @@ The worker fills a :class:`PdTransferStats` (``get_kv_connector_stats``); vLLM s
 * ``vllm:pdext_kv_transfer_seconds`` / ``vllm:pdext_kv_transfer_bytes`` histograms, one
   observation per finished transfer (either direction);
 * ``vllm:pdext_kv_transfer_failures_total``, ``vllm:pdext_kv_lease_expiries_total`` counters;
+* ``vllm:pdext_kv_unauthenticated_total``: side-channel requests and data connections refused
+  for want of a valid fleet-key tag;
 * ``vllm:pdext_kv_blocks_held`` gauge: prefill-side blocks held for decode instances.
 """
 
@@ -22,11 +24,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 _LISTS = ("seconds", "bytes")
-_COUNTERS = ("failures", "lease_expiries")
+_COUNTERS = ("failures", "lease_expiries", "unauthenticated")
 
 
 def _empty() -> dict[str, Any]:
-    return {"seconds": [], "bytes": [], "failures": 0, "lease_expiries": 0, "blocks_held": None}
+    return {"seconds": [], "bytes": [], **dict.fromkeys(_COUNTERS, 0), "blocks_held": None}
 
 
 class PdTransferStats(KVConnectorStats):
@@ -59,8 +61,7 @@ class PdTransferStats(KVConnectorStats):
             "MB": round(sum(sizes) / 1e6, 3),
             "avg_ms": round(1e3 * total_s / len(secs), 3) if secs else 0.0,
             "GB/s": round(sum(sizes) / total_s / 1e9, 3) if total_s > 0 else 0.0,
-            "failures": self.data.get("failures", 0),
-            "lease_expiries": self.data.get("lease_expiries", 0),
+            **{k: self.data.get(k, 0) for k in _COUNTERS},
         }
         if self.data.get("blocks_held") is not None:
             out["blocks_held"] = self.data["blocks_held"]
@@ -91,6 +92,11 @@ class StatsRecorder:
     def lease_expired(self, n: int = 1) -> None:
         with self._lock:
             self._data["lease_expiries"] += n
+
+    def refused(self) -> None:
+        """A side-channel request or data connection without a valid fleet-key tag."""
+        with self._lock:
+            self._data["unauthenticated"] += 1
 
     def blocks_held(self, n: int) -> None:
         with self._lock:
@@ -147,6 +153,14 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
         )
+        self.unauthenticated = per_engine(
+            self._counter_cls(
+                name="vllm:pdext_kv_unauthenticated",
+                documentation="Side-channel requests and data connections refused for want of "
+                "a valid fleet-key tag (vllm-pd-ext connectors).",
+                labelnames=labelnames,
+            )
+        )
         self.blocks_held = per_engine(
             self._gauge_cls(
                 name="vllm:pdext_kv_blocks_held",
@@ -166,5 +180,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             self.failures[engine_idx].inc(d["failures"])
         if d.get("lease_expiries"):
             self.lease_expiries[engine_idx].inc(d["lease_expiries"])
+        if d.get("unauthenticated"):
+            self.unauthenticated[engine_idx].inc(d["unauthenticated"])
         if d.get("blocks_held") is not None:
             self.blocks_held[engine_idx].set(d["blocks_held"])

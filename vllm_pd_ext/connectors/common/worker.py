@@ -55,7 +55,7 @@ from vllm_pd_ext.connectors.common.side_channel import (
     warn_if_exposed,
 )
 from vllm_pd_ext.connectors.common.stats import StatsRecorder
-from vllm_pd_ext.transport import Transport, TransportDescriptor, TransportError, get_backend
+from vllm_pd_ext.transport import Transport, TransportDescriptor, TransportError, backend_class
 
 if TYPE_CHECKING:
     import torch
@@ -123,9 +123,13 @@ class TransferWorker:
         block_sizes: tuple[int, ...],
         model: Mapping[str, Any],
         group_of: Mapping[str, int] | None = None,
+        key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cfg = cfg
+        #: The fleet key: tags every side-channel exchange and, where the backend can,
+        #: authenticates its data connections (None: nothing is authenticated).
+        self.key = key
         self.engine_id = engine_id
         self.role = role  # kv_producer / kv_consumer / kv_both
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -183,12 +187,17 @@ class TransferWorker:
         )
         settings = dict(self.cfg.backend_settings)
         settings.setdefault("host", self.kv_ip)
-        warn_if_exposed(str(settings["host"]), f"the {self.cfg.backend} KV data server")
-        self.transport = get_backend(self.cfg.backend, **settings)
+        backend = backend_class(self.cfg.backend)
+        if backend.authenticates_peers:
+            settings.update(key=self.key, on_refused=self.stats.refused)
+        if self.key is None or not backend.authenticates_peers:
+            warn_if_exposed(str(settings["host"]), f"the {self.cfg.backend} KV data server")
+        self.transport = backend(**settings)
         for name, tensor in tensors.items():
             self.transport.register_tensor(name, tensor)
         if self.is_producer:
-            warn_if_exposed(self.side_host, "the KV side channel")
+            if self.key is None:
+                warn_if_exposed(self.side_host, "the KV side channel")
             self._server = SideChannelServer(
                 self.side_host,
                 self.side_port,
@@ -198,6 +207,8 @@ class TransferWorker:
                     "/cancel": self._on_cancel,
                     "/renew": self._on_renew,
                 },
+                key=self.key,
+                on_refused=self.stats.refused,
             )
         logger.info(
             "KV transfer ready: %s backend %s, %d regions, %d cache views, layout %s%s",
@@ -255,7 +266,7 @@ class TransferWorker:
             if peer is not None:
                 return peer
             doc = fetch_handshake(
-                remote.host, remote.port + self.tp_rank, self.cfg.handshake_timeout_s
+                remote.host, remote.port + self.tp_rank, self.cfg.handshake_timeout_s, self.key
             )
             layout = self._check_handshake(doc, remote.engine_id or None)
             assert self.transport is not None
@@ -333,6 +344,7 @@ class TransferWorker:
                         "/renew",
                         {"req": spec.remote.request_id},
                         self.cfg.handshake_timeout_s,
+                        self.key,
                     )
                     deadline = min(deadline, time.monotonic() + 0.8 * spec.lease_s)
                 nbytes = self._move(peer, spec.pairs, deadline, read=True)
@@ -356,6 +368,7 @@ class TransferWorker:
                         "tp_size": self.tp_size,
                     },
                     self.cfg.handshake_timeout_s,
+                    self.key,
                 )
                 nbytes = self._await_written(spec, deadline)
         except (TransportError, SideChannelError, LayoutMismatch, LoadFailed, OSError) as e:
@@ -407,6 +420,7 @@ class TransferWorker:
                 "/cancel",
                 {"transfer_id": transfer_id},
                 self.cfg.handshake_timeout_s,
+                self.key,
             )
         except SideChannelError as e:
             logger.warning("could not cancel transfer %s on the prefill side: %s", transfer_id, e)
