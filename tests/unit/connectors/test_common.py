@@ -49,6 +49,22 @@ def test_leases_expire_renew_and_release():
     assert leases.release("a") and not leases.release("a")
 
 
+def test_the_first_claim_on_a_lease_stands_until_the_lease_ends():
+    now = [0.0]
+    leases = LeaseTable(10.0, clock=lambda: now[0])
+    assert leases.claim("a", "d1") is None  # no lease: nothing to claim
+    leases.grant("a")
+    assert leases.holder("a") is None
+    assert leases.claim("a", "d1") == "d1"
+    assert leases.claim("a", "d2") == "d1" and leases.holder("a") == "d1"
+    leases.release("a")
+    assert leases.holder("a") is None
+    leases.grant("b")
+    leases.claim("b", "d1")
+    now[0] = 11.0
+    assert leases.expired() == ["b"] and leases.holder("b") is None
+
+
 def kv(num_blocks=8, heads=2, shape="cpu", dtype=torch.float16):
     dims = (num_blocks, heads, 16, 64) if shape == "cpu" else (2, num_blocks, 16, heads, 32)
     return {f"l{i}": torch.zeros(dims, dtype=dtype) for i in range(2)}

@@ -438,3 +438,82 @@ def test_a_written_notice_nobody_waits_for_is_dropped(pair, caplog):
     with caplog.at_level("WARNING"):
         poll(lambda: dropped() == 50, "all 50 notices handled")
     assert d._written == {}
+
+
+def third_peer(backend: str):
+    """A transport of ``backend`` that is neither side of the pair (with the one region a
+    Mooncake notification needs)."""
+    import numpy as np
+
+    from vllm_pd_ext.transport import get_backend
+
+    t = get_backend(backend, host="127.0.0.1")
+    buf = np.zeros(64, dtype=np.uint8)
+    t.register_buffer("x", buf.ctypes.data, buf.nbytes, owner=buf)
+    return t
+
+
+def test_a_written_notice_from_another_peer_than_the_writer_is_ignored(pair, backend, caplog):
+    """A third transport that learned a transfer id says "written" for it first: the decode
+    side keeps waiting (its blocks are not used as loaded) until the prefill it asked writes."""
+    import json
+
+    p, pc, d, dc, port = pair
+    assert d.transport is not None
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2, 3),))]))
+    write_offer(d, port, "t-1", ((4, 0), (8, 1), (10, 2)))
+    poll(lambda: "t-1" in p._targets, "the decode offer")
+    evil = third_peer(backend)
+    try:
+        peer = evil.connect(d.transport.descriptor())
+        evil.notify(peer, json.dumps({"op": "written", "transfer_id": "t-1", "ok": True}).encode())
+
+        def ignored() -> bool:
+            assert not d.get_finished(set())[1], "the forged notice completed the load"
+            return any("ignored a 'written' notice for transfer t-1" in r.getMessage()
+                       for r in caplog.records)  # fmt: skip
+
+        with caplog.at_level("WARNING"):
+            poll(ignored, "the forged notice to be handled")
+    finally:
+        evil.close()
+    for layer in pc:
+        p.save_kv_layer(layer)
+    p.wait_for_save()
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2, 3),), "t-1")]))
+    assert poll(lambda: d.get_finished(set())[1], "the push") == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == set()
+    assert_copied(pc, dc, [(1, 4), (2, 8), (3, 10)])
+
+
+def test_leased_blocks_belong_to_the_peer_that_claimed_them(pair, backend, caplog):
+    """The decode transport that renews first (right before it reads) holds the lease: another
+    peer's renewal is refused, and its "done" or "renew" notices are ignored (the blocks stay
+    held), while the holder's "done" frees them."""
+    import json
+
+    from vllm_pd_ext.connectors.common.side_channel import SideChannelError, post_json
+
+    p, _, d, _, port = pair
+    assert p.transport is not None and d.transport is not None
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+    assert p.get_finished({"p-req"}) == (None, None)
+    post_json("127.0.0.1", port, "/renew", {"req": "p-req", "engine_id": d.transport.engine_id}, 2)
+    evil = third_peer(backend)
+    try:
+        with pytest.raises(SideChannelError, match="leased to another peer"):
+            post_json("127.0.0.1", port, "/renew", {"req": "p-req", "engine_id": evil.engine_id}, 2)
+        peer = evil.connect(p.transport.descriptor())
+        for op in ("renew", "done"):
+            evil.notify(peer, json.dumps({"op": op, "req": "p-req"}).encode())
+
+        def ignored() -> bool:
+            assert p.get_finished(set()) == (None, None), "another peer freed the blocks"
+            return sum("its blocks are leased to" in r.getMessage() for r in caplog.records) == 2
+
+        with caplog.at_level("WARNING"):
+            poll(ignored, "both forged notices to be handled")
+    finally:
+        evil.close()
+    d._notify(d.transport.connect(p.transport.descriptor()), {"op": "done", "req": "p-req"})
+    assert poll(lambda: p.get_finished(set())[0], "the holder's release") == {"p-req"}

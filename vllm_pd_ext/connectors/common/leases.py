@@ -7,7 +7,8 @@ from collections.abc import Callable
 
 
 class LeaseTable:
-    """Request id -> expiry time. Not thread-safe: one owner (the worker's step loop).
+    """Request id -> expiry time, and the peer that claimed the blocks (the first to say it
+    reads them). Not thread-safe: the caller holds one lock around every call.
 
     ``clock`` is injectable so tests can expire leases without sleeping.
     """
@@ -16,6 +17,7 @@ class LeaseTable:
         self.lease_s = lease_s
         self._clock = clock
         self._expiry: dict[str, float] = {}
+        self._holder: dict[str, str] = {}
 
     def grant(self, req_id: str, lease_s: float | None = None) -> None:
         """Start (or restart) the lease of ``req_id``."""
@@ -28,8 +30,20 @@ class LeaseTable:
         self._expiry[req_id] = self._clock() + self.lease_s
         return True
 
+    def claim(self, req_id: str, peer: str) -> str | None:
+        """The peer the held blocks of ``req_id`` belong to once ``peer`` claims them (the first
+        claim stands); None if ``req_id`` holds no lease."""
+        if req_id not in self._expiry:
+            return None
+        return self._holder.setdefault(req_id, peer)
+
+    def holder(self, req_id: str) -> str | None:
+        """Who claimed the blocks of ``req_id`` (None: nobody yet, or no lease)."""
+        return self._holder.get(req_id)
+
     def release(self, req_id: str) -> bool:
         """Drop the lease; True if it was held."""
+        self._holder.pop(req_id, None)
         return self._expiry.pop(req_id, None) is not None
 
     def expired(self) -> list[str]:
@@ -38,6 +52,7 @@ class LeaseTable:
         gone = [r for r, t in self._expiry.items() if t <= now]
         for r in gone:
             del self._expiry[r]
+            self._holder.pop(r, None)
         return gone
 
     def __contains__(self, req_id: object) -> bool:

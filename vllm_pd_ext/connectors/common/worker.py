@@ -156,7 +156,7 @@ class TransferWorker:
         self._written: dict[str, tuple[bool, str]] = {}  # transfer id -> (ok, error)
         #: WRITE transfers a load is waiting for: only their "written" notices are kept, so
         #: notices nobody asked for cannot fill ``_written``.
-        self._awaiting: set[str] = set()
+        self._awaiting: dict[str, str] = {}  # transfer id -> the prefill peer that must write
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
         # prefill side
@@ -342,7 +342,7 @@ class TransferWorker:
                         spec.remote.host,
                         spec.remote.port + self.tp_rank,
                         "/renew",
-                        {"req": spec.remote.request_id},
+                        {"req": spec.remote.request_id, "engine_id": self.transport.engine_id},
                         self.cfg.handshake_timeout_s,
                         self.key,
                     )
@@ -353,7 +353,7 @@ class TransferWorker:
                 self._notify(peer.peer_id, {"op": "done", "req": spec.remote.request_id})
             else:
                 with self._lock:
-                    self._awaiting.add(str(spec.transfer_id))
+                    self._awaiting[str(spec.transfer_id)] = peer.peer_id
                 post_json(
                     spec.remote.host,
                     spec.remote.port + self.tp_rank,
@@ -381,7 +381,7 @@ class TransferWorker:
         finally:
             if spec.transfer_id is not None:
                 with self._lock:
-                    self._awaiting.discard(str(spec.transfer_id))
+                    self._awaiting.pop(str(spec.transfer_id), None)
                     self._written.pop(str(spec.transfer_id), None)
         self.stats.transfer(time.perf_counter() - t0, nbytes)
 
@@ -508,9 +508,14 @@ class TransferWorker:
             self.transport.wait_all(handles, self.cfg.handshake_timeout_s)
 
     def _on_renew(self, body: dict[str, Any]) -> None:
-        """Side-channel thread: extend a lease; ``ValueError`` (400) if none is held."""
-        req = str(body["req"])
+        """Side-channel thread: extend a lease, and bind its blocks to the decode transport
+        that will read them (``engine_id``; the first claim stands); ``ValueError`` (400) if
+        none is held or another peer claimed it."""
+        req, peer = str(body["req"]), body.get("engine_id")
         with self._lease_lock:
+            holder = self._leases.claim(req, str(peer)) if peer is not None else None
+            if holder is not None and holder != peer:
+                raise ValueError(f"the blocks of {req} are leased to another peer")
             if not self._leases.renew(req):
                 raise ValueError(f"no blocks held for {req} (lease over or never granted)")
 
@@ -572,22 +577,43 @@ class TransferWorker:
             except (ValueError, KeyError, TypeError):
                 logger.warning("ignored a malformed notification from %s", n.sender)
                 continue
-            if op == "done":
+            if op in ("done", "renew"):
                 req = str(body.get("req"))
                 with self._lease_lock:
+                    holder = self._leases.holder(req)
+                    if holder is not None and holder != n.sender:
+                        logger.warning(
+                            "ignored %r for %s from %s: its blocks are leased to %s",
+                            op,
+                            req,
+                            n.sender,
+                            holder,
+                        )
+                        continue
+                    if op == "renew":
+                        self._leases.renew(req)
+                        continue
                     released = self._leases.release(req)
                 if released:
                     self._free(req)
-            elif op == "renew":
-                with self._lease_lock:
-                    self._leases.renew(str(body.get("req")))
             elif op == "written":
                 tid = str(body.get("transfer_id"))
                 with self._lock:
-                    if tid in self._awaiting:
+                    writer = self._awaiting.get(tid)
+                    if writer is not None and writer == n.sender:
                         self._written[tid] = (bool(body.get("ok")), str(body.get("error", "")))
                         continue
-                logger.warning("ignored a 'written' notice from %s for no waiting load", n.sender)
+                if writer is None:
+                    logger.warning(
+                        "ignored a 'written' notice from %s for no waiting load", n.sender
+                    )
+                else:
+                    logger.warning(
+                        "ignored a 'written' notice for transfer %s from %s: %s writes it",
+                        tid,
+                        n.sender,
+                        writer,
+                    )
 
     def _free(self, req_id: str) -> None:
         self._held.pop(req_id, None)

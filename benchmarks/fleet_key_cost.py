@@ -1,0 +1,193 @@
+"""What the fleet key costs: signing at the proxy, checking at the decode engine, a tagged
+side-channel request, the ``tcp`` backend's keyed HELLO, set against one READ of a long
+prompt's KV.
+
+A keyed READ split pays, beyond an unkeyed one: the prefill's signature and the decode's check
+of the params (once each), and a tagged ``/renew`` round trip instead of a plain one (the decode
+worker renews right before it reads). The handshake and the ``tcp`` HELLO are paid once per peer
+(a proof each way, one more round trip), not per transfer. The goals: under 0.2 ms per request
+at the proxy, under 2% of the transfer time at 8k tokens.
+
+Each round measures every case with and without a key, alternating, in this one process: the
+side channel is our real server on loopback, the transfer two real ``tcp`` transports on
+loopback moving ``--tokens`` x ``--bytes-per-token`` (default 12 KiB: Qwen2.5-0.5B's KV per
+token in bf16) as 16-token blocks of one region. Every round goes to ``--out`` as JSON with the
+date and commit.
+
+    .venv/bin/python benchmarks/fleet_key_cost.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import secrets
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from vllm_pd_ext import fleet_key
+from vllm_pd_ext.connectors.common.side_channel import SideChannelServer, post_json
+from vllm_pd_ext.transfer_params import READ_SIGNED_FIELDS, WRITE_SIGNED_FIELDS
+from vllm_pd_ext.transport import get_backend
+
+REPO = Path(__file__).resolve().parent.parent
+BLOCK_TOKENS = 16
+READ_PARAMS = {
+    "transfer_mode": "read",
+    "remote_engine_id": "engine-" + "0" * 32,
+    "remote_host": "10.0.0.12",
+    "remote_port": 20500,
+    "remote_request_id": "cmpl-" + "0" * 32 + "-0",
+    "remote_block_ids": [list(range(512))],
+    "remote_num_tokens": 8191,
+    "prompt_hash": "0" * 64,
+    "tp_size": 1,
+    "lease_s": 30.0,
+    "protocol": "pdext",
+}
+WRITE_PARAMS = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "transfer_mode": "write",
+    "transfer_id": "0" * 32,
+    "remote_engine_id": None,
+    "remote_host": "10.0.0.12",
+    "remote_port": 20500,
+}
+
+
+def _per_call_ms(fn: Callable[[], object], calls: int) -> float:
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return 1e3 * (time.perf_counter() - t0) / calls
+
+
+def _connect_ms(key: bytes | None, server_desc, calls: int) -> float:
+    """A fresh transport connecting (HELLO) to the server ``calls`` times, per connection."""
+    total = 0.0
+    for _ in range(calls):
+        client = get_backend("tcp", host="127.0.0.1", key=key)
+        try:
+            t0 = time.perf_counter()
+            client.connect(server_desc)
+            total += time.perf_counter() - t0
+        finally:
+            client.close()
+    return 1e3 * total / calls
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--bytes-per-token", type=int, default=12288)
+    p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/fleet_key_cost.json")
+    args = p.parse_args(argv)
+
+    key = secrets.token_bytes(fleet_key.MIN_KEY_BYTES)
+    signed = {
+        **READ_PARAMS,
+        fleet_key.SIGNATURE: fleet_key.sign(key, READ_PARAMS, READ_SIGNED_FIELDS),
+    }
+    servers = {
+        k: SideChannelServer("127.0.0.1", 0, dict, {"/renew": lambda body: None}, key=k)
+        for k in (None, key)
+    }
+    block_bytes = BLOCK_TOKENS * args.bytes_per_token
+    blocks = -(-args.tokens // BLOCK_TOKENS)
+    size = blocks * block_bytes
+    src, dst = np.ones(size, dtype=np.uint8), np.zeros(size, dtype=np.uint8)
+    pairs: dict[bytes | None, Any] = {}
+    for k in (None, key):
+        a, b = (
+            get_backend("tcp", host="127.0.0.1", key=k),
+            get_backend("tcp", host="127.0.0.1", key=k),
+        )
+        a.register_buffer("kv", dst.ctypes.data, dst.nbytes, owner=dst)
+        b.register_buffer("kv", src.ctypes.data, src.nbytes, owner=src)
+        pairs[k] = (a, a.connect(b.descriptor()), b)
+    # a prompt's blocks are not in order in a real cache: here block i reads block n-1-i
+    spans = [(i * block_bytes, (blocks - 1 - i) * block_bytes, block_bytes) for i in range(blocks)]
+    rounds: list[dict[str, float]] = []
+    try:
+        for r in range(args.rounds):
+            row: dict[str, float] = {}
+            for label, k in (("plain", None), ("keyed", key)):
+                row[f"renew_ms_{label}"] = statistics.median(
+                    _per_call_ms(
+                        lambda k=k: post_json(
+                            "127.0.0.1", servers[k].port, "/renew", {"req": "r"}, 5.0, k
+                        ),
+                        20,
+                    )
+                    for _ in range(5)
+                )
+                a, peer, b = pairs[k]
+                t0 = time.perf_counter()
+                a.wait(a.read(peer, "kv", "kv", spans), 60.0)
+                row[f"read_ms_{label}"] = 1e3 * (time.perf_counter() - t0)
+                row[f"hello_ms_{label}"] = _connect_ms(k, b.descriptor(), 10)
+            row["sign_read_ms"] = _per_call_ms(
+                lambda: fleet_key.sign(key, READ_PARAMS, READ_SIGNED_FIELDS), 2000
+            )
+            row["verify_read_ms"] = _per_call_ms(
+                lambda: fleet_key.verify(key, signed, READ_SIGNED_FIELDS), 2000
+            )
+            row["sign_write_ms"] = _per_call_ms(
+                lambda: fleet_key.sign(key, WRITE_PARAMS, WRITE_SIGNED_FIELDS), 2000
+            )
+            rounds.append(row)
+            print(f"round {r + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items()))
+    finally:
+        for a, _, b in pairs.values():
+            a.close()
+            b.close()
+        for server in servers.values():
+            server.close()
+    med = {k: statistics.median(row[k] for row in rounds) for k in rounds[0]}
+    per_transfer_ms = (
+        med["renew_ms_keyed"] - med["renew_ms_plain"] + med["sign_read_ms"] + med["verify_read_ms"]
+    )
+    summary = {
+        "medians_ms": med,
+        "kv_bytes": size,
+        "keyed_read_split_extra_ms": per_transfer_ms,
+        "keyed_read_split_extra_pct_of_read": 100 * per_transfer_ms / med["read_ms_plain"],
+        "proxy_sign_ms_per_request": med["sign_write_ms"],
+        "hello_extra_ms_per_peer": med["hello_ms_keyed"] - med["hello_ms_plain"],
+    }
+    print(json.dumps(summary, indent=2))
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True, text=True
+    ).stdout.strip()
+    result = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": commit,
+        "machine": {
+            "arch": platform.machine(),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "load_average_at_end": list(os.getloadavg()),
+        },
+        "tokens": args.tokens,
+        "bytes_per_token": args.bytes_per_token,
+        "rounds": rounds,
+        "summary": summary,
+    }
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
