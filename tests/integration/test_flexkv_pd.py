@@ -5,7 +5,8 @@ Greedy P/D output equals colocated output token for token; the decode side loads
 from the prefill side (``external_kv_transfer``); the prefill side's tiered cache keeps the
 prompt, so the same prompt's next P/D run loads it from the CPU tier instead of recomputing it
 (``prompt_tokens_cached_by_source{source="host"}``) and still gives the same output; afterwards
-both engines hold no KV blocks (the MoRI-IO hand-off and the cache's saves released them).
+both engines hold no KV blocks (the MoRI-IO hand-off and the cache's saves released them). Both
+engines hold the fleet key (signed params, an authenticated side channel).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import wait_idle
+from tests.integration.fleet_helpers import FLEET_KEY, wait_idle
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.tools.pd_demo import (
     completion_body,
     make_prompt_ids,
@@ -71,6 +73,7 @@ def pair(vllm_servers, tiny_qwen):
             cpu_core=core,
             kv_transfer_config=multi(kv_role, free_port()),
             extra_args=["--no-enable-prefix-caching", "--block-size", str(BLOCK)],
+            env={fleet_key.KEY_ENV: FLEET_KEY},  # signed params, tagged side channel
         )
         for kv_role, core in (("kv_producer", 0), ("kv_consumer", 1))
     ]

@@ -9,7 +9,7 @@ up to the first step where the colocated run's top two tokens are within ``TIE``
 each other (a random-weight model has many such near-ties), and there the split run must pick
 exactly the colocated runner-up, from the same two candidates within ``TIE`` on its side too:
 a flip of a near-tie, not a different distribution. A state at the wrong position diverges at
-once with clear margins and other candidates.
+once with clear margins and other candidates. Both engines of each pair hold the fleet key.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import split_write, wait_idle
+from tests.integration.fleet_helpers import FLEET_KEY, split_write, wait_idle
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, prefill_leg
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.vllm_process import free_port
@@ -62,6 +63,7 @@ def hybrid(request, vllm_servers):
             cpu_core=core,
             kv_transfer_config=connector(kv_role, port),
             extra_args=["--no-enable-prefix-caching", *args],
+            env={fleet_key.KEY_ENV: FLEET_KEY},  # signed params, tagged side channel
         )
         for role, kv_role, core, port in (
             ("prefill", "kv_producer", 0, side),

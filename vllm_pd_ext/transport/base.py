@@ -261,9 +261,11 @@ class Transport(abc.ABC):
 
     #: Name under which the backend is registered (``get_backend(name)``).
     backend_name: ClassVar[str] = ""
-    #: Whether the backend takes a fleet key (``key=`` setting) and then serves only peers
-    #: that prove they hold it. Engines we only drive (Mooncake's, MoRI's) cannot.
-    authenticates_peers: ClassVar[bool] = False
+    #: What the backend authenticates with a fleet key (the ``key=`` and ``on_refused=``
+    #: settings, taken only when this is not empty): ``"all"``, every connection (no read,
+    #: write or notification from a peer without the key); ``"notifications"``, only those
+    #: (the engine it drives moves bytes unauthenticated); ``""``, nothing.
+    fleet_key_scope: ClassVar[str] = ""
 
     def __init__(self, *, coalesce_spans: bool = True) -> None:
         self.stats = TransferStats()

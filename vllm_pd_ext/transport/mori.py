@@ -31,6 +31,7 @@ import importlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any, Literal
 
@@ -111,14 +112,19 @@ class MoriTransport(Transport):
     """:class:`Transport` over MoRI-IO sessions."""
 
     backend_name = "mori"
+    fleet_key_scope = "notifications"
 
     def __init__(
         self,
         config: MoriConfig | None = None,
         *,
         module: ModuleType | Any | None = None,
+        key: bytes | None = None,
+        on_refused: Callable[[], None] | None = None,
         **settings: Any,
     ) -> None:
+        """``key``: the fleet key notifications must be tagged with (None: none are);
+        ``on_refused`` is called for each notification refused for want of it."""
         cfg = config or MoriConfig(**settings)
         super().__init__(coalesce_spans=cfg.coalesce)
         self.config = cfg
@@ -141,7 +147,8 @@ class MoriTransport(Transport):
         self._remote_mem: dict[tuple[str, str], Any] = {}  # (peer, region) -> MemoryDesc
         self._remote_engines: dict[str, Any] = {}  # peer -> EngineDesc
         self._sessions: dict[tuple[str, str, str], Any] = {}  # (peer, local, remote)
-        self._notify = NotifyServer(cfg.host, cfg.notify_port)
+        self._fleet_key = key
+        self._notify = NotifyServer(cfg.host, cfg.notify_port, key=key, on_refused=on_refused)
         logger.info("MoRI-IO engine %s up (%s)", self._key, cfg.backend)
 
     def _backend_args(self, cfg: MoriConfig) -> tuple[Any, Any]:
@@ -289,7 +296,7 @@ class MoriTransport(Transport):
 
     # notifications
     def _send_notification(self, desc: TransportDescriptor, payload: bytes, timeout: float) -> None:
-        send_notification(desc.extra[_NOTIFY_KEY], self._key, payload, timeout)
+        send_notification(desc.extra[_NOTIFY_KEY], self._key, payload, timeout, self._fleet_key)
 
     def _receive_notifications(self) -> list[Notification]:
         return self._notify.drain()

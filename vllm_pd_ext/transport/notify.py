@@ -4,19 +4,30 @@ Each transport runs one :class:`NotifyServer` (a listening socket and one daemon
 advertises its ``host:port`` in its descriptor. :func:`send_notification` opens a connection,
 sends one frame and waits for a one-byte acknowledgement, so a returned call means the peer
 has queued the message. Frames: ``u32 sender length, sender (UTF-8), u32 payload length,
-payload``; payloads are capped at :data:`MAX_PAYLOAD` bytes, sender names at :data:`MAX_SENDER`,
-and at most :data:`MAX_QUEUED_NOTIFICATIONS` wait to be drained (more get no ack).
+payload, u64 timestamp (unix ms), 16-byte nonce, 32-byte tag``; payloads are capped at
+:data:`MAX_PAYLOAD` bytes, sender names at :data:`MAX_SENDER`, and at most
+:data:`MAX_QUEUED_NOTIFICATIONS` wait to be drained (more get no ack).
+
+With a fleet key (:mod:`vllm_pd_ext.fleet_key`) the tag is the HMAC under it of the sender,
+payload, timestamp and nonce; a server with the key queues only frames whose tag is valid, whose
+timestamp is within ``MAX_SKEW_S`` and whose nonce is new, and acknowledges nothing else.
+Without a key the tag is zeros and nothing is checked.
 """
 
 from __future__ import annotations
 
 import collections
+import hmac
 import logging
+import secrets
 import select
 import socket
 import struct
 import threading
+import time
+from collections.abc import Callable
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.transport.base import MAX_QUEUED_NOTIFICATIONS, Notification
 from vllm_pd_ext.transport.errors import TransferError, TransferTimeout
 
@@ -27,6 +38,7 @@ MAX_PAYLOAD = 64 * 1024
 #: Longest sender name a frame may carry.
 MAX_SENDER = 1024
 _LEN = struct.Struct("!I")
+_AUTH = struct.Struct("!Q16s32s")  # timestamp (unix ms), nonce, tag
 _ACK = b"\x06"
 _CONN_TIMEOUT_S = 5.0
 
@@ -41,10 +53,28 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-class NotifyServer:
-    """Receives notifications on ``host:port`` (port 0 picks a free one) into a queue."""
+def _tag(key: bytes, sender: bytes, payload: bytes, stamp: int, nonce: bytes) -> bytes:
+    return fleet_key.tag(key, "notification", sender, payload, str(stamp), nonce)
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+
+class _Refused(ValueError):
+    """A frame without a valid fleet-key tag."""
+
+
+class NotifyServer:
+    """Receives notifications on ``host:port`` (port 0 picks a free one) into a queue; with
+    ``key``, only frames tagged under it (``on_refused`` is called for each other one)."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        *,
+        key: bytes | None = None,
+        on_refused: Callable[[], None] | None = None,
+    ) -> None:
+        self._key, self._on_refused = key, on_refused
+        self._replays = fleet_key.ReplayGuard()
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(None)
         self.host = host
@@ -79,17 +109,33 @@ class NotifyServer:
                     (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
                     if n > MAX_SENDER:
                         raise ValueError(f"sender name of {n} bytes exceeds {MAX_SENDER}")
-                    sender = _recv_exact(conn, n).decode()
+                    name = _recv_exact(conn, n)
                     (m,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
                     if m > MAX_PAYLOAD:
                         raise ValueError(f"notification of {m} bytes exceeds {MAX_PAYLOAD}")
                     payload = _recv_exact(conn, m)
+                    self._authenticate(name, payload, *_AUTH.unpack(_recv_exact(conn, _AUTH.size)))
                     if len(self._queue) >= MAX_QUEUED_NOTIFICATIONS:
                         raise ValueError("too many notifications waiting")  # no ack: an error
-                    self._queue.append(Notification(sender=sender, payload=payload))
+                    self._queue.append(Notification(sender=name.decode(), payload=payload))
                     conn.sendall(_ACK)
+                except _Refused as e:
+                    if self._on_refused is not None:
+                        self._on_refused()
+                    logger.warning("refused a notification: %s", e)
                 except (OSError, ValueError, UnicodeDecodeError) as e:
                     logger.warning("dropped a bad notification frame: %s", e)
+
+    def _authenticate(
+        self, sender: bytes, payload: bytes, stamp: int, nonce: bytes, tag: bytes
+    ) -> None:
+        if self._key is None:
+            return
+        if not hmac.compare_digest(tag, _tag(self._key, sender, payload, stamp, nonce)):
+            raise _Refused("no valid fleet-key tag (is the sender given the fleet key?)")
+        problem = self._replays.check(stamp / 1000, nonce.hex())
+        if problem is not None:
+            raise _Refused(problem)
 
     def drain(self) -> list[Notification]:
         """Notifications received since the last call, oldest first."""
@@ -107,17 +153,25 @@ class NotifyServer:
             self._thread.join(timeout=2.0)
 
 
-def send_notification(address: str, sender: str, payload: bytes, timeout: float) -> None:
-    """Deliver one notification to the server at ``address`` and wait for its ack.
+def send_notification(
+    address: str, sender: str, payload: bytes, timeout: float, key: bytes | None = None
+) -> None:
+    """Deliver one notification to the server at ``address`` and wait for its ack; with
+    ``key``, tagged under it.
 
     Raises :class:`TransferTimeout` past ``timeout`` and :class:`TransferError` when the
-    server cannot be reached or the payload is too large.
+    server cannot be reached, the payload is too large, or the server refused it.
     """
     if len(payload) > MAX_PAYLOAD:
         raise TransferError(f"notification of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
     host, _, port = address.rpartition(":")
     name = sender.encode()
-    frame = _LEN.pack(len(name)) + name + _LEN.pack(len(payload)) + payload
+    stamp, nonce = int(time.time() * 1000), secrets.token_bytes(16)
+    tag = _tag(key, name, payload, stamp, nonce) if key is not None else bytes(32)
+    frame = (
+        _LEN.pack(len(name)) + name + _LEN.pack(len(payload)) + payload
+        + _AUTH.pack(stamp, nonce, tag)
+    )  # fmt: skip
     try:
         with socket.create_connection((host, int(port)), timeout=max(timeout, 1e-3)) as s:
             s.sendall(frame)

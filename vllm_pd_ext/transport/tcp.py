@@ -803,7 +803,7 @@ class TcpTransport(Transport):
     """:class:`Transport` over our own TCP data path (host memory)."""
 
     backend_name = "tcp"
-    authenticates_peers = True
+    fleet_key_scope = "all"
 
     def __init__(
         self,

@@ -61,3 +61,56 @@ def test_tcp_notification_queue_is_bounded(monkeypatch):
     finally:
         sender.close()
         receiver.close()
+
+
+KEY = bytes(range(32))
+
+
+def test_a_keyed_notify_server_queues_only_frames_tagged_with_its_key():
+    """Untagged, tagged under another key, and replayed (the same frame's bytes sent again)
+    frames get no ack and are not queued; each refusal is counted."""
+    refused: list[int] = []
+    server = NotifyServer(key=KEY, on_refused=lambda: refused.append(1))
+    try:
+        send_notification(server.address, "peer", b"good", timeout=5, key=KEY)
+        for key in (None, bytes(32)):
+            with pytest.raises(TransferError):
+                send_notification(server.address, "peer", b"forged", timeout=5, key=key)
+        recorded: list[bytes] = []
+        real_sendall = socket.socket.sendall
+
+        def record(sock, data, *args):  # the bytes of one valid frame, to replay them
+            recorded.append(bytes(data))
+            return real_sendall(sock, data, *args)
+
+        socket.socket.sendall = record  # type: ignore[method-assign]
+        try:
+            send_notification(server.address, "peer", b"once", timeout=5, key=KEY)
+        finally:
+            socket.socket.sendall = real_sendall  # type: ignore[method-assign]
+        host, _, port = server.address.rpartition(":")
+        with socket.create_connection((host, int(port)), timeout=5) as s:
+            s.sendall(recorded[0])
+            s.settimeout(5)
+            assert s.recv(1) == b""  # closed without an ack
+        assert [n.payload for n in server.drain()] == [b"good", b"once"]
+        assert len(refused) == 3
+    finally:
+        server.close()
+
+
+def test_mori_transports_with_the_fleet_key_notify_and_refuse_a_keyless_sender():
+    from tests.unit.transport import fake_mori
+
+    receiver = get_backend("mori", module=fake_mori, host="127.0.0.1", key=KEY)
+    keyed = get_backend("mori", module=fake_mori, host="127.0.0.1", key=KEY)
+    keyless = get_backend("mori", module=fake_mori, host="127.0.0.1")
+    try:
+        keyed.notify(keyed.connect(receiver.descriptor()), b"done", timeout=5)
+        with pytest.raises(TransferError):
+            keyless.notify(keyless.connect(receiver.descriptor()), b"forged", timeout=5)
+        notes = receiver.drain_notifications()
+        assert [(n.sender, n.payload) for n in notes] == [(keyed.engine_id, b"done")]
+    finally:
+        for t in (receiver, keyed, keyless):
+            t.close()

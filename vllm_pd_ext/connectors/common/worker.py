@@ -188,9 +188,9 @@ class TransferWorker:
         settings = dict(self.cfg.backend_settings)
         settings.setdefault("host", self.kv_ip)
         backend = backend_class(self.cfg.backend)
-        if backend.authenticates_peers:
+        if backend.fleet_key_scope:
             settings.update(key=self.key, on_refused=self.stats.refused)
-        if self.key is None or not backend.authenticates_peers:
+        if self.key is None or backend.fleet_key_scope != "all":
             warn_if_exposed(str(settings["host"]), f"the {self.cfg.backend} KV data server")
         self.transport = backend(**settings)
         for name, tensor in tensors.items():
