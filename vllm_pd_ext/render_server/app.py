@@ -7,11 +7,13 @@ OpenAI error body with status 400 (404 for an unknown model), never a 500.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -134,6 +136,10 @@ def _check_reasoning_parser(settings: RenderSettings, tok: Any) -> None:
         ) from None
 
 
+#: Requests whose rendering waits for the CPU thread, at most; more are answered 503.
+MAX_PENDING = 1024
+
+
 class _State:
     def __init__(self, settings: RenderSettings) -> None:
         tok = load_tokenizer(
@@ -149,6 +155,11 @@ class _State:
         )
         self.metrics = _Metrics()
         self.created = int(time.time())
+        #: Rendering and derendering run here, one at a time as before, so the event loop
+        #: stays free for reading bodies, /health and /metrics while a large request computes
+        #: (the process's parallelism is its worker processes, not threads).
+        self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render-cpu")
+        self.pending = 0
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -184,9 +195,10 @@ def create_app(settings: RenderSettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        holder["state"] = _State(settings)
+        holder["state"] = created = _State(settings)
         yield
-        holder.clear()
+        for st in {created, holder.pop("state", created)}:  # and one state() made meanwhile
+            st.cpu.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="vllm-pd-ext render server", lifespan=lifespan)
 
@@ -201,7 +213,17 @@ def create_app(settings: RenderSettings) -> FastAPI:
         status = 200
         try:
             data = await _read_json(request, st.settings.max_body_bytes)
-            result = fn(data)
+            if st.pending >= MAX_PENDING:
+                raise RenderError(
+                    f"{MAX_PENDING} requests are waiting already; retry later",
+                    status=503,
+                    err_type="ServiceUnavailableError",
+                )
+            st.pending += 1
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(st.cpu, fn, data)
+            finally:
+                st.pending -= 1
             response: Response = _json_response(result)
         except RenderError as exc:
             status = exc.status

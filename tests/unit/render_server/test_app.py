@@ -477,3 +477,39 @@ def test_a_reasoning_parser_that_needs_tokens_the_tokenizer_lacks_stops_the_serv
         TestClient(create_app(settings)),
     ):
         pass
+
+
+def test_health_answers_while_a_render_computes(client, monkeypatch):
+    """Rendering runs off the event loop: while one request is stuck computing, /health and
+    another route's body reading are still served; then the stuck request finishes normally."""
+    import threading
+
+    from vllm_pd_ext.render_server.renderer import Renderer
+
+    entered, release = threading.Event(), threading.Event()
+    real = Renderer.render_completion
+
+    def stuck(self, *args, **kwargs):
+        entered.set()
+        assert release.wait(60), "never released"
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(Renderer, "render_completion", stuck)
+    answers: dict[str, Any] = {}
+
+    def render() -> None:
+        answers["render"] = client.post("/v1/completions/render", json={"prompt": "hello"})
+
+    worker = threading.Thread(target=render)
+    worker.start()
+    try:
+        assert entered.wait(60), "the render never started"
+        health = threading.Thread(target=lambda: answers.update(health=client.get("/health")))
+        health.start()
+        health.join(30)  # a blocked event loop would keep it waiting until the release
+        assert "health" in answers, "/health waited for a render to finish computing"
+        assert answers["health"].status_code == 200
+    finally:
+        release.set()
+        worker.join(60)
+    assert answers["render"].status_code == 200, answers["render"].text
