@@ -123,14 +123,12 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             row: dict[str, float] = {}
             for label, k in (("plain", None), ("keyed", key)):
+
+                def renew(k: bytes | None = k) -> None:
+                    post_json("127.0.0.1", servers[k].port, "/renew", {"req": "r"}, 5.0, k)
+
                 row[f"renew_ms_{label}"] = statistics.median(
-                    _per_call_ms(
-                        lambda k=k: post_json(
-                            "127.0.0.1", servers[k].port, "/renew", {"req": "r"}, 5.0, k
-                        ),
-                        20,
-                    )
-                    for _ in range(5)
+                    _per_call_ms(renew, 20) for _ in range(5)
                 )
                 a, peer, b = pairs[k]
                 t0 = time.perf_counter()
