@@ -257,6 +257,22 @@ def test_keyed_side_channel_refuses_what_is_not_tagged_with_its_key():
         server.close()
 
 
+def test_an_untagged_post_is_refused_before_its_body_is_read():
+    """Someone without the key declares an 8 MiB body and sends none of it: the answer is 401
+    at once (the server neither waits for nor holds the body)."""
+    import socket
+
+    server = SideChannelServer("127.0.0.1", 0, dict, {"/write_target": print}, key=KEY)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"POST /write_target HTTP/1.1\r\nHost: x\r\nContent-Length: 8000000\r\n\r\n")
+            s.settimeout(5)  # below the server's 10 s idle timeout: a waiting server fails this
+            assert s.recv(64).startswith(b"HTTP/1.0 401")
+        assert server.refused == 1
+    finally:
+        server.close()
+
+
 def test_a_keyed_client_trusts_no_answer_without_the_servers_tag():
     """A server without the key (or an impostor) answers: the client refuses the answer."""
     server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, {"/renew": lambda body: None})

@@ -56,6 +56,23 @@ def _answer_tag(key: bytes, nonce: str, status: int, body: bytes) -> str:
     return fleet_key.tag(key, "side-channel answer", nonce, str(status), digest).hex()
 
 
+_NO_HEADER = f"no valid {AUTH_HEADER} header (is this peer given the fleet key?)"
+
+
+def _parse_header(header: str | None) -> tuple[str, str, str] | None:
+    """(timestamp, nonce, tag) of a well-formed request header, else None."""
+    stamp, _, rest = (header or "").partition(".")
+    nonce, _, claimed = rest.partition(".")
+    well_formed = (
+        0 < len(stamp) <= 16
+        and 0 < len(nonce) <= 64
+        and 0 < len(claimed) <= 128
+        and (stamp + nonce + claimed).isascii()
+        and stamp.isdigit()
+    )
+    return (stamp, nonce, claimed) if well_formed else None
+
+
 def _signed_headers(key: bytes | None, method: str, path: str, body: bytes) -> dict[str, str]:
     if key is None:
         return {}
@@ -142,6 +159,11 @@ class SideChannelServer:
                 except ValueError as e:
                     self._reply(400, {"error": str(e)})
                     return
+                if outer._key is not None and _parse_header(self.headers.get(AUTH_HEADER)) is None:
+                    # refused before its body is read: no one without the key makes us hold it
+                    outer._refuse(self.client_address[0], "POST", self.path, _NO_HEADER)
+                    self._reply(401, {"error": f"unauthenticated: {_NO_HEADER}"})
+                    return
                 raw = self.rfile.read(n)
                 nonce = self._authenticate("POST", raw)
                 if nonce is None:
@@ -184,17 +206,10 @@ class SideChannelServer:
         self, key: bytes, method: str, path: str, header: str | None, body: bytes
     ) -> tuple[str | None, str]:
         """(None, nonce) for a request tagged with ``key`` and fresh, else (why not, "")."""
-        stamp, _, rest = (header or "").partition(".")
-        nonce, _, claimed = rest.partition(".")
-        well_formed = (
-            0 < len(stamp) <= 16
-            and 0 < len(nonce) <= 64
-            and 0 < len(claimed) <= 128
-            and (stamp + nonce + claimed).isascii()
-            and stamp.isdigit()
-        )
-        if not well_formed:
-            return f"no valid {AUTH_HEADER} header (is this peer given the fleet key?)", ""
+        parts = _parse_header(header)
+        if parts is None:
+            return _NO_HEADER, ""
+        stamp, nonce, claimed = parts
         if not hmac.compare_digest(claimed, _request_tag(key, method, path, stamp, nonce, body)):
             return "bad tag (a different fleet key, or the request was altered)", ""
         problem = self._replays.check(int(stamp) / 1000, nonce)
