@@ -39,8 +39,8 @@ class TransferConfig(BaseModel):
     side_channel_host: str | None = Field(
         None,
         description="Host the prefill side's handshake server binds and advertises; default: "
-        "VLLM_HOST_IP when set, else 127.0.0.1 (it authenticates nobody: name an address only "
-        "on a private network).",
+        "VLLM_HOST_IP when set, else 127.0.0.1 (without a fleet key it authenticates nobody: "
+        "then name an address only on a private network).",
     )
     side_channel_port: int | None = Field(
         None,

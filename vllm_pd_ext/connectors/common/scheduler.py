@@ -80,7 +80,8 @@ def side_channel_address(vllm_config: VllmConfig, cfg: TransferConfig) -> tuple[
 def default_host(vllm_config: VllmConfig) -> str:
     """The address this engine's KV listeners bind and advertise when the config names none:
     ``kv_ip`` where vLLM's config has it, else ``VLLM_HOST_IP`` when set, else 127.0.0.1. The
-    listeners authenticate nobody, so they face the network only when someone says so."""
+    listeners authenticate nobody without a fleet key, so they face the network only when
+    someone says so."""
     kv_ip = getattr(vllm_config.kv_transfer_config, "kv_ip", None)
     if kv_ip:
         return str(kv_ip)
