@@ -173,7 +173,10 @@ class FrontDoor:
         if self.fast_path:
             c = self.service.config
             protocol = front_protocol(
-                c.max_body_bytes, c.client_header_timeout_s, c.client_body_timeout_s
+                c.max_body_bytes,
+                c.client_header_timeout_s,
+                c.client_body_timeout_s,
+                c.max_buffered_body_bytes,
             )
             if protocol is not None:
                 return protocol

@@ -143,6 +143,12 @@ class ProxyConfig(_Strict):
     max_queued: int = Field(512, ge=0)
     queue_timeout_s: float = Field(30.0, gt=0)
     max_body_bytes: int = Field(16 * 1024 * 1024, ge=1024)
+    max_buffered_body_bytes: int = Field(
+        1 << 30,
+        ge=1024,
+        description="fast path: request bodies held at once over all connections; a request "
+        "whose body would pass it is answered 503",
+    )
     max_connections: int = Field(
         2048, ge=1, description="client connections at once; beyond them, requests get 503"
     )

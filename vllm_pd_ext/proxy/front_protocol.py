@@ -85,6 +85,24 @@ class _HeadWithBody:
         return getattr(self._transport, name)
 
 
+class BodyBudget:
+    """Bytes of request bodies the fast path holds at once, over all connections of one
+    process (the event loop's thread only: no lock). A request whose body would pass it is
+    answered 503 as soon as its body is in, and nothing of it is kept: ``max_connections``
+    clients each sending ``max_body_bytes`` cannot make the proxy hold more than ``limit``."""
+
+    __slots__ = ("limit", "used")
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.used = limit, 0
+
+    def take(self, n: int) -> bool:
+        if self.used + n > self.limit:
+            return False
+        self.used += n
+        return True
+
+
 class FastCycle:
     """One request on a fast route: its body, and the ASGI ``receive``/``send`` the app
     answers it through. It also serves as the request itself (``scope`` and ``receive``,
@@ -98,6 +116,7 @@ class FastCycle:
 
     __slots__ = (
         "_body",
+        "_budget",
         "_defaults",
         "_head",
         "_on_response",
@@ -105,8 +124,10 @@ class FastCycle:
         "chunked_encoding",
         "disconnected",
         "flow",
+        "held",
         "keep_alive",
         "message_event",
+        "over_budget",
         "pdx_watch",
         "response_complete",
         "response_started",
@@ -115,7 +136,15 @@ class FastCycle:
         "transport",
     )
 
-    def __init__(self, protocol, path: bytes, query: bytes, headers: list, keep_alive: bool):
+    def __init__(
+        self,
+        protocol,
+        path: bytes,
+        query: bytes,
+        headers: list,
+        keep_alive: bool,
+        budget: BodyBudget,
+    ):
         self.scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.4"},
@@ -138,6 +167,7 @@ class FastCycle:
         self._defaults = protocol.server_state  # its default headers (date) change each second
         self._body: list[bytes] = []
         self.size = 0
+        self._budget, self.held, self.over_budget = budget, 0, False
         self._head: bytes | None = None
         self._waiter: asyncio.Future | None = None
         self.message_event = self
@@ -149,10 +179,23 @@ class FastCycle:
 
     def add_body(self, data: bytes, limit: int) -> None:
         """A piece of the request body; past ``limit`` bytes the rest is dropped (the app
-        sees one byte over the limit and answers 413)."""
-        if self.size <= limit:
-            self._body.append(data[: limit + 1 - self.size])
+        sees one byte over the limit and answers 413), and past the process's body budget
+        all of it (the request is answered 503)."""
+        if self.size <= limit and not self.over_budget:
+            part = data[: limit + 1 - self.size]
+            if self._budget.take(len(part)):
+                self._body.append(part)
+                self.held += len(part)
+            else:
+                self.over_budget = True
+                self._body = []
+                self.release()
         self.size += len(data)
+
+    def release(self) -> None:
+        """Give the body's bytes back to the budget (once)."""
+        self._budget.used -= self.held
+        self.held = 0
 
     def set(self) -> None:
         """The connection is gone (``message_event.set()`` in uvicorn's terms)."""
@@ -161,6 +204,9 @@ class FastCycle:
             waiter.set_result(None)
 
     async def run(self, app) -> None:
+        if self.over_budget:
+            await self._send_busy()
+            return
         try:
             await app(self.scope, self.receive, self.send)
         except BaseException as exc:
@@ -177,6 +223,20 @@ class FastCycle:
                 self.transport.close()
         finally:
             self._on_response = None  # no reference back to the protocol
+            self.release()
+
+    async def _send_busy(self) -> None:
+        logger.warning(
+            "answered 503: request bodies held at once would pass %d bytes", self._budget.limit
+        )
+        self.keep_alive = False
+        body = (
+            b'{"error": {"message": "the proxy holds too many request bodies at once; retry '
+            b'later", "type": "ServiceUnavailableError", "param": null, "code": 503}}'
+        )
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        await self.send({"type": "http.response.start", "status": 503, "headers": headers})
+        await self.send({"type": "http.response.body", "body": body})
 
     async def _send_500(self) -> None:
         self.keep_alive = False
@@ -383,7 +443,7 @@ def internals_ok() -> bool:
     return _CHECKED[0]
 
 
-_PROTOCOLS: dict[tuple[int, float, float], type] = {}
+_PROTOCOLS: dict[tuple[int, float, float, int], type] = {}
 
 
 def is_front_protocol(protocol: object) -> bool:
@@ -391,23 +451,34 @@ def is_front_protocol(protocol: object) -> bool:
     return type(protocol) in _PROTOCOLS.values()
 
 
-def front_protocol(max_body_bytes: int, head_s: float = 10.0, body_s: float = 60.0) -> type | None:
+def front_protocol(
+    max_body_bytes: int,
+    head_s: float = 10.0,
+    body_s: float = 60.0,
+    budget_bytes: int = 1 << 30,
+) -> type | None:
     """The protocol class ``vllm-pd proxy`` serves with on the fast path (None: the
     installed uvicorn lacks what it needs; serve with uvicorn's default protocol).
+
+    Request bodies held at once, over all connections, stay within ``budget_bytes``
+    (:class:`BodyBudget`).
 
     A request's head must arrive within ``head_s`` (from the connection, or from the request's
     first byte) and its body within ``body_s`` after the head, else the connection is closed:
     a client that trickles bytes holds no connection for ever (uvicorn times out only idle
     keep-alive connections).
     """
-    key = (max_body_bytes, head_s, body_s)
+    key = (max_body_bytes, head_s, body_s, budget_bytes)
     if key in _PROTOCOLS:
         return _PROTOCOLS[key]
     if not internals_ok():
         return None
 
+    budget = BodyBudget(budget_bytes)
+
     class FrontProtocol(_impl.HttpToolsProtocol):
         _read_timer: asyncio.TimerHandle | None = None
+        body_budget = budget  # shared by every connection this class serves
 
         def _read_within(self, seconds: float) -> None:
             """Close the connection unless what is being read arrives within ``seconds``."""
@@ -433,6 +504,8 @@ def front_protocol(max_body_bytes: int, head_s: float = 10.0, body_s: float = 60
         def connection_lost(self, exc: Exception | None) -> None:
             self._read_done()
             cycle = getattr(self, "cycle", None)
+            if type(cycle) is FastCycle and not cycle.response_started:
+                cycle.release()  # its body will not be used (run() releases it too: once)
             super().connection_lost(exc)
             if cycle is not None and getattr(cycle, "disconnected", False):
                 watch = getattr(cycle, "pdx_watch", None)
@@ -461,7 +534,7 @@ def front_protocol(max_body_bytes: int, head_s: float = 10.0, body_s: float = 60
                 if path in FAST_PATHS and not self._declares_too_much():
                     # FastCycle stands in for uvicorn's cycle where the protocol reads one
                     self.cycle = FastCycle(  # type: ignore[assignment]
-                        self, path, query, self.headers, parser.should_keep_alive()
+                        self, path, query, self.headers, parser.should_keep_alive(), budget
                     )
                     return
             url, headers, expect = self.url, self.headers, self.expect_100_continue

@@ -92,7 +92,7 @@ def test_direct_writes_only_on_a_known_request_cycle_with_a_chunked_response(mon
 
 
 def _fast_cycle():
-    from vllm_pd_ext.proxy.front_protocol import FastCycle
+    from vllm_pd_ext.proxy.front_protocol import BodyBudget, FastCycle
 
     protocol = SimpleNamespace(
         server=("127.0.0.1", 1),
@@ -102,7 +102,8 @@ def _fast_cycle():
         on_response_complete=lambda: None,
         server_state=SimpleNamespace(default_headers=[(b"server", b"t")]),
     )
-    return FastCycle(protocol, b"/v1/completions", b"", [], True), protocol.transport
+    cycle = FastCycle(protocol, b"/v1/completions", b"", [], True, BodyBudget(1 << 20))
+    return cycle, protocol.transport
 
 
 HEADERS = [(b"content-type", b"text/event-stream"), (b"x-request-id", b"r1")]

@@ -13,7 +13,7 @@ import pytest
 from vllm_pd_ext.proxy import front_protocol as front_protocol_module
 from vllm_pd_ext.proxy.app import create_app
 from vllm_pd_ext.proxy.config import ProxyConfig
-from vllm_pd_ext.proxy.front_protocol import front_protocol
+from vllm_pd_ext.proxy.front_protocol import BodyBudget, front_protocol
 from vllm_pd_ext.testing.fake_engine import ServerThread
 
 LIMIT = 1000
@@ -241,3 +241,36 @@ def test_a_client_that_trickles_its_request_is_closed(sent):
         ok = Conn(srv.port)
         ok.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}")
         assert ok.response()[0] == 200
+
+
+def test_bodies_held_at_once_stay_within_the_budget():
+    """Two clients each start a 600-byte body under an 800-byte budget: the first is held,
+    the second (which would pass the budget) is answered 503 with an OpenAI error body once
+    its body is in, and keeps nothing; when the first completes it is served, and the budget
+    is whole again for the next request."""
+    import time
+
+    protocol = front_protocol(LIMIT, 10, 10, budget_bytes=800)
+    assert protocol is not None
+    budget: BodyBudget = protocol.body_budget  # type: ignore[attr-defined]
+    with ServerThread(app, http=protocol) as srv:
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 600\r\n\r\n"
+        first, second = Conn(srv.port), Conn(srv.port)
+        first.send(head + b"a" * 300)  # half its body: held, waiting for the rest
+        deadline = time.monotonic() + 10
+        while budget.used != 300:
+            assert time.monotonic() < deadline, "the first half body was never held"
+            time.sleep(0.01)
+        second.send(head + b"b" * 600)
+        status, headers, body = second.response()
+        assert status == 503, body
+        assert json.loads(body)["error"]["type"] == "ServiceUnavailableError"
+        assert headers.get(b"connection") == b"close"
+        first.send(b"a" * 300)
+        status, _, body = first.response()
+        assert status == 200 and json.loads(body)["size"] == 600
+        third = Conn(srv.port)
+        third.send(head + b"c" * 600)
+        status, _, body = third.response()
+        assert status == 200 and json.loads(body)["size"] == 600
+        assert budget.used == 0
