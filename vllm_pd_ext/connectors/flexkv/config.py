@@ -37,8 +37,13 @@ class FlexKVConfig(BaseModel):
     shared_dir: str | None = Field(
         None,
         description="Directory several instances share (NFS, a common disk): blocks written "
-        "there are loadable by every instance with the same model and block size. Never "
-        "evicted by the connector.",
+        "there are loadable by every instance with the same model and block size.",
+    )
+    shared_capacity_gb: float = Field(
+        64.0,
+        gt=0,
+        description="Size the shared directory's block files (this model and block size) are "
+        "kept within: every instance writing it deletes the oldest files when it is over.",
     )
     io_threads: int = Field(4, ge=1, le=64, description="Threads of the file I/O pool.")
     load_threads: int = Field(2, ge=1, le=32, description="Requests loaded at once.")

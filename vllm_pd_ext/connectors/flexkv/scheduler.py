@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
+from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig, GiB
 from vllm_pd_ext.connectors.flexkv.index import TierIndex
 from vllm_pd_ext.connectors.flexkv.keys import cache_namespace, request_keys
 from vllm_pd_ext.connectors.flexkv.metadata import (
@@ -45,7 +45,7 @@ from vllm_pd_ext.connectors.flexkv.metadata import (
     SaveItem,
 )
 from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
-from vllm_pd_ext.connectors.flexkv.store import FileStore
+from vllm_pd_ext.connectors.flexkv.store import DirQuota, FileStore
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -113,8 +113,11 @@ class FlexKVScheduler:
             for key in self.ssd_store.scan():  # a restarted engine keeps its SSD tier
                 _, evicted = self.ssd.add(key, ready=True)
                 self._ssd_deletes.extend(evicted)
+        self.shared_quota: DirQuota | None = None
+        self._shared_evicted = 0
         if cfg.shared_dir:
             self.shared_store = FileStore(cfg.shared_dir, self.namespace)
+            self.shared_quota = DirQuota(self.shared_store, int(cfg.shared_capacity_gb * GiB))
         self._tracked: dict[str, _Tracked] = {}
         self._matched_from: dict[str, int] = {}
         self._plans: dict[str, _Plan] = {}
@@ -393,9 +396,24 @@ class FlexKVScheduler:
             and key not in self._shared_known
             and not self.shared_store.exists(key, self.tp_size)
         )
+        if to_shared:
+            self._shared_quota_tick()
         if slot < 0 and not to_ssd and not to_shared:
             return None
         return SaveItem(block_id, key, rid, slot=slot, ssd=to_ssd, shared=to_shared)
+
+    def _shared_quota_tick(self) -> None:
+        """Start a quota pass on the shared tier when one is due; count what the last ones
+        deleted, and forget which blocks were seen there (some may be gone now)."""
+        quota = self.shared_quota
+        if quota is None:
+            return
+        evicted = quota.evicted
+        if evicted != self._shared_evicted:
+            self.stats.add("evicted_blocks", evicted - self._shared_evicted, SHARED)
+            self._shared_evicted = evicted
+        if quota.maybe_enforce():
+            self._shared_known.clear()
 
     def _reap_pending_ssd(self) -> None:
         """Settle SSD writes the scheduler has not seen land: ready if the file is there,

@@ -27,6 +27,7 @@ import logging
 import os
 import stat
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -275,3 +276,87 @@ class FileStore:
         for key in self.scan():
             for p in self.path(key).parent.glob(f"{key}.r*"):
                 p.unlink(missing_ok=True)
+
+
+class DirQuota:
+    """Keeps the block files of one :class:`FileStore` directory within ``capacity_bytes``.
+
+    Meant for the shared tier, which every instance of a fleet writes and nobody else
+    cleans: each instance runs one. :meth:`maybe_enforce` (cheap; call it when saving) starts,
+    at most every ``interval_s`` and never twice at once, a pass on a thread of its own that
+    sums the sizes of the directory's block files and, over ``capacity_bytes``, deletes the
+    oldest (by modification time) until ``low_water`` of it is left. Passes of several
+    instances may overlap: a file deleted twice is deleted once, and a reader that finds a
+    block gone has a miss. ``evicted`` counts the files this instance deleted.
+    """
+
+    def __init__(
+        self,
+        store: FileStore,
+        capacity_bytes: int,
+        *,
+        interval_s: float = 30.0,
+        low_water: float = 0.9,
+        clock=time.monotonic,
+    ) -> None:
+        self.store, self.capacity_bytes = store, capacity_bytes
+        self.interval_s, self.low_water = interval_s, low_water
+        self._clock = clock
+        self._last = float("-inf")
+        self._running = threading.Lock()
+        self.evicted = 0
+        self.passes = 0
+
+    def maybe_enforce(self) -> bool:
+        """Start a pass if one is due and none runs; True if one was started."""
+        now = self._clock()
+        if now - self._last < self.interval_s or not self._running.acquire(blocking=False):
+            return False
+        self._last = now
+
+        def run() -> None:
+            try:
+                self.enforce()
+            except OSError as e:
+                logger.warning("shared KV tier quota pass failed: %s", e)
+            finally:
+                self._running.release()
+
+        threading.Thread(target=run, name="pdext-flexkv-quota", daemon=True).start()
+        return True
+
+    def enforce(self) -> int:
+        """One pass (in the calling thread); returns the number of files deleted."""
+        files: list[tuple[float, int, str]] = []
+        for sub in os.scandir(self.store.dir) if self.store.dir.is_dir() else ():
+            if not sub.is_dir(follow_symlinks=False):
+                continue
+            with os.scandir(sub.path) as entries:
+                for entry in entries:
+                    if entry.name.startswith(".") or ".r" not in entry.name:
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                    except OSError:
+                        continue
+                    files.append((st.st_mtime, st.st_size, entry.path))
+        total = sum(size for _, size, _ in files)
+        self.passes += 1
+        if total <= self.capacity_bytes:
+            return 0
+        target = int(self.capacity_bytes * self.low_water)
+        deleted = 0
+        for _, size, path in sorted(files):
+            if total <= target:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                deleted += 1
+            total -= size
+        self.evicted += deleted
+        logger.info(
+            "shared KV tier over its %d bytes: deleted the %d oldest block files",
+            self.capacity_bytes,
+            deleted,
+        )
+        return deleted

@@ -20,6 +20,7 @@ from vllm_pd_ext.connectors.flexkv.store import (
     HEADER_BYTES,
     MAGIC,
     BlockFileError,
+    DirQuota,
     FileStore,
 )
 
@@ -203,6 +204,36 @@ def test_a_linked_or_foreign_directory_is_refused(tmp_path):
     with pytest.raises(NotADirectoryError):
         store.write(KEY, payload(), FP)
     assert list(elsewhere.iterdir()) == []
+
+
+def test_the_shared_tier_quota_deletes_the_oldest_files_down_to_its_low_water(tmp_path):
+    """Ten 4 KiB blocks (ten files of HEADER_BYTES + 4096) under a quota of six files' worth:
+    a pass deletes the oldest until at most 90% of the quota is left; under the quota a pass
+    deletes nothing; a pass is never started twice within its interval."""
+    store = FileStore(tmp_path, "ns")
+    size = HEADER_BYTES + 4096
+    keys = [f"{i:02x}" * 16 for i in range(10)]
+    for i, key in enumerate(keys):
+        store.write(key, payload(seed=i), FP)
+        os.utime(store.path(key), (1000 + i, 1000 + i))  # key i written at second i
+    now = [0.0]
+    quota = DirQuota(store, 6 * size, interval_s=30, clock=lambda: now[0])
+    assert quota.enforce() == 5  # 10 files -> 5: the largest count within 0.9 * 6 files
+    assert [k for k in keys if store.exists(k)] == keys[5:]
+    assert quota.enforce() == 0 and quota.evicted == 5
+    for i, key in enumerate(keys[:3]):  # newer files: over the quota again
+        store.write(key, payload(seed=i), FP)
+    assert quota.maybe_enforce()
+    assert not quota.maybe_enforce()  # within the interval: not again
+    deadline = time.monotonic() + 30
+    while quota.passes < 3:
+        assert time.monotonic() < deadline, "the background pass never ran"
+        time.sleep(0.01)
+    assert quota.evicted == 8 and [k for k in keys if store.exists(k)] == keys[:3] + keys[8:]
+    now[0] = 31.0
+    while not quota.maybe_enforce():  # due again once the last pass released its lock
+        assert time.monotonic() < deadline, "no second pass"
+        time.sleep(0.01)
 
 
 def test_index_evicts_least_hit_of_the_lru_window():

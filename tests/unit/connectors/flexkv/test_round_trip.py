@@ -6,6 +6,7 @@ position) so every loaded block can be compared with what computing it would giv
 from __future__ import annotations
 
 import itertools
+import time
 
 import torch
 from vllm import SamplingParams
@@ -260,3 +261,34 @@ def test_sync_load_all_reads_ssd_in_the_same_step_and_promotes(engine_factory, t
     run(e, request(prompt()))  # promoted: the CPU tier serves it now
     assert [it.tier for it in loads_of(e)[-1].items] == [CPU] * 4
     assert_scheduler_empty(e.sched)
+
+
+def test_saves_to_the_shared_tier_keep_it_within_its_quota(engine_factory, tmp_path):
+    """A shared tier with room for six block files: after three 4-block prompts the
+    scheduler's quota passes (due at every save here) have deleted the oldest files, counted
+    what they deleted, and a prompt whose files are gone is recomputed, not loaded."""
+    from vllm_pd_ext.connectors.flexkv.store import HEADER_BYTES
+
+    file_bytes = HEADER_BYTES + BLOCK_SIZE * 2 * 2 * 8 * 4  # heads x (K+V) x head dim x fp32
+    e = engine_factory(
+        cpu_capacity_blocks=0,
+        shared_dir=str(tmp_path / "shared"),
+        shared_capacity_gb=6 * file_bytes / (1 << 30),
+    )
+    sched = e.conn._scheduler
+    assert sched.shared_quota is not None
+    sched.shared_quota.interval_s = 0.0
+    for seed in range(3):
+        run(e, request(prompt(seed)))
+        e.worker._worker.wait_idle()
+        deadline = time.monotonic() + 30
+        while sched.shared_quota._running.locked():  # the pass a save started
+            assert time.monotonic() < deadline, "the quota pass never ended"
+            time.sleep(0.01)
+    assert sched.shared_quota.passes >= 3  # started by the saves themselves
+    sched.shared_quota.enforce()  # the last prompt's files landed after its saves' passes
+    files = [p for p in sched.shared_store.dir.rglob("*.r0")]
+    assert sum(p.stat().st_size for p in files) <= 6 * file_bytes
+    assert sched.shared_quota.evicted >= 6
+    first = run(e, request(prompt(0)))  # its blocks were the oldest: deleted
+    assert e.computed[first.request_id][0] == 0
