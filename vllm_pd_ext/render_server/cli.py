@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import sys
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -76,6 +77,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--max-logprobs", type=int, default=_DEFAULTS["max_logprobs"].default)
     p.add_argument("--max-body-bytes", type=int, default=_DEFAULTS["max_body_bytes"].default)
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=_DEFAULTS["max_connections"].default,
+        help=_DEFAULTS["max_connections"].description,
+    )
     p.add_argument("--log-level", default="info")
     p.set_defaults(func=main)
     return p
@@ -101,8 +108,14 @@ def settings_from_args(args: argparse.Namespace) -> RenderSettings:
         max_logprobs=args.max_logprobs,
         api_key=os.environ.get(API_KEY_ENV) or None,
         max_body_bytes=args.max_body_bytes,
+        max_connections=args.max_connections,
         log_level=args.log_level,
     )
+
+
+def server_limits(settings: RenderSettings) -> dict[str, Any]:
+    """The uvicorn settings that bound what clients can make a worker hold."""
+    return {"limit_concurrency": settings.max_connections}
 
 
 def main(args: argparse.Namespace) -> int:
@@ -126,6 +139,7 @@ def main(args: argparse.Namespace) -> int:
         workers=settings.workers,
         log_level=settings.log_level,
         access_log=False,
+        **server_limits(settings),
         # a busy shared host can delay a worker's health answer past uvicorn's 5 s default
         timeout_worker_healthcheck=60,
     )

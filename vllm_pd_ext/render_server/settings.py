@@ -91,6 +91,12 @@ class RenderSettings(BaseModel):
         description=f"bearer token every route but /health needs (from ${API_KEY_ENV})",
     )
     max_body_bytes: int = Field(default=32 * 1024 * 1024, ge=1024)
+    max_connections: int = Field(
+        default=1024,
+        ge=1,
+        description="client connections at once per worker process; beyond them, requests "
+        "get 503 (slow or many clients cannot exhaust the worker)",
+    )
     max_n: int = Field(default=16384, ge=1)
     log_level: str = "info"
 

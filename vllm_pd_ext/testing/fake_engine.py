@@ -502,7 +502,8 @@ def _prompt_text(body: dict, chat: bool) -> str:
 class ServerThread:
     """Runs an ASGI app with uvicorn on 127.0.0.1 in a daemon thread."""
 
-    def __init__(self, app, port: int | None = None, http=None):
+    def __init__(self, app, port: int | None = None, http=None, **options: Any):
+        """``options``: more ``uvicorn.Config`` settings (limits, timeouts)."""
         self.port = port or free_port()
         config = uvicorn.Config(
             app,
@@ -511,6 +512,7 @@ class ServerThread:
             log_level="warning",
             lifespan="on",
             http=http or "auto",
+            **options,
         )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, daemon=True)

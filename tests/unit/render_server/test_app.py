@@ -513,3 +513,29 @@ def test_health_answers_while_a_render_computes(client, monkeypatch):
         release.set()
         worker.join(60)
     assert answers["render"].status_code == 200, answers["render"].text
+
+
+def test_connections_beyond_the_cap_are_answered_503(tiny_qwen):
+    """Clients that open connections and hold them cannot exhaust a worker: past
+    ``max_connections`` a request gets 503, and once they go the worker serves again."""
+    import socket
+    import time
+
+    import httpx
+
+    from vllm_pd_ext.render_server.cli import server_limits
+    from vllm_pd_ext.testing.fake_engine import ServerThread
+
+    settings = RenderSettings(model=str(tiny_qwen), max_model_len=512, max_connections=3)
+    with ServerThread(create_app(settings), **server_limits(settings)) as srv:
+        held = [socket.create_connection(("127.0.0.1", srv.port), timeout=5) for _ in range(3)]
+        url = f"http://127.0.0.1:{srv.port}/health"
+        try:
+            assert httpx.get(url, timeout=10).status_code == 503
+        finally:
+            for s in held:
+                s.close()
+        deadline = time.monotonic() + 30
+        while httpx.get(url, timeout=10).status_code != 200:
+            assert time.monotonic() < deadline, "never served again"
+            time.sleep(0.05)
