@@ -7,12 +7,15 @@
 * ``requires_vllm`` / ``requires_nixl_pair`` / ``requires_model_deps``: marks for tests that
   need those installed. Every skip goes through tests/skips.py (loaded here as a plugin): under
   CI a missing dependency fails instead of skipping.
+* Under pytest-xdist each worker process draws its free ports from its own residue class, so
+  two workers never hand out the same port (each checks a port is free only in its own process).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
@@ -36,6 +39,28 @@ requires_model_deps = requires(*MODEL_DEPS, why="building tiny models")
 _LIVE_SERVERS: list = []
 #: Cores handed to instances in turn, so instances started together do not share one.
 _CORES = itertools.cycle(range(max(1, os.cpu_count() or 1)))
+
+
+class _WorkerPorts(random.Random):
+    """Draws only ports ``p`` with ``p % workers == index``: this xdist worker's share."""
+
+    def __init__(self, index: int, workers: int) -> None:
+        super().__init__()
+        self.index, self.workers = index, workers
+
+    def randrange(self, start, stop=None, step=1):
+        assert stop is not None and step == 1
+        first = start + (self.index - start) % self.workers  # the share's first port >= start
+        return first + self.workers * super().randrange((stop - 1 - first) // self.workers + 1)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", ... under xdist
+    if worker.startswith("gw"):
+        from vllm_pd_ext.util import vllm_process
+
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+        vllm_process._RANDOM = _WorkerPorts(int(worker[2:]), workers)
 
 
 @pytest.fixture(scope="session")
