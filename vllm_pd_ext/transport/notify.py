@@ -41,6 +41,8 @@ _LEN = struct.Struct("!I")
 _AUTH = struct.Struct("!Q16s32s")  # timestamp (unix ms), nonce, tag
 _ACK = b"\x06"
 _CONN_TIMEOUT_S = 5.0
+#: Refused notifications are logged at most this often.
+_WARN_EVERY_S = 10.0
 
 
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
@@ -75,6 +77,7 @@ class NotifyServer:
     ) -> None:
         self._key, self._on_refused = key, on_refused
         self._replays = fleet_key.ReplayGuard()
+        self._last_warning = float("-inf")
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(None)
         self.host = host
@@ -122,7 +125,10 @@ class NotifyServer:
                 except _Refused as e:
                     if self._on_refused is not None:
                         self._on_refused()
-                    logger.warning("refused a notification: %s", e)
+                    now = time.monotonic()
+                    if now - self._last_warning >= _WARN_EVERY_S:  # a flood floods no log
+                        self._last_warning = now
+                        logger.warning("refused a notification: %s", e)
                 except (OSError, ValueError, UnicodeDecodeError) as e:
                     logger.warning("dropped a bad notification frame: %s", e)
 
