@@ -403,8 +403,9 @@ class FlexKVScheduler:
         return SaveItem(block_id, key, rid, slot=slot, ssd=to_ssd, shared=to_shared)
 
     def _shared_quota_tick(self) -> None:
-        """Start a quota pass on the shared tier when one is due; count what the last ones
-        deleted, and forget which blocks were seen there (some may be gone now)."""
+        """Start a quota pass on the shared tier when one is due; forget which blocks were
+        seen there then (other instances' passes may have deleted some) and after our passes
+        that deleted files (counted)."""
         quota = self.shared_quota
         if quota is None:
             return
@@ -412,6 +413,7 @@ class FlexKVScheduler:
         if evicted != self._shared_evicted:
             self.stats.add("evicted_blocks", evicted - self._shared_evicted, SHARED)
             self._shared_evicted = evicted
+            self._shared_known.clear()
         if quota.maybe_enforce():
             self._shared_known.clear()
 
