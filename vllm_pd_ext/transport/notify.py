@@ -30,6 +30,7 @@ from collections.abc import Callable
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.transport.base import MAX_QUEUED_NOTIFICATIONS, Notification
 from vllm_pd_ext.transport.errors import TransferError, TransferTimeout
+from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +78,7 @@ class NotifyServer:
     ) -> None:
         self._key, self._on_refused = key, on_refused
         self._replays = fleet_key.ReplayGuard()
-        self._last_warning = float("-inf")
+        self._warnings = Throttle(_WARN_EVERY_S)
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(None)
         self.host = host
@@ -125,9 +126,7 @@ class NotifyServer:
                 except _Refused as e:
                     if self._on_refused is not None:
                         self._on_refused()
-                    now = time.monotonic()
-                    if now - self._last_warning >= _WARN_EVERY_S:  # a flood floods no log
-                        self._last_warning = now
+                    if self._warnings.ready():  # a flood floods no log
                         logger.warning("refused a notification: %s", e)
                 except (OSError, ValueError, UnicodeDecodeError) as e:
                     logger.warning("dropped a bad notification frame: %s", e)

@@ -82,6 +82,7 @@ from vllm_pd_ext.transport.errors import (
     TransportError,
 )
 from vllm_pd_ext.transport.spans import LENGTH, LOCAL, REMOTE
+from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -359,7 +360,7 @@ class _Server:
         self.engine_id = engine_id
         self.memory = memory
         self.key, self.on_refused = key, on_refused
-        self._last_refusal_log = float("-inf")
+        self._refusal_log = Throttle(_REFUSAL_LOG_EVERY_S)
         self.notes: deque[Notification] = deque()
         self._stop = threading.Event()
         self._conns: set[socket.socket] = set()
@@ -437,9 +438,7 @@ class _Server:
         except _Closed:
             pass
         except _Refused as e:
-            now = time.monotonic()
-            if now - self._last_refusal_log >= _REFUSAL_LOG_EVERY_S:  # a scan floods no log
-                self._last_refusal_log = now
+            if self._refusal_log.ready():  # a scan floods no log
                 logger.warning("tcp data connection from %s dropped: %s", peer, e)
         except (OSError, ValueError, UnicodeDecodeError) as e:
             if not self._stop.is_set():

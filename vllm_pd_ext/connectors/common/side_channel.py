@@ -31,6 +31,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from vllm_pd_ext import fleet_key
+from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -183,7 +184,7 @@ class SideChannelServer:
         self._key = key
         self._replays = fleet_key.ReplayGuard()
         self._on_refused = on_refused
-        self._last_warning = float("-inf")
+        self._warnings = Throttle(_WARN_EVERY_S)
         self._lock = threading.Lock()
         self.refused = 0
         try:
@@ -218,11 +219,7 @@ class SideChannelServer:
     def _refuse(self, client: str, method: str, path: str, problem: str) -> None:
         with self._lock:
             self.refused += 1
-            now = time.monotonic()
-            warn = now - self._last_warning >= _WARN_EVERY_S
-            if warn:
-                self._last_warning = now
-        if warn:
+        if self._warnings.ready():
             logger.warning(
                 "KV side channel refused %s %s from %s: %s (%d refused so far)",
                 method,
