@@ -25,9 +25,12 @@ is off, so nothing outside this module touches uvicorn's internals.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import re
 from typing import cast
+
+from vllm_pd_ext.proxy.errors import error_body
 
 logger = logging.getLogger(__name__)
 
@@ -230,10 +233,8 @@ class FastCycle:
             "answered 503: request bodies held at once would pass %d bytes", self._budget.limit
         )
         self.keep_alive = False
-        body = (
-            b'{"error": {"message": "the proxy holds too many request bodies at once; retry '
-            b'later", "type": "ServiceUnavailableError", "param": null, "code": 503}}'
-        )
+        message = "the proxy holds too many request bodies at once; retry later"
+        body = json.dumps(error_body(503, message)).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await self.send({"type": "http.response.start", "status": 503, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
