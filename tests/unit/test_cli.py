@@ -119,6 +119,7 @@ def test_up_generates_a_private_fleet_key_and_removes_it(built_stack, monkeypatc
     path = Path(stack.key_env[fleet_key.KEY_FILE_ENV])
     assert fleet_key.load_key(stack.key_env) is not None
     assert path.parent.stat().st_mode & 0o777 == 0o700
+    assert str(path) in stack.key_source  # up prints where the key is
     stack.stop_all()
     assert not path.parent.exists()
 

@@ -327,11 +327,15 @@ class Stack:
         the caller's own, checked, when set (they inherit it); else a fresh key in a private
         temporary directory, removed when the stack stops."""
         if fleet_key.load_key() is not None:
-            self.key_source = "from the caller's environment"
+            where = os.environ.get(fleet_key.KEY_FILE_ENV) or f"${fleet_key.KEY_ENV}"
+            self.key_source = f"from the caller's environment ({where})"
             return {}
-        self.key_source = "generated for this stack"
         self.key_dir = Path(tempfile.mkdtemp(prefix="vllm-pd-key-"))
         path = fleet_key.write_key_file(self.key_dir / "fleet.key")
+        self.key_source = (
+            f"generated for this stack in {path} (removed when it stops; to add an engine, "
+            f"start it with {fleet_key.KEY_FILE_ENV}={path})"
+        )
         return {fleet_key.KEY_FILE_ENV: str(path)}
 
     # -- running -----------------------------------------------------------------------
