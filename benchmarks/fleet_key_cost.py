@@ -36,33 +36,29 @@ import numpy as np
 
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.common.side_channel import SideChannelServer, post_json
-from vllm_pd_ext.transfer_params import READ_SIGNED_FIELDS, WRITE_SIGNED_FIELDS
+from vllm_pd_ext.transfer_params import PdExtReadAnswer, PdExtWriteDecode
 from vllm_pd_ext.transport import get_backend
 
 REPO = Path(__file__).resolve().parent.parent
 BLOCK_TOKENS = 16
-READ_PARAMS = {
-    "transfer_mode": "read",
-    "remote_engine_id": "engine-" + "0" * 32,
-    "remote_host": "10.0.0.12",
-    "remote_port": 20500,
-    "remote_request_id": "cmpl-" + "0" * 32 + "-0",
-    "remote_block_ids": [list(range(512))],
-    "remote_num_tokens": 8191,
-    "prompt_hash": "0" * 64,
-    "tp_size": 1,
-    "lease_s": 30.0,
-    "protocol": "pdext",
-}
-WRITE_PARAMS = {
-    "do_remote_prefill": True,
-    "do_remote_decode": False,
-    "transfer_mode": "write",
-    "transfer_id": "0" * 32,
-    "remote_engine_id": None,
-    "remote_host": "10.0.0.12",
-    "remote_port": 20500,
-}
+#: An 8k-token READ answer as our prefill engine signs it.
+READ_ANSWER = PdExtReadAnswer(
+    remote_engine_id="engine-" + "0" * 32,
+    remote_request_id="cmpl-" + "0" * 32 + "-0",
+    remote_host="10.0.0.12",
+    remote_port=20500,
+    remote_block_ids=[list(range(512))],
+    remote_num_tokens=8191,
+    prompt_hash="0" * 64,
+    tp_size=1,
+    lease_s=30.0,
+    expires_at=time.time() + 3600,
+)
+
+
+def _sign_write(key: bytes) -> dict:
+    """What the proxy does per pdext-write request: build the decode leg's params, sign."""
+    return PdExtWriteDecode.build("0" * 32, None, "10.0.0.12", 20500).signed(key)
 
 
 def _per_call_ms(fn: Callable[[], object], calls: int) -> float:
@@ -95,10 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     key = secrets.token_bytes(fleet_key.MIN_KEY_BYTES)
-    signed = {
-        **READ_PARAMS,
-        fleet_key.SIGNATURE: fleet_key.sign(key, READ_PARAMS, READ_SIGNED_FIELDS),
-    }
+    signed = READ_ANSWER.signed(key)
     servers = {
         k: SideChannelServer("127.0.0.1", 0, dict, {"/renew": lambda body: None}, key=k)
         for k in (None, key)
@@ -135,15 +128,11 @@ def main(argv: list[str] | None = None) -> int:
                 a.wait(a.read(peer, "kv", "kv", spans), 60.0)
                 row[f"read_ms_{label}"] = 1e3 * (time.perf_counter() - t0)
                 row[f"hello_ms_{label}"] = _connect_ms(k, b.descriptor(), 10)
-            row["sign_read_ms"] = _per_call_ms(
-                lambda: fleet_key.sign(key, READ_PARAMS, READ_SIGNED_FIELDS), 2000
-            )
+            row["sign_read_ms"] = _per_call_ms(lambda: READ_ANSWER.signed(key), 2000)
             row["verify_read_ms"] = _per_call_ms(
-                lambda: fleet_key.verify(key, signed, READ_SIGNED_FIELDS), 2000
+                lambda: PdExtReadAnswer.check(signed, key, time.time()), 2000
             )
-            row["sign_write_ms"] = _per_call_ms(
-                lambda: fleet_key.sign(key, WRITE_PARAMS, WRITE_SIGNED_FIELDS), 2000
-            )
+            row["sign_write_ms"] = _per_call_ms(lambda: _sign_write(key), 2000)
             rounds.append(row)
             print(f"round {r + 1}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items()))
     finally:

@@ -27,7 +27,7 @@ from vllm_pd_ext.tools.pd_demo import (
     prefill_leg,
     stream_completion,
 )
-from vllm_pd_ext.transfer_params import WRITE_SIGNED_FIELDS
+from vllm_pd_ext.transfer_params import WRITE, PdExtWriteDecode, PrefillLeg
 from vllm_pd_ext.util.vllm_process import VllmServer, free_port
 
 #: The fleet key of every pdext pair and every proxy these tests start.
@@ -143,30 +143,14 @@ def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
     p_body = {
         **completion_body(prefill, prompt_ids, 1),
         "stream": False,
-        "kv_transfer_params": {
-            "do_remote_decode": True,
-            "do_remote_prefill": False,
-            "transfer_mode": "write",
-            "transfer_id": tid,
-        },
+        "kv_transfer_params": PrefillLeg(transfer_mode=WRITE, transfer_id=tid).params(),
     }
     p_body.pop("stream_options", None)
+    d_params = PdExtWriteDecode.build(tid, None, "127.0.0.1", side)
     d_body = {
         **completion_body(decode, prompt_ids, max_tokens),
-        "kv_transfer_params": {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_mode": "write",
-            "transfer_id": tid,
-            "remote_engine_id": None,
-            "remote_host": "127.0.0.1",
-            "remote_port": side,
-        },
+        "kv_transfer_params": d_params.signed(bytes.fromhex(FLEET_KEY)),
     }
-    d_params = d_body["kv_transfer_params"]
-    d_params[fleet_key.SIGNATURE] = fleet_key.sign(
-        bytes.fromhex(FLEET_KEY), d_params, WRITE_SIGNED_FIELDS
-    )
     result: dict[str, Any] = {}
     leg = threading.Thread(
         target=lambda: result.setdefault(

@@ -8,15 +8,18 @@ a decode that vanishes must not strand the prefill side's blocks past the lease.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import signal
 import time
+import uuid
 
 import httpx
 import pytest
 
 from tests.integration.fleet_helpers import (
+    FLEET_KEY,
     Trap,
     pdext_connector,
     pdext_pair,
@@ -33,6 +36,7 @@ from vllm_pd_ext.tools.pd_demo import (
     prefill_leg,
     stream_completion,
 )
+from vllm_pd_ext.transfer_params import PdExtWriteDecode
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.vllm_process import free_port
 
@@ -40,6 +44,7 @@ pytestmark = pytest.mark.integration
 
 LEASE_S = 8.0
 HELD = "vllm:pdext_kv_blocks_held"
+PARAMS_REFUSED = "vllm:pdext_kv_params_refused_total"
 EXPIRIES = "vllm:pdext_kv_lease_expiries_total"
 
 
@@ -68,10 +73,12 @@ def test_split_output_equals_colocated(pair, tiny_qwen, mode, prompt_tokens):
     assert prefill.metric(HELD) == 0
 
 
-def test_decode_engine_refuses_forged_read_params(pair, tiny_qwen):
+def test_decode_engine_refuses_forged_params(pair, tiny_qwen):
     """Someone who reaches the decode engine directly sends a real prefill's answer with its
-    port pointed at a trap, and the same answer unsigned: neither loads (the output is the
-    colocated one), the trap is never contacted, and the real answer still loads after."""
+    port pointed at a trap, the same answer unsigned, WRITE params naming the trap signed
+    under another key, and WRITE params signed under the fleet key that have expired: none
+    loads (the output is the colocated one), each is counted, the trap is never contacted,
+    and the real answer still loads after."""
     prefill, decode, _ = pair
     prompt_ids = make_prompt_ids(tiny_qwen, 120)
     trap = Trap()
@@ -82,11 +89,26 @@ def test_decode_engine_refuses_forged_read_params(pair, tiny_qwen):
             params, _ = prefill_leg(client, prefill, completion_body(prefill, prompt_ids, 8))
             assert params[fleet_key.SIGNATURE]
             unsigned = {k: v for k, v in params.items() if k != fleet_key.SIGNATURE}
-            for forged in ({**params, "remote_port": trap.port}, unsigned):
+            other_key = bytes.fromhex("cd" * 32)
+            write = PdExtWriteDecode.build(uuid.uuid4().hex, None, "127.0.0.1", trap.port)
+            expired = dataclasses.replace(write, expires_at=time.time() - 3600)
+            forgeries = (
+                {**params, "remote_port": trap.port},
+                unsigned,
+                write.signed(other_key),
+                expired.signed(bytes.fromhex(FLEET_KEY)),
+            )
+            refused = decode.metric(PARAMS_REFUSED)
+            for forged in forgeries:
                 before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
                 ids, _ = stream_completion(client, decode, {**body, "kv_transfer_params": forged})
                 assert ids == colocated
                 assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) == before
+            # counted: stats reach /metrics with a later engine step's output
+            deadline = time.monotonic() + 20
+            while decode.metric(PARAMS_REFUSED) < refused + 4 and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert decode.metric(PARAMS_REFUSED) == refused + 4
             before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
             ids, _ = stream_completion(client, decode, {**body, "kv_transfer_params": params})
             assert ids == colocated

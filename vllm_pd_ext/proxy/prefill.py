@@ -24,6 +24,7 @@ from vllm_pd_ext.proxy.legs import one_token_body
 from vllm_pd_ext.proxy.protocols import MissingCoordinates, PDProtocol
 from vllm_pd_ext.proxy.routing import Route, Router
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse, json_object
+from vllm_pd_ext.transfer_params import prefill_cached_tokens
 
 #: Sends the decode leg to an instance with the given params; the opened response.
 SendDecode = Callable[[Call, Instance, dict[str, Any]], Awaitable[UpstreamResponse]]
@@ -147,8 +148,8 @@ class PrefillLeg:
 
 def cached_tokens(params: dict[str, Any] | None, usage: dict[str, Any] | None) -> int | None:
     """Prompt tokens the prefill instance found in its own prefix cache, when it says."""
-    cached = (params or {}).get("remote_prefill_cached_tokens")
-    if isinstance(cached, int):
+    cached = prefill_cached_tokens(params)
+    if cached is not None:
         return cached
     details = (usage or {}).get("prompt_tokens_details") or {}
     value = details.get("cached_tokens")

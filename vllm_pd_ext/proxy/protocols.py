@@ -38,8 +38,11 @@ the decode leg; concurrent ones send both legs at once with params the proxy bui
     transfer_id, remote_engine_id, remote_host, remote_port}`` with P's side channel
     (``bootstrap_addr``) and ``engine_id`` (or null). Prefill instances need
     ``bootstrap_addr``. A decode retry on another instance runs colocated (``binds_decode``).
-    With a fleet key the proxy signs D's params (``Signing``); a decode engine with the key
-    refuses unsigned ones.
+    With a fleet key the proxy signs D's params, valid for ``WRITE_TTL_S``; a decode engine
+    with the key refuses unsigned or expired ones.
+
+Every shape is built with :mod:`vllm_pd_ext.transfer_params`, the one place their keys are
+written.
 """
 
 from __future__ import annotations
@@ -49,21 +52,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vllm_pd_ext import fleet_key
-from vllm_pd_ext.transfer_params import WRITE_SIGNED_FIELDS
+from vllm_pd_ext.transfer_params import (
+    READ,
+    WRITE,
+    MooncakeDecode,
+    MooncakePrefill,
+    MoRIIOWriteDecode,
+    MoRIIOWritePrefill,
+    NixlPrefill,
+    PdExtWriteDecode,
+    PrefillLeg,
+)
 
 if TYPE_CHECKING:
     from vllm_pd_ext.proxy.config import InstanceConfig
-
-#: The prefill leg's marker for NIXL-style serial protocols.
-NIXL_PREFILL_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
 
 
 def split_host_port(addr: str) -> tuple[str, int]:
@@ -139,7 +141,7 @@ class NixlSerial:
         return []
 
     def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
-        return LegPlan(prefill_params=dict(NIXL_PREFILL_PARAMS), decode_params=None)
+        return LegPlan(prefill_params=NixlPrefill().params(), decode_params=None)
 
 
 class MooncakeConcurrent:
@@ -154,13 +156,12 @@ class MooncakeConcurrent:
         _require(self, prefill)
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:12]}"
         return LegPlan(
-            prefill_params={"do_remote_decode": True, "transfer_id": transfer_id},
-            decode_params={
-                "do_remote_prefill": True,
-                "transfer_id": transfer_id,
-                "remote_engine_id": prefill.engine_id,
-                "remote_bootstrap_addr": http_base(prefill.bootstrap_addr or ""),
-            },
+            prefill_params=MooncakePrefill(transfer_id).params(),
+            decode_params=MooncakeDecode(
+                transfer_id=transfer_id,
+                remote_engine_id=prefill.engine_id,
+                remote_bootstrap_addr=http_base(prefill.bootstrap_addr or ""),
+            ).params(),
         )
 
 
@@ -174,25 +175,21 @@ class MoRIIORead:
 
     def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
         return LegPlan(
-            prefill_params={
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "transfer_id": uuid.uuid4().hex,
-            },
-            decode_params=None,
+            prefill_params=PrefillLeg(transfer_id=uuid.uuid4().hex).params(), decode_params=None
         )
 
 
-def _moriio_peer(inst: InstanceConfig) -> dict[str, Any]:
-    """The MoRI-IO coordinates of ``inst`` as its peer's ``remote_*`` fields."""
-    host, handshake_port = split_host_port(inst.bootstrap_addr or "")
-    return {
-        "remote_engine_id": inst.engine_id,
-        "remote_block_ids": [],  # WRITE: the decode side allocates its own blocks
-        "remote_host": host,
-        "remote_handshake_port": handshake_port,
-        "remote_notify_port": inst.notify_port,
-    }
+def _moriio_leg(leg: type[MoRIIOWritePrefill], transfer_id: str, peer: InstanceConfig):
+    """One MoRI-IO WRITE leg's params, naming ``peer``'s MoRI-IO coordinates (the decode side
+    allocates its own blocks: none named)."""
+    host, handshake_port = split_host_port(peer.bootstrap_addr or "")
+    return leg(
+        transfer_id=transfer_id,
+        remote_engine_id=peer.engine_id,
+        remote_host=host,
+        remote_handshake_port=handshake_port,
+        remote_notify_port=int(peer.notify_port or 0),
+    ).params()
 
 
 class MoRIIOWrite:
@@ -207,18 +204,8 @@ class MoRIIOWrite:
         _require(self, prefill, decode)
         transfer_id = uuid.uuid4().hex
         return LegPlan(
-            prefill_params={
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "transfer_id": transfer_id,
-                **_moriio_peer(decode),
-            },
-            decode_params={
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "transfer_id": transfer_id,
-                **_moriio_peer(prefill),
-            },
+            prefill_params=_moriio_leg(MoRIIOWritePrefill, transfer_id, decode),
+            decode_params=_moriio_leg(MoRIIOWriteDecode, transfer_id, prefill),
         )
 
 
@@ -231,20 +218,18 @@ class PdExtRead:
         return []
 
     def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
-        return LegPlan(
-            prefill_params={
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "transfer_mode": "read",
-            },
-            decode_params=None,
-        )
+        return LegPlan(prefill_params=PrefillLeg(transfer_mode=READ).params(), decode_params=None)
 
 
 class PdExtWrite:
+    """With the fleet ``key``, the decode leg's params are signed."""
+
     name = "pdext-write"
     concurrent = True
     binds_decode = True
+
+    def __init__(self, key: bytes | None = None) -> None:
+        self.key = key
 
     def missing(self, inst: InstanceConfig) -> list[str]:
         return _unset(inst, ("bootstrap_addr",)) if inst.role != "decode" else []
@@ -254,68 +239,32 @@ class PdExtWrite:
         host, port = split_host_port(prefill.bootstrap_addr or "")
         transfer_id = uuid.uuid4().hex
         return LegPlan(
-            prefill_params={
-                "do_remote_decode": True,
-                "do_remote_prefill": False,
-                "transfer_mode": "write",
-                "transfer_id": transfer_id,
-            },
-            decode_params={
-                "do_remote_prefill": True,
-                "do_remote_decode": False,
-                "transfer_mode": "write",
-                "transfer_id": transfer_id,
-                "remote_engine_id": prefill.engine_id,
-                "remote_host": host,
-                "remote_port": port,
-            },
+            prefill_params=PrefillLeg(transfer_mode=WRITE, transfer_id=transfer_id).params(),
+            decode_params=PdExtWriteDecode.build(transfer_id, prefill.engine_id, host, port).signed(
+                self.key
+            ),
         )
 
 
-#: Every protocol by its name in ``ProxyConfig.protocol``.
-PROTOCOLS: dict[str, Callable[[], PDProtocol]] = {
-    "nixl-pull": lambda: NixlSerial("nixl-pull"),
-    "nixl-push": lambda: NixlSerial("nixl-push"),
-    "mooncake": MooncakeConcurrent,
-    "moriio-read": MoRIIORead,
-    "moriio-write": MoRIIOWrite,
-    "pdext-read": PdExtRead,
+#: Every protocol by its name in ``ProxyConfig.protocol``, made with the fleet key (or None).
+PROTOCOLS: dict[str, Callable[[bytes | None], PDProtocol]] = {
+    "nixl-pull": lambda key: NixlSerial("nixl-pull"),
+    "nixl-push": lambda key: NixlSerial("nixl-push"),
+    "mooncake": lambda key: MooncakeConcurrent(),
+    "moriio-read": lambda key: MoRIIORead(),
+    "moriio-write": lambda key: MoRIIOWrite(),
+    "pdext-read": lambda key: PdExtRead(),
     "pdext-write": PdExtWrite,
 }
 
-
 #: The protocols whose decode-leg params, built by the proxy, our connector checks against a
-#: fleet-key signature, and the fields signed.
-SIGNED_DECODE_PARAMS: dict[str, tuple[str, ...]] = {"pdext-write": WRITE_SIGNED_FIELDS}
-
-
-class Signing:
-    """``inner`` with each decode leg's params signed under the fleet key."""
-
-    def __init__(self, inner: PDProtocol, key: bytes, fields: tuple[str, ...]):
-        self.inner, self.key, self.fields = inner, key, fields
-        self.name = inner.name
-        self.concurrent = inner.concurrent
-        self.binds_decode = inner.binds_decode
-
-    def missing(self, inst: InstanceConfig) -> list[str]:
-        return self.inner.missing(inst)
-
-    def plan(self, request_id: str, prefill: InstanceConfig, decode: InstanceConfig) -> LegPlan:
-        plan = self.inner.plan(request_id, prefill, decode)
-        if plan.decode_params is None:
-            return plan
-        params = dict(plan.decode_params)
-        params[fleet_key.SIGNATURE] = fleet_key.sign(self.key, params, self.fields)
-        return LegPlan(prefill_params=plan.prefill_params, decode_params=params)
+#: fleet-key signature.
+SIGNED_DECODE_PARAMS = frozenset({"pdext-write"})
 
 
 def make_protocol(name: str, key: bytes | None = None) -> PDProtocol:
-    """The protocol named ``name`` (one of ``PROTOCOLS``); with the fleet ``key``, signing
-    the decode params of those in ``SIGNED_DECODE_PARAMS``."""
+    """The protocol named ``name`` (one of ``PROTOCOLS``); with the fleet ``key``, those in
+    ``SIGNED_DECODE_PARAMS`` sign their decode params."""
     if name not in PROTOCOLS:
         raise ValueError(f"unknown P/D protocol {name!r}; choose one of {', '.join(PROTOCOLS)}")
-    protocol = PROTOCOLS[name]()
-    if key is not None and name in SIGNED_DECODE_PARAMS:
-        return Signing(protocol, key, SIGNED_DECODE_PARAMS[name])
-    return protocol
+    return PROTOCOLS[name](key)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -36,6 +37,22 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from vllm_pd_ext import fleet_key
+from vllm_pd_ext.transfer_params import (
+    READ,
+    WRITE,
+    InvalidParams,
+    MooncakeDecode,
+    MoRIIOReadAnswer,
+    MoRIIOWriteDecode,
+    NixlAnswer,
+    PdExtWriteDecode,
+    PrefillCacheHits,
+    PrefillLeg,
+    keeps_for_remote,
+    loads_remote,
+    mode_of,
+    transfer_id_of,
+)
 from vllm_pd_ext.util.vllm_process import free_port
 
 #: The served model's name in ``/v1/models`` and answers.
@@ -177,33 +194,24 @@ class FakeEngine:
             rid = request.headers.get("x-request-id", "r")
             if b.connector and params:
                 self.param_errors.extend(check_params(b.connector, params))
-            if (
-                params.get("do_remote_prefill")
-                and params.get("remote_request_id")
-                and params.get("remote_port")
-            ):
+            source = _kv_source(params)
+            if source is not None and not source[2]:
                 # NIXL style: the prefill's answer; it already holds the KV.
                 async with httpx.AsyncClient() as client:
                     await client.post(
-                        f"http://{params['remote_host']}:{params['remote_port']}/_fake/pull",
-                        json={"remote_request_id": params["remote_request_id"]},
+                        source[0] + "/_fake/pull", json={"remote_request_id": source[1]}
                     )
-            elif params.get("do_remote_prefill") and params.get("transfer_id"):
+            elif source is not None:
                 # By transfer_id from the prefill's side channel, once it has computed the
                 # prompt (Mooncake, MoRI-IO, pdext write; MoRI-IO read after the prefill).
-                # Mooncake's bootstrap address is used as vLLM's connector uses it (a base
-                # URL the path is appended to); the others name a host and a port.
-                base = params.get("remote_bootstrap_addr") or "http://{}:{}".format(
-                    params.get("remote_host"),
-                    params.get("remote_port") or params.get("remote_handshake_port"),
-                )
+                base, tid, _ = source
                 self.running += 1
                 try:
-                    outcome = await _pull_when_ready(base, params["transfer_id"], request)
+                    outcome = await _pull_when_ready(base, tid, request)
                 finally:
                     self.running -= 1
                 self.disconnects += outcome == "gone"
-                self.kv_waits[params["transfer_id"]] = outcome  # after the count: tests poll it
+                self.kv_waits[tid] = outcome  # after the count: tests poll it
                 if outcome != "ok":
                     return JSONResponse(
                         {
@@ -220,37 +228,25 @@ class FakeEngine:
             n_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 8
             tokens = [f"t{(len(prompt) + i) % 97}" for i in range(n_tokens)]
             out_params = None
-            if params.get("do_remote_decode"):
-                self.held_blocks[params.get("transfer_id") or rid] = 4
+            if keeps_for_remote(params):
+                self.held_blocks[transfer_id_of(params) or rid] = 4
                 if b.omit_kv_params:
                     out_params = None
                 elif (b.connector or "").startswith("moriio"):
                     # What MoRIIOConnector's request_finished answers.
-                    out_params = {
-                        "do_remote_prefill": True,
-                        "do_remote_decode": False,
-                        "remote_block_ids": [[1, 2, 3, 4]],
-                        "remote_engine_id": self.name,
-                        "remote_host": "127.0.0.1",
-                        "remote_handshake_port": self.port,
-                        "remote_notify_port": self.port,
-                        "remote_dp_rank": 0,
-                        "tp_size": 1,
-                        "transfer_id": params.get("transfer_id"),
-                    }
+                    out_params = MoRIIOReadAnswer(
+                        remote_engine_id=self.name,
+                        remote_host="127.0.0.1",
+                        remote_handshake_port=self.port,
+                        remote_notify_port=self.port,
+                        remote_block_ids=[[1, 2, 3, 4]],
+                        transfer_id=transfer_id_of(params) or "",
+                    ).params()
                 else:
                     out_params = {
-                        "do_remote_prefill": True,
-                        "do_remote_decode": False,
-                        "remote_block_ids": [[1, 2, 3, 4]],
-                        "remote_engine_id": self.name,
-                        "remote_request_id": rid,
-                        "remote_host": "127.0.0.1",
-                        "remote_port": self.port,
-                        "remote_prefill_cached_tokens": 3,
+                        **self._nixl_answer(rid, mode_of(params, "") or None),
+                        **PrefillCacheHits(3).params(),
                     }
-                    if "transfer_mode" in params:
-                        out_params["transfer_mode"] = params["transfer_mode"]
             usage = {
                 "prompt_tokens": len(prompt.split()),
                 "completion_tokens": len(tokens),
@@ -296,27 +292,19 @@ class FakeEngine:
                 return JSONResponse({"error": {"message": "x", "code": b.status}}, b.status)
             rid = "generate-tokens-" + request.headers.get("x-request-id", body["request_id"])
             params = body.get("kv_transfer_params") or {}
-            if params.get("do_remote_prefill") and params.get("remote_port"):
+            source = _kv_source(params)
+            if source is not None:
                 async with httpx.AsyncClient() as client:
                     await client.post(
-                        f"http://{params['remote_host']}:{params['remote_port']}/_fake/pull",
-                        json={"remote_request_id": params["remote_request_id"]},
+                        source[0] + "/_fake/pull", json={"remote_request_id": source[1]}
                     )
             ids = body["token_ids"]
             n = body["sampling_params"]["max_tokens"]
             out = [GEN_BASE + (sum(ids) + i) % GEN_SPAN for i in range(n)]
             out_params = None
-            if params.get("do_remote_decode"):
+            if keeps_for_remote(params):
                 self.held_blocks[rid] = 4
-                out_params = {
-                    "do_remote_prefill": True,
-                    "do_remote_decode": False,
-                    "remote_block_ids": [[1, 2, 3, 4]],
-                    "remote_engine_id": self.name,
-                    "remote_request_id": rid,
-                    "remote_host": "127.0.0.1",
-                    "remote_port": self.port,
-                }
+                out_params = self._nixl_answer(rid)
             usage = {
                 "prompt_tokens": len(ids),
                 "completion_tokens": n,
@@ -368,6 +356,17 @@ class FakeEngine:
 
         return app
 
+    def _nixl_answer(self, rid: str, mode: str | None = None) -> dict[str, Any]:
+        """A NIXL-style prefill answer: this engine holds 4 blocks of ``rid``."""
+        return NixlAnswer(
+            remote_engine_id=self.name,
+            remote_request_id=rid,
+            remote_host="127.0.0.1",
+            remote_port=self.port,
+            remote_block_ids=[[1, 2, 3, 4]],
+            transfer_mode=mode,
+        ).params()
+
     async def _stream(
         self, request: Request, tokens: list[str], chat: bool, body: dict, usage: dict
     ):
@@ -407,11 +406,12 @@ def check_params(connector: str, params: dict) -> list[str]:
 
     MoRI-IO: the fields ``add_new_req`` and the WRITE notify path of vLLM's MoRIIOConnector
     read when the request id embeds no peer address (explicit ``remote_host`` /
-    ``remote_handshake_port`` / ``remote_notify_port``). pdext: the params our
-    PdExtMoRIIOConnector reads (``proxy/protocols.py`` describes them).
+    ``remote_handshake_port`` / ``remote_notify_port``), written out from its source: the
+    independent check of ``transfer_params``' MoRI-IO shapes. pdext: what our
+    PdExtMoRIIOConnector accepts, which is ``transfer_params``' own parsing.
     """
     errors: list[str] = []
-    leg = "prefill" if params.get("do_remote_decode") else "decode"
+    leg = "prefill" if keeps_for_remote(params) else "decode"
     tid = params.get("transfer_id")
 
     def need(cond: bool, what: str) -> None:
@@ -430,27 +430,56 @@ def check_params(connector: str, params: dict) -> list[str]:
         need(params.get("do_remote_prefill") is (leg == "decode"), "do_remote_prefill")
     elif connector == "pdext-read":
         if leg == "prefill":
-            want = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_mode": "read"}
+            want = PrefillLeg(transfer_mode=READ).params()
             need(params == want, f"exactly {want}")
         else:
-            need(params.get("do_remote_prefill") is True, "the prefill's answer")
+            need(loads_remote(params), "the prefill's answer")
     elif connector == "pdext-write":
+        try:
+            if leg == "prefill":
+                prefill = PrefillLeg.parse(params)
+                need(prefill.transfer_mode == WRITE, "transfer_mode write")
+                tid, want = prefill.transfer_id, prefill.params()
+            else:
+                decode = PdExtWriteDecode.check(params, None, None)
+                tid, want = decode.transfer_id, decode.signed(None)
+        except InvalidParams as e:
+            need(False, str(e))
+            return errors
         hexid = isinstance(tid, str) and len(tid) == 32 and set(tid) <= set("0123456789abcdef")
         need(hexid, "uuid4 hex transfer_id")
-        need(params.get("transfer_mode") == "write", "transfer_mode write")
-        if leg == "prefill":
-            keys = {"do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"}
-        else:
-            keys = {
-                *("do_remote_decode", "do_remote_prefill", "transfer_mode", "transfer_id"),
-                *("remote_engine_id", "remote_host", "remote_port"),
-            }
-            need(params.get("do_remote_prefill") is True, "do_remote_prefill")
-            need(isinstance(params.get("remote_host"), str), "remote_host")
-            need(_port(params.get("remote_port")), "int remote_port")
-        optional = {fleet_key.SIGNATURE} if leg == "decode" else set()  # a keyed proxy
-        need(keys <= set(params) <= keys | optional, f"exactly the keys {sorted(keys)}")
+        # Exactly these keys and flags (and a keyed proxy's signature).
+        got = {k: v for k, v in params.items() if k != fleet_key.SIGNATURE or leg == "prefill"}
+        need(got == want, f"exactly {sorted(want)}")
     return errors
+
+
+def _kv_source(params: dict) -> tuple[str, str, bool] | None:
+    """Where a decode leg's KV is: (base URL of the prefill holding it, the id it is held
+    under, whether to wait for it by ``transfer_id``), or None for a colocated leg. A NIXL
+    style answer (ours on READ) names a prefill that already holds the KV; the others (Mooncake,
+    MoRI-IO, ours on WRITE) name the prefill's side channel, whose KV comes once it has
+    computed the prompt. Mooncake's bootstrap address is used as vLLM's connector uses it (a
+    base URL the path is appended to); the others name a host and a port."""
+    if not loads_remote(params):
+        return None
+    with contextlib.suppress(InvalidParams):
+        nixl = NixlAnswer.parse(params)
+        return f"http://{nixl.remote_host}:{nixl.remote_port}", nixl.remote_request_id, False
+    with contextlib.suppress(InvalidParams):
+        mooncake = MooncakeDecode.parse(params)
+        return mooncake.remote_bootstrap_addr, mooncake.transfer_id, True
+    with contextlib.suppress(InvalidParams):
+        write = PdExtWriteDecode.parse(params)
+        return f"http://{write.remote_host}:{write.remote_port}", write.transfer_id, True
+    with contextlib.suppress(InvalidParams):
+        moriio = MoRIIOWriteDecode.parse(params)  # MoRI-IO's READ answer fits it too
+        return (
+            f"http://{moriio.remote_host}:{moriio.remote_handshake_port}",
+            moriio.transfer_id,
+            True,
+        )
+    return None
 
 
 async def _pull_when_ready(

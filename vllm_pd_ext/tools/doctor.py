@@ -20,8 +20,8 @@ from pathlib import Path
 
 import httpx
 
-from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
 from vllm_pd_ext.tools.kv_size import ConfigError, compute_kv_size, human_bytes, load_config
+from vllm_pd_ext.transfer_params import NixlPrefill
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE, parse_metrics
 
 #: Transfer histograms (seconds, bytes) the decode side exports: vLLM's NixlConnector, then
@@ -151,7 +151,7 @@ def measure_round(
     before = _metrics(client, decode)
     start = time.perf_counter()
     resp = client.post(
-        f"{prefill}/v1/completions", json={**body, "kv_transfer_params": NIXL_PREFILL_PARAMS}
+        f"{prefill}/v1/completions", json={**body, "kv_transfer_params": NixlPrefill().params()}
     )
     prefill_s = time.perf_counter() - start
     resp.raise_for_status()

@@ -20,12 +20,14 @@ from pathlib import Path
 
 import httpx
 
-from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS as PREFILL_PARAMS
+from vllm_pd_ext.transfer_params import NixlPrefill
 from vllm_pd_ext.util.busy_threads import summary
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.util.vllm_process import VllmServer, free_port, start_vllm_serve
 
+#: The prefill leg's params: NIXL's marker (our connector reads it as a READ).
+PREFILL_PARAMS = NixlPrefill().params()
 NIXL_CPU = {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"}
 
 

@@ -153,6 +153,7 @@ def test_stats_take_aggregate_reduce():
         "failures": 1,
         "lease_expiries": 2,
         "unauthenticated": 1,
+        "params_refused": 0,
         "blocks_held": 3,
     }
     assert PdTransferStats().is_empty()

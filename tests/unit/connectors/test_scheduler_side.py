@@ -25,7 +25,7 @@ from vllm_pd_ext.connectors.common.metadata import PdTransferMetadata, RemoteRef
 from vllm_pd_ext.connectors.common.scheduler import prompt_hash
 from vllm_pd_ext.proxy.config import InstanceConfig
 from vllm_pd_ext.proxy.protocols import make_protocol
-from vllm_pd_ext.transfer_params import READ_SIGNED_FIELDS, WRITE_SIGNED_FIELDS
+from vllm_pd_ext.transfer_params import PdExtReadAnswer, PdExtWriteDecode
 
 SIDE_PORT = 23456
 PROMPT = 40  # two full blocks and a half one
@@ -188,7 +188,7 @@ def _forgeries(params: dict) -> dict[str, dict]:
         "blocks changed": {**params, "remote_block_ids": [7, 8, 9]},
         "another key": {
             **params,
-            "signature": fleet_key.sign(other_key, params, READ_SIGNED_FIELDS),
+            "signature": fleet_key.sign(other_key, params, PdExtReadAnswer.signed_fields()),
         },
         "signature not a string": {**params, "signature": 1},
     }
@@ -201,7 +201,7 @@ def test_with_a_fleet_key_decode_loads_signed_params_only(
     prompt is computed locally, and nothing is sent to the host a forgery names)."""
     monkeypatch.setenv(fleet_key.KEY_ENV, "ab" * 32)
     params = finished_params(producer_config)
-    assert fleet_key.verify(bytes.fromhex("ab" * 32), params, READ_SIGNED_FIELDS)
+    assert fleet_key.verify(bytes.fromhex("ab" * 32), params, PdExtReadAnswer.signed_fields())
     sched = make_scheduler(consumer_config)
     sched.add_request(make_request(PROMPT, dict(params)))
     out, _ = step(sched)
@@ -243,7 +243,7 @@ def test_with_a_fleet_key_decode_takes_write_params_the_proxy_signed_only(
         "transfer id changed": {**params, "transfer_id": "someone-elses"},
         "another key": {
             **params,
-            "signature": fleet_key.sign(other_key, params, WRITE_SIGNED_FIELDS),
+            "signature": fleet_key.sign(other_key, params, PdExtWriteDecode.signed_fields()),
         },
     }
     for name, forged in forgeries.items():
@@ -318,15 +318,7 @@ def test_decode_renews_the_lease_while_queued(tiny_qwen, producer_config):
 
 def test_write_mode_decode_plans_an_offer(producer_config, consumer_config):
     sched = make_scheduler(consumer_config)
-    params = {
-        "do_remote_prefill": True,
-        "do_remote_decode": False,
-        "transfer_mode": "write",
-        "transfer_id": "t-9",
-        "remote_host": "127.0.0.1",
-        "remote_port": SIDE_PORT,
-        "remote_engine_id": None,
-    }
+    params = PdExtWriteDecode.build("t-9", None, "127.0.0.1", SIDE_PORT).signed(None)
     req = make_request(PROMPT, params)
     sched.add_request(req)
     out, _ = step(sched)
@@ -336,3 +328,75 @@ def test_write_mode_decode_plans_an_offer(producer_config, consumer_config):
     assert spec.local_block_ids == (tuple(local),)
     assert [r for _, r in spec.pairs[0]] == [0, 1, 2]  # offered in prompt order
     assert len(local) * BLOCK_SIZE >= PROMPT
+
+
+def _refused_on_arrival(sched) -> int:
+    stats = sched.connector.get_kv_connector_stats()
+    return stats.data["params_refused"] if stats is not None else 0
+
+
+def test_with_a_fleet_key_decode_refuses_params_that_arrive_expired(
+    producer_config, consumer_config, monkeypatch
+):
+    """Signed params replayed after they expired (past the clock skew allowed) are refused on
+    arrival and counted; the prompt is computed locally and the prefill is told to free its
+    blocks (the params are authentic, only late)."""
+    monkeypatch.setenv(fleet_key.KEY_ENV, "ab" * 32)
+    params = finished_params(producer_config)
+    answer = PdExtReadAnswer.parse(params)
+    late = answer.expires_at + fleet_key.MAX_SKEW_S + 1
+    monkeypatch.setattr(time, "time", lambda: late)
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, dict(params))
+    sched.add_request(req)
+    assert _refused_on_arrival(sched) == 1
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.recv == []
+    assert out.num_scheduled_tokens[req.request_id] == PROMPT  # computed locally
+    assert [r.request_id for r in out.kv_connector_metadata.release] == [answer.remote_request_id]
+
+
+def test_params_checked_fresh_on_arrival_still_load_after_they_expire(
+    producer_config, consumer_config, monkeypatch
+):
+    """Expiry is checked when a request arrives, not when the engine gets round to it: a
+    request queued behind others past its params' expiry still loads."""
+    monkeypatch.setenv(fleet_key.KEY_ENV, "ab" * 32)
+    params = finished_params(producer_config)
+    answer = PdExtReadAnswer.parse(params)
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, dict(params))
+    sched.add_request(req)  # arrives fresh
+    assert _refused_on_arrival(sched) == 0
+    monkeypatch.setattr(time, "time", lambda: answer.expires_at + fleet_key.MAX_SKEW_S + 60)
+    out, _ = step(sched)
+    assert len(out.kv_connector_metadata.recv) == 1
+
+
+def test_decode_refuses_params_of_another_contract_version(producer_config, consumer_config):
+    params = {**finished_params(producer_config), "pdext_version": 2}
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, params)
+    sched.add_request(req)
+    assert _refused_on_arrival(sched) == 1
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.recv == []
+    assert out.num_scheduled_tokens[req.request_id] == PROMPT
+
+
+def test_signature_covers_expiry_and_version(producer_config, consumer_config, monkeypatch):
+    """Pushing a captured answer's expiry forward (or relabelling its version) breaks its
+    signature: refused."""
+    monkeypatch.setenv(fleet_key.KEY_ENV, "ab" * 32)
+    params = finished_params(producer_config)
+    for name, forged in {
+        "expiry pushed": {**params, "expires_at": params["expires_at"] + 3600},
+        "lease stretched": {**params, "lease_s": 3600.0},
+    }.items():
+        sched = make_scheduler(consumer_config)
+        req = make_request(PROMPT, forged)
+        sched.add_request(req)
+        assert _refused_on_arrival(sched) == 1, name
+        out, _ = step(sched)
+        assert out.kv_connector_metadata.recv == [], name
+        assert out.kv_connector_metadata.release == [], name  # a forgery's host: no contact

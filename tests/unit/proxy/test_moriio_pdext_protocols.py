@@ -13,7 +13,7 @@ from pydantic import ValidationError
 from tests.unit.proxy.helpers import LONG, metric, proxy, sent, wait_until
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.proxy.config import ProxyConfig
-from vllm_pd_ext.transfer_params import WRITE_SIGNED_FIELDS
+from vllm_pd_ext.transfer_params import VERSION, PdExtWriteDecode
 
 BODY = {"model": "m", "prompt": LONG, "max_tokens": 4}
 
@@ -174,7 +174,9 @@ def test_pdext_write_legs(engines, engine_ids):
     }
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
     assert "stream_options" not in p_body
-    assert d_body["kv_transfer_params"] == {
+    d_params = dict(d_body["kv_transfer_params"])
+    assert isinstance(d_params.pop("expires_at"), float)
+    assert d_params == {
         "do_remote_prefill": True,
         "do_remote_decode": False,
         "transfer_mode": "write",
@@ -182,6 +184,7 @@ def test_pdext_write_legs(engines, engine_ids):
         "remote_engine_id": "eng-p1" if engine_ids else None,
         "remote_host": "127.0.0.1",
         "remote_port": engines["p1"].port,
+        "pdext_version": VERSION,
     }
     assert d_body["stream"] is True and d_body["stream_options"] == {"include_usage": True}
     assert engines["p1"].pulls == 1 and engines["p1"].held_blocks == {}
@@ -200,8 +203,8 @@ def test_pdext_write_decode_params_are_signed_with_the_proxys_fleet_key(engines,
     (d_body,) = sent(engines["d1"])
     assert fleet_key.SIGNATURE not in p_body["kv_transfer_params"]
     params = d_body["kv_transfer_params"]
-    assert fleet_key.verify(bytes.fromhex(key), params, WRITE_SIGNED_FIELDS)
-    assert not fleet_key.verify(bytes.fromhex("cd" * 32), params, WRITE_SIGNED_FIELDS)
+    assert fleet_key.verify(bytes.fromhex(key), params, PdExtWriteDecode.signed_fields())
+    assert not fleet_key.verify(bytes.fromhex("cd" * 32), params, PdExtWriteDecode.signed_fields())
     no_param_errors(engines)
 
 

@@ -11,10 +11,10 @@ import httpx
 import pytest
 
 from tests.unit.proxy.helpers import LONG, SHORT, metric, proxy, sent, wait_until
-from vllm_pd_ext.proxy.protocols import NIXL_PREFILL_PARAMS
 from vllm_pd_ext.render_server.app import create_app as create_render_app
 from vllm_pd_ext.render_server.settings import RenderSettings
 from vllm_pd_ext.testing.fake_engine import GEN_BASE, GEN_SPAN, ServerThread
+from vllm_pd_ext.transfer_params import NixlPrefill
 from vllm_pd_ext.util.vllm_process import free_port
 
 MODEL = "tiny"
@@ -69,7 +69,7 @@ def test_completion_split_runs_both_legs_on_generate(engines, render_url, tokeni
     assert pre["token_ids"] == prompt_ids
     assert pre["sampling_params"]["max_tokens"] == 1
     assert pre["stream"] is False
-    assert pre["kv_transfer_params"] == NIXL_PREFILL_PARAMS
+    assert pre["kv_transfer_params"] == NixlPrefill().params()
     (dec,) = [r for n in ("d1", "d2") for r in sent(engines[n])]
     assert dec["sampling_params"]["max_tokens"] == 6
     assert dec["kv_transfer_params"]["do_remote_prefill"] is True

@@ -86,4 +86,6 @@ class PdTransferConnector(DelegatingConnector):
         return self._worker.get_block_ids_with_load_errors()
 
     def get_kv_connector_stats(self) -> PdTransferStats | None:
-        return self._worker.stats.take() if self._worker is not None else None
+        if self._worker is not None:
+            return self._worker.stats.take()
+        return self._scheduler.stats.take() if self._scheduler is not None else None

@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-READ, WRITE = "read", "write"
+# The modes, re-exported for the worker side.
+from vllm_pd_ext.transfer_params import READ as READ
+from vllm_pd_ext.transfer_params import WRITE as WRITE
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ prefill signs the fields of its answer that a decode side acts on, the proxy a W
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -40,15 +39,26 @@ import numpy as np
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.common.config import TransferConfig
 from vllm_pd_ext.connectors.common.metadata import (
-    READ,
-    WRITE,
     PdTransferMetadata,
     PushSpec,
     RecvSpec,
     RemoteRef,
     SendSpec,
 )
-from vllm_pd_ext.transfer_params import READ_SIGNED_FIELDS, WRITE_SIGNED_FIELDS
+from vllm_pd_ext.connectors.common.stats import StatsRecorder
+from vllm_pd_ext.transfer_params import (
+    READ,
+    WRITE,
+    InvalidParams,
+    PdExtReadAnswer,
+    PdExtWriteDecode,
+    ReadSource,
+    keeps_for_remote,
+    loads_remote,
+    mark_loaded,
+    mode_of,
+    transfer_id_of,
+)
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -58,9 +68,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
-
-#: Name the params carry so a decode instance can tell our protocol from another's.
-PROTOCOL = "pdext"
 
 
 def prompt_hash(token_ids: Any, n: int) -> str:
@@ -142,6 +149,8 @@ class TransferScheduler:
         self._pushed: set[str] = set()
         self._waiting_remote: dict[str, RemoteRef] = {}
         self._last_renew = time.monotonic()
+        #: Params refused on arrival (the scheduler side's share of the connector's stats).
+        self.stats = StatsRecorder()
         #: Signs this prefill's answers; a decode side loads only what carries its signature.
         self.key = fleet_key.load_key()
         if self.key is None:
@@ -162,64 +171,61 @@ class TransferScheduler:
         return tuple(out)
 
     # ---- decode side ----
-    def _load_plan(self, request: Request) -> tuple[int, RemoteRef, str] | None:
-        """(prompt tokens to load, where, mode), or None if the load must not happen."""
+    def _load_plan(
+        self, request: Request, now: float | None = None
+    ) -> tuple[int, RemoteRef, str] | None:
+        """(prompt tokens to load, where, mode), or None if the load must not happen. ``now``
+        (wall clock, on arrival): also refuse params that have expired."""
         p = request.kv_transfer_params or {}
-        mode = p.get("transfer_mode") or READ
+        mode = mode_of(p, READ)
         prompt = request.prompt_token_ids or []
         want = len(prompt) - self.backoff
         try:
-            remote = RemoteRef(
-                engine_id=str(p.get("remote_engine_id") or ""),
-                host=str(p["remote_host"]),
-                port=int(p["remote_port"]),
-                request_id=(str(p["remote_request_id"]) if mode == READ else None),
-            )
             if want <= 0:
-                raise ValueError("prompt too short to split")
+                raise InvalidParams("prompt too short to split")
             if mode == READ:
-                n = int(p.get("remote_num_tokens") or len(prompt))
+                answer = PdExtReadAnswer.check(p, self.key, now)
+                remote = RemoteRef(
+                    engine_id=answer.remote_engine_id,
+                    host=answer.remote_host,
+                    port=answer.remote_port,
+                    request_id=answer.remote_request_id,
+                )
+                n = answer.remote_num_tokens
                 if self.backoff and n != want:
-                    raise ValueError(
+                    raise InvalidParams(
                         f"the prefill side computed {n} tokens; this hybrid model needs "
                         f"exactly {want} (its state must stop one token short)"
                     )
                 n = min(n, want)
-                blocks = _per_group(p["remote_block_ids"])
+                blocks = _per_group(answer.remote_block_ids)
                 if len(blocks) != len(self.groups):
-                    raise ValueError(f"{len(blocks)} block groups, {len(self.groups)} here")
+                    raise InvalidParams(f"{len(blocks)} block groups, {len(self.groups)} here")
                 for g, ids in zip(self.groups, blocks, strict=True):
                     if not g.whole and len(ids) * g.block_size < n:
-                        raise ValueError(f"{len(ids)} remote blocks for {n} tokens")
+                        raise InvalidParams(f"{len(ids)} remote blocks for {n} tokens")
                     if g.whole and not ids:
-                        raise ValueError("no remote state block")
-                if not remote.engine_id:
-                    raise ValueError("no remote_engine_id")
-                if not p.get("prompt_hash"):
-                    raise ValueError("no prompt_hash")  # blocks read must be this prompt's
+                        raise InvalidParams("no remote state block")
+                if answer.prompt_hash != prompt_hash(prompt, n):
+                    raise InvalidParams(
+                        f"the prefill instance computed a different prompt (hash "
+                        f"{answer.prompt_hash}, ours {prompt_hash(prompt, n)})"
+                    )
             elif mode == WRITE:
+                write = PdExtWriteDecode.check(p, self.key, now)
+                remote = RemoteRef(
+                    engine_id=write.remote_engine_id or "",
+                    host=write.remote_host,
+                    port=write.remote_port,
+                )
                 n = want
-                if not p.get("transfer_id"):
-                    raise ValueError("no transfer_id")
             else:
-                raise ValueError(f"unknown transfer_mode {mode!r}")
-            if not self._authentic(p, mode):
-                raise ValueError("no valid fleet-key signature")
-        except (KeyError, TypeError, ValueError) as e:
+                raise InvalidParams(f"unknown transfer_mode {mode!r}")
+        except InvalidParams as e:
             logger.warning(
                 "request %s: unusable kv_transfer_params (%s); computing the prompt locally",
                 request.request_id,
                 e,
-            )
-            return None
-        expected = p.get("prompt_hash")
-        if expected is not None and expected != prompt_hash(prompt, n):
-            logger.warning(
-                "request %s: the prefill instance computed a different prompt (hash %s, "
-                "ours %s); computing the prompt locally",
-                request.request_id,
-                expected,
-                prompt_hash(prompt, n),
             )
             return None
         return n, remote, mode
@@ -230,29 +236,39 @@ class TransferScheduler:
         p = request.kv_transfer_params
         if not p:
             return
-        if (
-            p.get("do_remote_prefill")
-            and (p.get("transfer_mode") or READ) == READ
-            and self._authentic(p, READ)  # forged: no renewals or releases where they say
-        ):
-            # Without these there is nowhere to send renewals; _load_plan refuses the load.
-            with contextlib.suppress(KeyError, TypeError, ValueError):
-                self._waiting_remote[request.request_id] = RemoteRef(
-                    engine_id=str(p.get("remote_engine_id") or ""),
-                    host=str(p["remote_host"]),
-                    port=int(p["remote_port"]),
-                    request_id=str(p["remote_request_id"]),
-                )
-        if p.get("do_remote_decode"):
+        if loads_remote(p):
+            # Checked in full once, on arrival (expiry included): params refused here are
+            # never acted on, and a forged READ gets no renewals or releases where it says.
+            plan = self._load_plan(request, now=time.time())
+            if plan is None:
+                mark_loaded(p)
+                self.stats.params_refused()
+                if (source := self._authentic_source(p)) is not None:
+                    self._release.append(source)  # the prefill frees its blocks now
+            elif plan[2] == READ:
+                self._waiting_remote[request.request_id] = plan[1]
+        if keeps_for_remote(p):
             self._truncate_for_prefill(request)
-            if self._mode(p) == WRITE and p.get("transfer_id"):
+            if self._mode(p) == WRITE and transfer_id_of(p):
                 self._write_reqs[request.request_id] = request
 
-    def _authentic(self, p: dict[str, Any], mode: str) -> bool:
-        """Whether a decode request's params come from this fleet (always, without a key): a
-        READ's from a prefill engine, a WRITE's from the proxy."""
-        fields = READ_SIGNED_FIELDS if mode == READ else WRITE_SIGNED_FIELDS
-        return self.key is None or fleet_key.verify(self.key, p, fields)
+    def _authentic_source(self, p: dict[str, Any]) -> RemoteRef | None:
+        """The prefill a refused READ names, when the params are this fleet's (always, without
+        a key): it may free the blocks at once. A forgery's host is never contacted."""
+        if self.key is not None and not fleet_key.verify(
+            self.key, p, PdExtReadAnswer.signed_fields()
+        ):
+            return None
+        try:
+            source = ReadSource.parse(p)
+        except InvalidParams:
+            return None
+        return RemoteRef(
+            engine_id=source.remote_engine_id,
+            host=source.remote_host,
+            port=source.remote_port,
+            request_id=source.remote_request_id,
+        )
 
     def _truncate_for_prefill(self, request: Request) -> None:
         p = request.kv_transfer_params
@@ -266,14 +282,13 @@ class TransferScheduler:
         p["_pdext_truncated"] = True
 
     def _mode(self, p: dict[str, Any]) -> str:
-        return p.get("transfer_mode") or self.cfg.transfer_mode
+        return mode_of(p, self.cfg.transfer_mode)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         """Remote prompt tokens beyond ``num_computed_tokens``, loaded asynchronously."""
-        p = request.kv_transfer_params
-        if not p or not p.get("do_remote_prefill"):
+        if not loads_remote(request.kv_transfer_params):
             return 0, False
         plan = self._load_plan(request)
         if plan is None:
@@ -286,9 +301,9 @@ class TransferScheduler:
     ) -> None:
         """Plan the load of a decode request into its freshly allocated blocks (once)."""
         p = request.kv_transfer_params
-        if not p or not p.get("do_remote_prefill"):
+        if not p or not loads_remote(p):
             return
-        p["do_remote_prefill"] = False  # one transfer per request
+        mark_loaded(p)  # one transfer per request
         remote = self._waiting_remote.pop(request.request_id, None)
         plan = self._load_plan(request)
         if plan is None:
@@ -305,8 +320,9 @@ class TransferScheduler:
             sum(1 for b in grp if b.block_hash is not None and not b.is_null)
             for grp in blocks.blocks
         ]
-        if mode == READ:
-            remote_ids = self._blocks_for(_per_group(p["remote_block_ids"]), n)
+        answer = PdExtReadAnswer.parse(p) if mode == READ else None
+        if answer is not None:
+            remote_ids = self._blocks_for(_per_group(answer.remote_block_ids), n)
         else:
             remote_ids = tuple(tuple(range(len(ids))) for ids in local)  # offered by position
         pairs = tuple(
@@ -323,8 +339,8 @@ class TransferScheduler:
             remote=remote,
             pairs=pairs,
             local_block_ids=local,
-            transfer_id=p.get("transfer_id"),
-            lease_s=float(p["lease_s"]) if mode == READ and p.get("lease_s") else None,
+            transfer_id=transfer_id_of(p),
+            lease_s=answer.lease_s if answer is not None else None,
         )
 
     # ---- both ----
@@ -345,7 +361,7 @@ class TransferScheduler:
                 ids = self._blocks_for(
                     self.kv_cache_manager.get_block_ids(req_id), req.num_prompt_tokens
                 )
-                meta.push.append(PushSpec(req_id, str(req.kv_transfer_params["transfer_id"]), ids))
+                meta.push.append(PushSpec(req_id, str(transfer_id_of(req.kv_transfer_params)), ids))
                 self._pushed.add(req_id)
         now = time.monotonic()
         if self._waiting_remote and now - self._last_renew >= self.cfg.lease_s / 3:
@@ -368,16 +384,16 @@ class TransferScheduler:
         self._pushed.discard(req_id)
         if not p:
             return False, None
-        if p.get("do_remote_prefill"):
+        if loads_remote(p):
             # Finished (aborted) before its blocks were allocated: the prefill side still
             # holds the prompt's blocks for us.
-            p["do_remote_prefill"] = False
+            mark_loaded(p)
             remote = self._waiting_remote.pop(req_id, None)
             if remote is not None:
                 self._release.append(remote)
             return False, None
         self._waiting_remote.pop(req_id, None)
-        if not p.get("do_remote_decode"):
+        if not keeps_for_remote(p):
             return False, None
         groups = _per_group(block_ids)
         if request.status not in (
@@ -388,22 +404,18 @@ class TransferScheduler:
         mode = self._mode(p)
         n = min(request.num_computed_tokens, request.num_prompt_tokens)
         ids = self._blocks_for(groups, n)
-        self._send.append(SendSpec(req_id, mode, ids, p.get("transfer_id")))
-        answer = {
-            "do_remote_prefill": True,
-            "do_remote_decode": False,
-            "transfer_mode": mode,
-            "remote_engine_id": self.engine_id,
-            "remote_request_id": req_id,
-            "remote_host": self.host,
-            "remote_port": self.port,
-            "remote_block_ids": list(ids[0]) if len(ids) == 1 else [list(g) for g in ids],
-            "remote_num_tokens": n,
-            "prompt_hash": prompt_hash(request.prompt_token_ids or [], n),
-            "tp_size": self.tp_size,
-            "lease_s": self.cfg.lease_s,
-            "protocol": PROTOCOL,
-        }
-        if self.key is not None:
-            answer[fleet_key.SIGNATURE] = fleet_key.sign(self.key, answer, READ_SIGNED_FIELDS)
-        return True, answer
+        self._send.append(SendSpec(req_id, mode, ids, transfer_id_of(p)))
+        answer = PdExtReadAnswer(
+            remote_engine_id=self.engine_id,
+            remote_request_id=req_id,
+            remote_host=self.host,
+            remote_port=self.port,
+            remote_block_ids=list(ids[0]) if len(ids) == 1 else [list(g) for g in ids],
+            remote_num_tokens=n,
+            prompt_hash=prompt_hash(request.prompt_token_ids or [], n),
+            tp_size=self.tp_size,
+            lease_s=self.cfg.lease_s,
+            expires_at=time.time() + self.cfg.lease_s,
+            transfer_mode=mode,
+        )
+        return True, answer.signed(self.key)

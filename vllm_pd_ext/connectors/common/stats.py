@@ -9,6 +9,9 @@ The worker fills a :class:`PdTransferStats` (``get_kv_connector_stats``); vLLM s
 * ``vllm:pdext_kv_transfer_failures_total``, ``vllm:pdext_kv_lease_expiries_total`` counters;
 * ``vllm:pdext_kv_unauthenticated_total``: side-channel requests and data connections refused
   for want of a valid fleet-key tag;
+* ``vllm:pdext_kv_params_refused_total``: decode requests whose ``kv_transfer_params`` were
+  refused on arrival (malformed, unsigned or tampered with, expired, another contract
+  version): each was computed locally instead (counted by the scheduler side);
 * ``vllm:pdext_kv_blocks_held`` gauge: prefill-side blocks held for decode instances.
 """
 
@@ -24,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 _LISTS = ("seconds", "bytes")
-_COUNTERS = ("failures", "lease_expiries", "unauthenticated")
+_COUNTERS = ("failures", "lease_expiries", "unauthenticated", "params_refused")
 
 
 def _empty() -> dict[str, Any]:
@@ -98,6 +101,11 @@ class StatsRecorder:
         with self._lock:
             self._data["unauthenticated"] += 1
 
+    def params_refused(self) -> None:
+        """A decode request's ``kv_transfer_params`` refused: it is computed locally."""
+        with self._lock:
+            self._data["params_refused"] += 1
+
     def blocks_held(self, n: int) -> None:
         with self._lock:
             if n != self._held:
@@ -161,6 +169,14 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
         )
+        self.params_refused = per_engine(
+            self._counter_cls(
+                name="vllm:pdext_kv_params_refused",
+                documentation="Decode requests whose kv_transfer_params were refused on arrival "
+                "(malformed, unsigned, tampered with, expired): computed locally instead.",
+                labelnames=labelnames,
+            )
+        )
         self.blocks_held = per_engine(
             self._gauge_cls(
                 name="vllm:pdext_kv_blocks_held",
@@ -182,5 +198,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             self.lease_expiries[engine_idx].inc(d["lease_expiries"])
         if d.get("unauthenticated"):
             self.unauthenticated[engine_idx].inc(d["unauthenticated"])
+        if d.get("params_refused"):
+            self.params_refused[engine_idx].inc(d["params_refused"])
         if d.get("blocks_held") is not None:
             self.blocks_held[engine_idx].set(d["blocks_held"])
