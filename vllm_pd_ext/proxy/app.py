@@ -16,10 +16,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from vllm_pd_ext.proxy.client_limits import BodyBudget, BodyReader, plain_protocol
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, error_body, error_response
 from vllm_pd_ext.proxy.front_protocol import fast_cycle, front_protocol
-from vllm_pd_ext.proxy.request import PATHS, Route
+from vllm_pd_ext.proxy.request import PATHS, ClientRequest, Route
 from vllm_pd_ext.proxy.service import ProxyService
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
 from vllm_pd_ext.util.auth import bearer_ok
@@ -33,8 +34,17 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
     own process only): once started, everything alive is moved out of the collector's
     reach, since it lives as long as the process; full passes over it would pause requests
     for tens of milliseconds."""
-    fast_path = config.fast_path and front_protocol(config.max_body_bytes) is not None
-    service = ProxyService(config, fast_path=fast_path)
+    protocol = (
+        front_protocol(
+            config.max_body_bytes,
+            config.client_header_timeout_s,
+            config.client_body_timeout_s,
+            config.max_buffered_body_bytes,
+        )
+        if config.fast_path
+        else None
+    )
+    service = ProxyService(config, fast_path=protocol is not None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -112,7 +122,7 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
             ]
         )
 
-    return FrontDoor(app, config, service)
+    return FrontDoor(app, config, service, protocol)
 
 
 #: The hot routes: served without FastAPI's routing and dependency layers.
@@ -122,20 +132,35 @@ _COMPLETIONS: dict[str, Route] = {path: route for route, path in PATHS.items()}
 class FrontDoor:
     """API key on ``/v1/*``, admin token on ``/admin/*``, metrics token (else the API key) on
     ``/metrics``; POSTs to the completion routes go straight to the service; everything else
-    to FastAPI. Plain ASGI.
+    to FastAPI. Plain ASGI. A completion request's body that the fast path does not collect
+    itself is read here, within the client limits (``client_limits.BodyReader``).
 
     Starlette's ``@app.middleware("http")`` wraps every request in a task group and memory
     stream; measured, that was ~17% of the proxy's CPU per request. FastAPI's routing and
     dependency solving were another few percent.
     """
 
-    def __init__(self, app: FastAPI, config: ProxyConfig, service: ProxyService):
+    def __init__(
+        self,
+        app: FastAPI,
+        config: ProxyConfig,
+        service: ProxyService,
+        protocol: type | None = None,
+    ):
         self.app = app
         self.state = app.state
         self.service = service
         #: Serve through ``front_protocol``'s request cycle (the HTTP server to run this app
         #: with is ``server_protocol()``'s).
         self.fast_path = service.fast_path
+        self._protocol = protocol if self.fast_path else None
+        #: Request bodies held at once, over the process: the fast path's own when it is on.
+        budget = getattr(self._protocol, "body_budget", None)
+        self.body_budget: BodyBudget = budget or BodyBudget(config.max_buffered_body_bytes)
+        #: Reads the body of a completion request the fast path does not collect itself.
+        self.body_reader = BodyReader(
+            config.max_body_bytes, config.client_body_timeout_s, self.body_budget
+        )
         self.api_key = config.api_key.get_secret_value() if config.api_key else None
         self.admin_token = config.admin_token.get_secret_value() if config.admin_token else None
         self.monitor_secret = config.monitor_secret()
@@ -169,22 +194,32 @@ class FrontDoor:
         await self.app(scope, receive, send)
 
     def server_protocol(self) -> type | str:
-        """uvicorn's ``http`` setting to serve this app with."""
-        if self.fast_path:
-            c = self.service.config
-            protocol = front_protocol(
-                c.max_body_bytes,
-                c.client_header_timeout_s,
-                c.client_body_timeout_s,
-                c.max_buffered_body_bytes,
-            )
-            if protocol is not None:
-                return protocol
-        return "auto"
+        """uvicorn's ``http`` setting to serve this app with: ``front_protocol``'s class on
+        the fast path, else uvicorn's default protocol within the client read deadlines."""
+        if self._protocol is not None:
+            return self._protocol
+        c = self.service.config
+        return plain_protocol(c.client_header_timeout_s, c.client_body_timeout_s)
 
     async def _complete(self, scope, receive, send, route: Route) -> None:
         cycle = fast_cycle(receive) if self.fast_path else None
-        request = cycle if cycle is not None else Request(scope, receive)
+        if cycle is not None:  # the fast path collected the body within the limits
+            await self._serve(cycle, scope, receive, send, route)
+            return
+        # uvicorn's own cycle: the body is read here, within the same limits
+        try:
+            hold = await self.body_reader.read(scope, receive)
+        except ProxyError as exc:  # 408, 413, 503: nothing more is read of this client
+            response = error_response(exc)
+            response.headers["connection"] = "close"
+            await response(scope, receive, send)
+            return
+        if hold is None:  # the client went away
+            return
+        with hold:
+            await self._serve(Request(scope, hold.receive), scope, receive, send, route)
+
+    async def _serve(self, request: ClientRequest, scope, receive, send, route: Route) -> None:
         try:
             response = await self.service.handle(request, route)
         except ProxyError as exc:

@@ -146,8 +146,8 @@ class ProxyConfig(_Strict):
     max_buffered_body_bytes: int = Field(
         1 << 30,
         ge=1024,
-        description="fast path: request bodies held at once over all connections; a request "
-        "whose body would pass it is answered 503",
+        description="request bodies held at once over all connections; a request whose body "
+        "would pass it is answered 503 and its connection closed",
     )
     max_connections: int = Field(
         2048, ge=1, description="client connections at once; beyond them, requests get 503"
@@ -155,19 +155,21 @@ class ProxyConfig(_Strict):
     client_header_timeout_s: float = Field(
         10.0,
         gt=0,
-        description="fast path: a request's head must arrive within this (from the "
-        "connection or its first byte), else the connection is closed",
+        description="a request's head must arrive within this (from the connection or the "
+        "request's first byte), else the connection is closed",
     )
     client_body_timeout_s: float = Field(
         60.0,
         gt=0,
-        description="fast path: a request's body must arrive within this after its head",
+        description="a request's body must arrive within this after its head, else the "
+        "completion routes answer 408 and the connection is closed",
     )
     fast_path: bool = Field(
         True,
         description="serve the completion routes through the proxy's lean HTTP request cycle "
         "(built on uvicorn internals, checked at start-up; falls back to uvicorn's own cycle "
-        "when they are missing). false: uvicorn's own cycle only",
+        "when they are missing). false: uvicorn's own cycle, within the same client limits "
+        "(proxy/client_limits.py, public interfaces only)",
     )
     health_interval_s: float = Field(2.0, gt=0)
     health_backoff_max_s: float = Field(30.0, gt=0)

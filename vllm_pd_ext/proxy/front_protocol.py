@@ -30,7 +30,8 @@ import logging
 import re
 from typing import cast
 
-from vllm_pd_ext.proxy.errors import error_body
+from vllm_pd_ext.proxy.client_limits import BUSY_MESSAGE, BodyBudget, body_timeout_error
+from vllm_pd_ext.proxy.errors import ProxyError, error_body
 
 logger = logging.getLogger(__name__)
 
@@ -86,24 +87,6 @@ class _HeadWithBody:
 
     def __getattr__(self, name: str):
         return getattr(self._transport, name)
-
-
-class BodyBudget:
-    """Bytes of request bodies the fast path holds at once, over all connections of one
-    process (the event loop's thread only: no lock). A request whose body would pass it is
-    answered 503 as soon as its body is in, and nothing of it is kept: ``max_connections``
-    clients each sending ``max_body_bytes`` cannot make the proxy hold more than ``limit``."""
-
-    __slots__ = ("limit", "used")
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.used = limit, 0
-
-    def take(self, n: int) -> bool:
-        if self.used + n > self.limit:
-            return False
-        self.used += n
-        return True
 
 
 class FastCycle:
@@ -197,7 +180,7 @@ class FastCycle:
 
     def release(self) -> None:
         """Give the body's bytes back to the budget (once)."""
-        self._budget.used -= self.held
+        self._budget.give(self.held)
         self.held = 0
 
     def set(self) -> None:
@@ -233,11 +216,20 @@ class FastCycle:
             "answered 503: request bodies held at once would pass %d bytes", self._budget.limit
         )
         self.keep_alive = False
-        message = "the proxy holds too many request bodies at once; retry later"
-        body = json.dumps(error_body(503, message)).encode()
+        body = json.dumps(error_body(503, BUSY_MESSAGE, code="body_budget")).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
         await self.send({"type": "http.response.start", "status": 503, "headers": headers})
         await self.send({"type": "http.response.body", "body": body})
+
+    def write_error(self, error: ProxyError) -> None:
+        """Answer with ``error``'s OpenAI error body at once, outside the app, on a request
+        whose body will not be used; the connection closes after it."""
+        self.keep_alive = False
+        self.release()
+        body = json.dumps(error_body(error.status, error.message, code=error.code)).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        self.transport.write(self.begin(error.status, headers) + body)
+        self.response_complete = True
 
     async def _send_500(self) -> None:
         self.keep_alive = False
@@ -494,6 +486,9 @@ def front_protocol(
 
         def _read_too_slow(self) -> None:
             self._read_timer = None
+            cycle = self.cycle
+            if type(cycle) is FastCycle and not cycle.response_started:  # its body is late
+                cycle.write_error(body_timeout_error(body_s))
             logger.debug("closed a client connection that sent its request too slowly")
             self.transport.close()
 

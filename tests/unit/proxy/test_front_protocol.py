@@ -12,6 +12,7 @@ import pytest
 
 from vllm_pd_ext.proxy import front_protocol as front_protocol_module
 from vllm_pd_ext.proxy.app import create_app
+from vllm_pd_ext.proxy.client_limits import ReadDeadlines
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.front_protocol import BodyBudget, front_protocol
 from vllm_pd_ext.testing.fake_engine import ServerThread
@@ -202,7 +203,9 @@ def test_a_uvicorn_lacking_an_internal_serves_the_plain_path_after_one_log_line(
         assert front_protocol(LIMIT) is None
         app = create_app(config)
         assert front_protocol(LIMIT) is None
-    assert app.fast_path is False and app.server_protocol() == "auto"
+    protocol = app.server_protocol()
+    assert app.fast_path is False
+    assert isinstance(protocol, type) and issubclass(protocol, ReadDeadlines)
     lines = [r for r in caplog.records if "renamed_in_a_release" in r.getMessage()]
     assert len(lines) == 1 and "fast path off" in lines[0].getMessage()
 
@@ -213,29 +216,36 @@ def test_fast_path_false_serves_uvicorns_own_protocol():
     )
     app = create_app(config)
     assert app.fast_path is False and app.service.fast_path is False
-    assert app.server_protocol() == "auto"
+    protocol = app.server_protocol()  # uvicorn's own, within the read deadlines
+    assert isinstance(protocol, type) and issubclass(protocol, ReadDeadlines)
     assert create_app(config.model_copy(update={"fast_path": True})).server_protocol() is (
         front_protocol(config.max_body_bytes)
     )
 
 
 @pytest.mark.parametrize(
-    "sent",
+    ("sent", "answer"),
     [
-        b"",  # connects and says nothing
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n",  # a head that never ends
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{",  # a body
-        b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ",  # uvicorn's path too
+        (b"", None),  # connects and says nothing
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n", None),  # a head that never ends
+        (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{", 408),
+        (b"GET /health HTTP/1.1\r\nHost: x\r\nX-Slow: ", None),  # uvicorn's path too
     ],
     ids=["silent", "head", "body", "other-route"],
 )
-def test_a_client_that_trickles_its_request_is_closed(sent):
+def test_a_client_that_trickles_its_request_is_closed(sent, answer):
     """A request's head must arrive within the head timeout and its body within the body
-    timeout, else the connection is closed (unanswered): slow clients hold no connection."""
+    timeout, else the connection is closed (unanswered, or with a 408 for a completion
+    request's late body): slow clients hold no connection."""
     with ServerThread(app, http=front_protocol(LIMIT, 0.3, 0.3)) as srv:
         conn = Conn(srv.port)
         conn.send(sent)
         conn.sock.settimeout(10)  # the test's own bound; the server closes at ~0.3 s
+        if answer is not None:
+            status, headers, body = conn.response()
+            assert status == answer and headers[b"connection"] == b"close"
+            assert json.loads(body)["error"]["code"] == "body_timeout"
+            assert conn.buf == b""
         assert conn.sock.recv(1) == b""
         # a prompt client on the same server is served
         ok = Conn(srv.port)
