@@ -193,6 +193,14 @@ class FrontDoor:
                 return
         await self.app(scope, receive, send)
 
+    def server_settings(self) -> dict[str, Any]:
+        """What uvicorn serves this app with: ``server_protocol()`` and the connection cap
+        (``max_connections``: beyond it, uvicorn answers 503 on either path)."""
+        return {
+            "http": self.server_protocol(),
+            "limit_concurrency": self.service.config.max_connections,
+        }
+
     def server_protocol(self) -> type | str:
         """uvicorn's ``http`` setting to serve this app with: ``front_protocol``'s class on
         the fast path, else uvicorn's default protocol within the client read deadlines."""

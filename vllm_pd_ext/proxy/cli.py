@@ -147,8 +147,7 @@ def main(args: argparse.Namespace) -> int:
         port=config.port,
         log_level=args.log_level.lower(),
         access_log=False,
-        http=app.server_protocol(),
         proxy_headers=False,  # the proxy never reads the client's address
-        limit_concurrency=config.max_connections,
+        **app.server_settings(),
     )
     return 0

@@ -353,6 +353,8 @@ _NEEDS: dict[str, tuple[str, ...]] = {
         "tasks",
         "loop",
         "app",
+        "limit_concurrency",
+        "connections",
     ),
     # read by DirectWriter and the disconnect hook on uvicorn's own request cycle
     "RequestResponseCycle": (
@@ -527,7 +529,7 @@ def front_protocol(
                 and not parser.should_upgrade()
             ):
                 path, _, query = self.url.partition(b"?")
-                if path in FAST_PATHS and not self._declares_too_much():
+                if path in FAST_PATHS and not self._declares_too_much() and not self._full():
                     # FastCycle stands in for uvicorn's cycle where the protocol reads one
                     self.cycle = FastCycle(  # type: ignore[assignment]
                         self, path, query, self.headers, parser.should_keep_alive(), budget
@@ -538,6 +540,13 @@ def front_protocol(
             self.url, self.expect_100_continue = url, expect
             self.headers = self.scope["headers"] = headers
             super().on_headers_complete()
+
+        def _full(self) -> bool:
+            """uvicorn's own ``limit_concurrency`` test: past it, its cycle answers 503."""
+            limit = self.limit_concurrency
+            return limit is not None and (
+                len(self.connections) >= limit or len(self.tasks) >= limit
+            )
 
         def _declares_too_much(self) -> bool:
             for name, value in self.headers:

@@ -47,7 +47,7 @@ def proxy(fast_path: bool, instances: list[dict], **overrides) -> Iterator[tuple
     app = create_app(config)
     assert app.fast_path is fast_path
     # idle keep-alive connections outlive every bound below: what closes one is ours
-    with ServerThread(app, http=app.server_protocol(), timeout_keep_alive=60) as server:
+    with ServerThread(app, timeout_keep_alive=60, **app.server_settings()) as server:
         yield app, server.port
 
 
@@ -360,3 +360,32 @@ def test_without_uvicorns_auto_module_the_plain_path_serves_as_it_is_after_a_war
     with caplog.at_level("WARNING"):
         assert plain_protocol(HEAD_S, BODY_S) == "auto"
     assert any("no header or body read timeouts" in r.getMessage() for r in caplog.records)
+
+
+BUSY = b"Service Unavailable"  # uvicorn's answer past limit_concurrency
+
+
+def answer(port: int, request: bytes) -> tuple[int, bytes]:
+    conn = Conn(port)
+    try:
+        conn.send(request)
+        status, _, body = conn.response()
+        return status, body
+    finally:
+        conn.sock.close()
+
+
+@PATHS
+def test_requests_beyond_max_connections_get_503_on_either_path(fast_path):
+    """A cap of three, two connections held open: a completion request on a third is
+    answered 503 by the server (uvicorn counts the connection asking), never reaching the
+    service; once one of the two goes, it is served."""
+    with proxy(fast_path, NOWHERE, max_connections=3) as (_, port):
+        held = [Conn(port), Conn(port)]
+        for conn in held:  # answered: the server counts both
+            conn.send(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            conn.response()
+        assert answer(port, post(completion(64))) == (503, BUSY)
+        held.pop().sock.close()
+        wait_until(lambda: answer(port, post(completion(64)))[1] != BUSY, timeout=10)
+        held[0].sock.close()
