@@ -109,6 +109,8 @@ def test_decode_engine_refuses_forged_params(pair, tiny_qwen):
             while decode.metric(PARAMS_REFUSED) < refused + 4 and time.monotonic() < deadline:
                 time.sleep(0.2)
             assert decode.metric(PARAMS_REFUSED) == refused + 4
+            # a fresh answer: the first one's lease (and expiry) may have run out meanwhile
+            params, _ = prefill_leg(client, prefill, completion_body(prefill, prompt_ids, 8))
             before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
             ids, _ = stream_completion(client, decode, {**body, "kv_transfer_params": params})
             assert ids == colocated
