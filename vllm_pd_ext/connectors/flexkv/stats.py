@@ -105,7 +105,7 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
             "save_seconds": "Seconds spent saving into a tier (summed over saves).",
             "evicted_blocks": "KV blocks evicted from a tier.",
             "lookup_blocks": "KV blocks looked up in the tiered cache beyond the local hit.",
-            "corrupt_blocks": "Stored KV blocks that failed their checksum or header check.",
+            "corrupt_blocks": "Stored KV blocks that failed their checksum, MAC or header check.",
             "failed_blocks": "KV blocks whose load failed (recomputed or failed per policy).",
             "dropped_writes": "Block file writes dropped because the I/O queue was full.",
         }

@@ -8,8 +8,21 @@ crash mid-save leaves no file under the block's name (at most a temporary that
 into the caller's buffers (the pieces of a KV block where they live), each group of bytes hashed
 as it lands; then every header field, the file's exact length and the checksum of what landed
 are checked. Any difference raises :class:`BlockFileError` and the caller treats the block as
-missing (bytes that landed are never used). Files of another format (e.g. the CRC-32 files of
+missing (bytes that landed are never used); the file is deleted (so the block is saved again)
+and a warning logged, at most one line per :data:`LOG_EVERY_S` and store (whoever can write the
+directory can make reads fail at will). Files of another format (e.g. the CRC-32 files of
 format 2) are such a difference.
+
+With a fleet key (:mod:`vllm_pd_ext.fleet_key`) files carry a MAC instead: the header's
+algorithm is :data:`MAC_BLAKE3_KEYED`, its checksum field 0, and 32 bytes of MAC follow it (96
+bytes before the payload). The MAC is keyed BLAKE3, under a key derived from the fleet key for
+this use only (:func:`mac_key`), of what names the block (format, namespace, block key, TP
+rank, layout fingerprint, payload length) and then the payload, computed while the payload
+lands like the checksum. xxh3 is no MAC: anyone who can write the directory can make a file
+that passes it, and block keys are computable from a prompt. A MAC is made only by holders of
+the key, and one made for a block is valid for no other (a file copied to another name, rank
+or namespace fails). A store reads only the kind of file it writes: with a key, a file without
+a MAC is a miss; without one, a file with a MAC is a miss too (it cannot be checked).
 
 The directories may be shared (the shared tier) or sit under a world-writable parent, so
 nothing in them is followed blindly: the namespace directory and its subdirectories must be
@@ -23,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hmac
 import logging
 import os
 import stat
@@ -31,10 +45,14 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
+import blake3
 import xxhash
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.flexkv.keys import FORMAT
+from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -42,8 +60,16 @@ MAGIC = b"PDEXTKV\x00"
 #: magic, format, checksum algorithm, payload length, checksum, layout fingerprint, key
 _HEADER = struct.Struct("<8sIIQQ16s16s")
 HEADER_BYTES = _HEADER.size  # 64
-#: The checksum algorithm id stored in the header: xxh3-64 of the payload (seed 0).
+#: The checksum algorithm id of unkeyed files: xxh3-64 of the payload (seed 0).
 CHECKSUM_XXH3_64 = 1
+#: The algorithm id of files written with a fleet key: a keyed BLAKE3 MAC follows the header.
+MAC_BLAKE3_KEYED = 2
+#: Bytes of the MAC after the header of a keyed file.
+MAC_BYTES = 32
+#: The label the MAC key is derived from the fleet key under (:func:`mac_key`).
+MAC_LABEL = "vllm-pd-ext flexkv block file MAC v1"
+#: Seconds between two warnings about discarded block files of one store.
+LOG_EVERY_S = 10.0
 #: Buffers per ``preadv`` call (Linux's IOV_MAX is 1024).
 _IOV_MAX = 1000
 #: Bytes per ``preadv`` call of a block read, hashed before the next call.
@@ -95,6 +121,30 @@ def checksum(parts: Sequence[memoryview]) -> int:
     return h.intdigest()
 
 
+def mac_key(key: bytes) -> bytes:
+    """The key of the block files' MAC, derived from the fleet key ``key`` under
+    :data:`MAC_LABEL` (so it is the key of no other use); 32 bytes, BLAKE3's key size."""
+    return fleet_key.tag(key, MAC_LABEL)
+
+
+def _block_mac(
+    mac_key: bytes, namespace: str, key: str, rank: int, fp16: bytes, length: int
+) -> blake3.blake3:
+    """A keyed BLAKE3 fed with what names a block (each part length-prefixed), ready for the
+    block's payload: its digest is the block file's MAC."""
+    h = blake3.blake3(key=mac_key)
+    for part in (
+        FORMAT.to_bytes(4, "little"),
+        namespace.encode(),
+        bytes.fromhex(key),
+        rank.to_bytes(4, "little"),
+        fp16,
+        length.to_bytes(8, "little"),
+    ):
+        h.update(len(part).to_bytes(8, "little") + part)
+    return h
+
+
 def _fill(fd: int, bufs: list[memoryview], offset: int) -> int:
     """``preadv`` into ``bufs`` from ``offset`` until they are full or the file ends."""
     want = sum(b.nbytes for b in bufs)
@@ -118,12 +168,11 @@ def _skip(bufs: list[memoryview], n: int) -> list[memoryview]:
     return out
 
 
-def _read_hashing(fd: int, head: memoryview, parts: list[memoryview]) -> tuple[int, int, bool]:
-    """Read ``head`` then ``parts`` from the file's start, hashing each group of parts right
-    after its ``preadv`` (while the bytes are still in the CPU cache, which makes checking
-    them almost free). Returns (bytes read, xxh3-64 of the parts, whether the file goes on
-    past them)."""
-    h = xxhash.xxh3_64()
+def _read_hashing(fd: int, head: memoryview, parts: list[memoryview], h) -> tuple[int, bool]:
+    """Read ``head`` then ``parts`` from the file's start, feeding each group of parts to the
+    hash ``h`` right after its ``preadv`` (while the bytes are still in the CPU cache, which
+    makes checking them cheap). Returns (bytes read, whether the file goes on past them); ``h``
+    has seen all of ``parts`` only when all of them were read."""
     bufs = [head, *parts]
     off = i = 0
     while i < len(bufs):
@@ -134,25 +183,49 @@ def _read_hashing(fd: int, head: memoryview, parts: list[memoryview]) -> tuple[i
         got = _fill(fd, bufs[i:j], off)
         off += got
         if got < nbytes:
-            return off, 0, False
+            return off, False
         for b in bufs[max(i, 1) : j]:
             h.update(b)
         i = j
-    return off, h.intdigest(), bool(os.pread(fd, 1, off))
+    return off, bool(os.pread(fd, 1, off))
 
 
 class FileStore:
-    """Block files under ``root/<namespace>/``; one instance per tier and process."""
+    """Block files under ``root/<namespace>/``; one instance per tier and process.
 
-    def __init__(self, root: str | os.PathLike, namespace: str, *, fsync: bool = False) -> None:
+    ``key`` is the fleet key: with it, files are written with and read only with a valid
+    MAC (see the module's docstring); without it, with and only with an xxh3-64 checksum.
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        namespace: str,
+        *,
+        fsync: bool = False,
+        key: bytes | None = None,
+    ) -> None:
         self.dir = Path(root) / namespace
+        self.namespace = namespace
         self.fsync = fsync
+        self._mac_key = mac_key(key) if key is not None else None
+        self.algo = CHECKSUM_XXH3_64 if key is None else MAC_BLAKE3_KEYED
+        #: Bytes before the payload: the header, and the MAC when keyed.
+        self.header_bytes = HEADER_BYTES + (MAC_BYTES if key is not None else 0)
+        self._throttle = Throttle(LOG_EVERY_S)
+        self._discarded = 0  # files discarded since the last warning
+        self._discard_lock = threading.Lock()
         Path(root).mkdir(parents=True, exist_ok=True)
         own_dir(self.dir)
         self._dir = str(self.dir)
         self._fps: dict[str, bytes] = {}
         #: Subdirectories checked by ``own_dir`` (at most 256: the keys' first two hex digits).
         self._owned: set[Path] = set()
+
+    @property
+    def keyed(self) -> bool:
+        """Whether block files carry a MAC (a fleet key was given)."""
+        return self._mac_key is not None
 
     def path(self, key: str, rank: int = 0) -> Path:
         return self.dir / key[:2] / f"{key}.r{rank}"
@@ -173,14 +246,16 @@ class FileStore:
         tmp = final.parent / f".{final.name}.{os.urandom(8).hex()}.tmp"
         parts = _byte_views(payload)
         length = sum(p.nbytes for p in parts)
-        header = _HEADER.pack(
-            MAGIC,
-            FORMAT,
-            CHECKSUM_XXH3_64,
-            length,
-            checksum(parts),
-            _fp16(fingerprint),
-            bytes.fromhex(key),
+        fp16 = _fp16(fingerprint)
+        if self._mac_key is None:
+            digest, mac = checksum(parts), b""
+        else:
+            h = _block_mac(self._mac_key, self.namespace, key, rank, fp16, length)
+            for p in parts:
+                h.update(p)
+            digest, mac = 0, h.digest()
+        header = (
+            _HEADER.pack(MAGIC, FORMAT, self.algo, length, digest, fp16, bytes.fromhex(key)) + mac
         )
         try:
             with os.fdopen(os.open(tmp, _CREATE, 0o600), "wb") as f:
@@ -194,15 +269,16 @@ class FileStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return HEADER_BYTES + length
+        return self.header_bytes + length
 
     def read_into(self, key: str, out, fingerprint: str, rank: int = 0) -> int:
         """Read and verify one block into ``out``; returns the bytes read.
 
         ``out`` is one buffer or a sequence of buffers (a block's pieces where they live, in
         the order they were written) whose sizes add up to the payload's: ``preadv`` fills
-        them (no intermediate copy), each group hashed as soon as it landed.
-        ``FileNotFoundError`` when the block is not there;
+        them (no intermediate copy), each group hashed as soon as it landed. A file this
+        store cannot check (keyed without a key, unkeyed with one) or whose checksum or MAC
+        fails is wrong. ``FileNotFoundError`` when the block is not there;
         :class:`BlockFileError` when the file is there but wrong (the file is then deleted so
         nobody trips on it again, except a block of another KV layout). On any error ``out``
         holds garbage: never use it.
@@ -210,7 +286,13 @@ class FileStore:
         path = f"{self._dir}/{key[:2]}/{key}.r{rank}"  # self.path(), without pathlib's cost
         parts = _byte_views(out)
         size = sum(p.nbytes for p in parts)
-        head = bytearray(HEADER_BYTES)
+        head_bytes = self.header_bytes
+        head = bytearray(head_bytes)
+        ours = self._fps.get(fingerprint)
+        if ours is None:
+            ours = self._fps[fingerprint] = _fp16(fingerprint)
+        mk, ns = self._mac_key, self.namespace
+        h = xxhash.xxh3_64() if mk is None else _block_mac(mk, ns, key, rank, ours, size)
         try:
             fd = os.open(path, _OPEN_READ)
         except OSError as exc:
@@ -218,33 +300,58 @@ class FileStore:
                 self._discard(path, "a symbolic link, not a block file")
             raise
         try:
-            got, digest_read, longer = _read_hashing(fd, memoryview(head), parts)
+            got, longer = _read_hashing(fd, memoryview(head), parts, h)
         finally:
             os.close(fd)
         if got < HEADER_BYTES:
             self._discard(path, "truncated header")
-        magic, fmt, algo, length, digest, fp, k = _HEADER.unpack(head)
-        if magic != MAGIC or fmt != FORMAT or algo != CHECKSUM_XXH3_64:
-            self._discard(path, f"unknown format {magic!r}/{fmt}/checksum {algo}")
+        magic, fmt, algo, length, digest, fp, k = _HEADER.unpack_from(head)
+        if magic != MAGIC or fmt != FORMAT:
+            self._discard(path, f"unknown format {magic!r}/{fmt}")
+        if algo != self.algo:
+            if algo == MAC_BLAKE3_KEYED:
+                self._discard(path, "written with a fleet key (MAC) and we have none")
+            if algo == CHECKSUM_XXH3_64:
+                self._discard(path, "no MAC (written without the fleet key, or forged)")
+            self._discard(path, f"unknown checksum algorithm {algo}")
         if k != bytes.fromhex(key):
             self._discard(path, "key differs from its file name")
-        ours = self._fps.get(fingerprint)
-        if ours is None:
-            ours = self._fps[fingerprint] = _fp16(fingerprint)
         if fp != ours:
             raise BlockFileError(f"{path}: written with KV layout {fp!r}, ours {fingerprint}")
         if length != size:
             self._discard(path, f"{length} payload bytes, expected {size}")
-        if got != HEADER_BYTES + size or longer:
-            why = f"{got - HEADER_BYTES}{'+' if longer else ''} bytes"
+        if got != head_bytes + size or longer:
+            why = f"{got - head_bytes}{'+' if longer else ''} bytes"
             self._discard(path, f"payload of {why}, expected exactly {size}")
-        if digest_read != digest:
-            self._discard(path, "checksum mismatch")
-        return HEADER_BYTES + size
+        if isinstance(h, xxhash.xxh3_64):
+            if h.intdigest() != digest:
+                self._discard(path, "checksum mismatch")
+        elif digest != 0:
+            self._discard(path, "a checksum field in a file with a MAC")
+        elif not hmac.compare_digest(h.digest(), bytes(head[HEADER_BYTES:])):
+            self._discard(path, "MAC mismatch (forged, damaged, or another block's file)")
+        return head_bytes + size
 
-    def _discard(self, path: str | Path, why: str):
-        logger.warning("corrupt KV block file %s (%s): deleted, the block is recomputed", path, why)
+    def _discard(self, path: str | Path, why: str) -> NoReturn:
+        """Delete the file at ``path`` and raise :class:`BlockFileError`; warn at most once
+        per :data:`LOG_EVERY_S` (with how many files were discarded since)."""
         Path(path).unlink(missing_ok=True)
+        with self._discard_lock:
+            self._discarded += 1
+            n = self._discarded
+            if self._throttle.ready():
+                self._discarded = 0
+            else:
+                n = 0
+        if n:
+            logger.warning(
+                "KV block file %s failed its checks (%s): deleted, the block is recomputed "
+                "(%d such file%s in this tier since the last warning)",
+                path,
+                why,
+                n,
+                "" if n == 1 else "s",
+            )
         raise BlockFileError(f"{path}: {why}")
 
     def delete(self, key: str, ranks: int = 1) -> None:

@@ -18,7 +18,8 @@ and moves blocks between vLLM's KV cache tensors, that pool and block files:
   prompt. Other loads run on a small thread pool and report the request in
   ``finished_recving``: CPU rows are copied into the request's blocks; block files are read
   by the I/O pool with one ``preadv`` each straight into the block's pieces in the cache (on
-  CPU caches; through pinned rows on GPUs), checked (xxh3-64) and promoted into the CPU rows
+  CPU caches; through pinned rows on GPUs), checked (xxh3-64, or a keyed MAC when a fleet key
+  is set: see :mod:`~vllm_pd_ext.connectors.flexkv.store`) and promoted into the CPU rows
   the scheduler reserved. Blocks that could not be read (missing, corrupt, other layout) are
   reported through ``get_block_ids_with_load_errors()`` in the same pass, so vLLM's
   ``kv_load_failure_policy`` recomputes or fails them; their bytes are never used. A load
@@ -42,6 +43,7 @@ from typing import Any
 
 import torch
 
+from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.flexkv.blocks import block_views
 from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
 from vllm_pd_ext.connectors.flexkv.copier import STAGE_BYTES, BlockCopier
@@ -85,10 +87,16 @@ class FlexKVWorker:
         self.block_bytes = 0
         self.copier: BlockCopier | None = None
         self.stores: dict[str, FileStore] = {}
+        key = fleet_key.load_key() if cfg.ssd_dir or cfg.shared_dir else None
         if cfg.ssd_dir:
-            self.stores[SSD] = FileStore(cfg.ssd_dir, namespace, fsync=cfg.fsync)
+            self.stores[SSD] = FileStore(cfg.ssd_dir, namespace, fsync=cfg.fsync, key=key)
         if cfg.shared_dir:
-            self.stores[SHARED] = FileStore(cfg.shared_dir, namespace, fsync=cfg.fsync)
+            self.stores[SHARED] = FileStore(cfg.shared_dir, namespace, fsync=cfg.fsync, key=key)
+        if self.stores:
+            logger.info(
+                "tiered KV cache block files carry %s",
+                "a keyed MAC (fleet key)" if key else "an xxh3-64 checksum (no fleet key: no MAC)",
+            )
         self._io = ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="flexkv-io")
         self._loader = ThreadPoolExecutor(cfg.load_threads, thread_name_prefix="flexkv-load")
         self._saver = ThreadPoolExecutor(1, thread_name_prefix="flexkv-save")

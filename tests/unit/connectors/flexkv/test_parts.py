@@ -18,10 +18,14 @@ from vllm_pd_ext.connectors.flexkv.keys import cache_namespace, chain_keys, root
 from vllm_pd_ext.connectors.flexkv.store import (
     CHECKSUM_XXH3_64,
     HEADER_BYTES,
+    LOG_EVERY_S,
+    MAC_BLAKE3_KEYED,
+    MAC_BYTES,
     MAGIC,
     BlockFileError,
     DirQuota,
     FileStore,
+    mac_key,
 )
 
 KEY = "ab" * 16
@@ -204,6 +208,144 @@ def test_a_linked_or_foreign_directory_is_refused(tmp_path):
     with pytest.raises(NotADirectoryError):
         store.write(KEY, payload(), FP)
     assert list(elsewhere.iterdir()) == []
+
+
+# ---- block files under a fleet key: a keyed MAC, and a file that fails it is a miss ----
+
+FLEET = bytes(range(32))
+
+
+def keyed(tmp_path, key: bytes = FLEET, namespace: str = "ns") -> FileStore:
+    return FileStore(tmp_path, namespace, key=key)
+
+
+def test_keyed_block_file_round_trip_carries_a_mac_not_xxh3(tmp_path):
+    store = keyed(tmp_path)
+    data = payload()
+    assert store.write(KEY, [data[:1000], data[1000:]], FP) == HEADER_BYTES + MAC_BYTES + 4096
+    raw = store.path(KEY).read_bytes()
+    _, _, algo, length, digest = struct.unpack_from("<8sIIQQ", raw)
+    assert (algo, length, digest) == (MAC_BLAKE3_KEYED, data.size, 0)
+    assert len(raw) == HEADER_BYTES + MAC_BYTES + data.size
+    assert raw[HEADER_BYTES + MAC_BYTES :] == data.tobytes()
+    cache = np.zeros((2, 4096), np.uint8)
+    store.read_into(KEY, [cache[0, :3000], cache[1, :1096]], FP)  # pieces where they live
+    assert np.array_equal(np.concatenate([cache[0, :3000], cache[1, :1096]]), data)
+    assert store.keyed and keyed(tmp_path).scan() == [KEY]
+
+
+def test_a_forged_block_file_is_a_miss_never_loaded(tmp_path):
+    """Whoever can write the directory but has no key writes a well-formed file (right
+    header, right xxh3-64 of its payload) under a block's name: a keyed store refuses and
+    deletes it; as it does a file that claims a MAC it cannot have."""
+    store = keyed(tmp_path)
+    FileStore(tmp_path, "ns").write(KEY, payload(seed=7), FP)  # today's format, no key
+    out = np.zeros(4096, np.uint8)
+    with pytest.raises(BlockFileError, match="no MAC"):
+        store.read_into(KEY, out, FP)
+    assert not store.path(KEY).exists()
+    store.write(KEY, payload(), FP)
+    raw = bytearray(store.path(KEY).read_bytes())
+    raw[HEADER_BYTES + MAC_BYTES :] = payload(seed=7).tobytes()  # forged bytes, a guessed MAC
+    store.path(KEY).write_bytes(bytes(raw))
+    with pytest.raises(BlockFileError, match="MAC mismatch"):
+        store.read_into(KEY, out, FP)
+    assert not store.path(KEY).exists()
+
+
+@pytest.mark.parametrize("where", ["other_key", "other_rank", "other_namespace"])
+def test_a_valid_file_copied_to_another_blocks_name_is_a_miss(tmp_path, where):
+    """The MAC covers what names a block: a valid file copied to another key's name (its
+    header's key rewritten to match), another TP rank's name or another namespace's
+    directory fails it."""
+    store = keyed(tmp_path)
+    store.write(KEY, payload(seed=1), FP)
+    raw = bytearray(store.path(KEY).read_bytes())
+    other = "cd" * 16
+    target, rank = store, 0
+    if where == "other_key":
+        raw[HEADER_BYTES - 16 : HEADER_BYTES] = bytes.fromhex(other)
+        dest = store.path(other)
+    elif where == "other_rank":
+        other, rank = KEY, 1
+        dest = store.path(KEY, 1)
+    else:
+        target, other = keyed(tmp_path, namespace="ns2"), KEY
+        dest = target.path(KEY)
+    dest.parent.mkdir(mode=0o700, exist_ok=True)
+    dest.write_bytes(bytes(raw))
+    with pytest.raises(BlockFileError, match="MAC mismatch"):
+        target.read_into(other, np.zeros(4096, np.uint8), FP, rank)
+    assert not dest.exists() and store.exists(KEY)  # the original still loads
+    store.read_into(KEY, np.zeros(4096, np.uint8), FP)
+
+
+def test_a_file_written_under_another_key_is_a_miss(tmp_path):
+    keyed(tmp_path, key=bytes(32)).write(KEY, payload(), FP)  # another fleet's key
+    with pytest.raises(BlockFileError, match="MAC mismatch"):
+        keyed(tmp_path).read_into(KEY, np.zeros(4096, np.uint8), FP)
+    assert not keyed(tmp_path).exists(KEY)
+
+
+@pytest.mark.parametrize("at", [0, 2048, 4095])
+def test_one_tampered_payload_byte_is_a_miss_whatever_the_checksum_says(tmp_path, at):
+    """One payload byte changed and the header's xxh3-64 field rewritten to match the new
+    payload, as a forger without the key would: the MAC fails."""
+    import xxhash
+
+    store = keyed(tmp_path)
+    store.write(KEY, payload(), FP)
+    path = store.path(KEY)
+    raw = bytearray(path.read_bytes())
+    raw[store.header_bytes + at] ^= 0x01
+    struct.pack_into("<Q", raw, 24, xxhash.xxh3_64_intdigest(bytes(raw[store.header_bytes :])))
+    path.write_bytes(bytes(raw))
+    with pytest.raises(BlockFileError):
+        store.read_into(KEY, np.zeros(4096, np.uint8), FP)
+    assert not path.exists()
+
+
+def test_a_keyless_store_refuses_keyed_files(tmp_path):
+    """Without the key a MAC cannot be checked: the file is a miss (and deleted, so this
+    store's own save can take its place)."""
+    keyed(tmp_path).write(KEY, payload(), FP)
+    with pytest.raises(BlockFileError, match="we have none"):
+        FileStore(tmp_path, "ns").read_into(KEY, np.zeros(4096, np.uint8), FP)
+    assert not FileStore(tmp_path, "ns").exists(KEY)
+
+
+def test_the_mac_key_is_derived_for_this_use_only():
+    from vllm_pd_ext import fleet_key
+
+    assert len(mac_key(FLEET)) == 32 and mac_key(FLEET) != FLEET
+    assert mac_key(FLEET) != mac_key(bytes(32))
+    assert mac_key(FLEET) != fleet_key.tag(FLEET, "another use")
+
+
+def test_discarded_files_are_logged_at_most_once_per_interval(tmp_path, caplog):
+    """Anyone who can write the directory can make reads fail at will: one warning line per
+    interval, which counts the files discarded since the last one."""
+    from vllm_pd_ext.util.throttle import Throttle
+
+    store = keyed(tmp_path)
+    now = [0.0]
+    store._throttle = Throttle(LOG_EVERY_S, clock=lambda: now[0])
+    forger = FileStore(tmp_path, "ns")
+    keys = [f"{i:02x}" * 16 for i in range(5)]
+
+    def forge_and_read(key: str) -> None:
+        forger.write(key, payload(), FP)
+        with pytest.raises(BlockFileError):
+            store.read_into(key, np.zeros(4096, np.uint8), FP)
+
+    with caplog.at_level("WARNING", logger="vllm_pd_ext.connectors.flexkv.store"):
+        for key in keys[:4]:
+            forge_and_read(key)
+        assert len(caplog.records) == 1 and "(1 such file " in caplog.messages[0]
+        now[0] = LOG_EVERY_S
+        forge_and_read(keys[4])
+    assert len(caplog.records) == 2 and "(4 such files " in caplog.messages[1]
+    assert not any(forger.exists(k) for k in keys)
 
 
 def test_the_shared_tier_quota_deletes_the_oldest_files_down_to_its_low_water(tmp_path):

@@ -292,3 +292,42 @@ def test_saves_to_the_shared_tier_keep_it_within_its_quota(engine_factory, tmp_p
     assert sched.shared_quota.evicted >= 6
     first = run(e, request(prompt(0)))  # its blocks were the oldest: deleted
     assert e.computed[first.request_id][0] == 0
+
+
+def test_with_a_fleet_key_a_forged_block_file_is_recomputed_never_loaded(
+    engine_factory, tmp_path, monkeypatch
+):
+    """Someone without the fleet key puts another block's KV under block 2's name as a
+    well-formed file (header, xxh3-64 and all): the load treats it as missing, block 2 on
+    is recomputed and saved again with a MAC, and a later request loads every block."""
+    from vllm_pd_ext import fleet_key
+    from vllm_pd_ext.connectors.flexkv.store import FileStore
+
+    monkeypatch.delenv(fleet_key.KEY_FILE_ENV, raising=False)
+    monkeypatch.setenv(fleet_key.KEY_ENV, "5a" * 32)
+    e = engine_factory(ssd_dir=str(tmp_path / "ssd"))
+    run(e, request(prompt()))
+    e.worker._worker.wait_idle()
+    sched, store = e.conn._scheduler, e.worker._worker.stores[SSD]
+    assert store.keyed
+    keys = sched._keys(request(prompt()))
+    block0 = store.path(keys[0]).read_bytes()[store.header_bytes :]
+    forger = FileStore(tmp_path / "ssd", sched.namespace)  # no key
+    forger.write(keys[2], bytearray(block0), e.worker._worker.fingerprint)
+    e.conn.reset_cache()
+    second = request(prompt())
+    e.sched.add_request(second)
+    e.step()
+    e.first_blocks = {
+        second.request_id: list(e.sched.kv_cache_manager.get_block_ids(second.request_id)[0])
+    }
+    e.run_until_done()
+    assert e.computed[second.request_id][0] == 2 * BLOCK_SIZE  # blocks 0-1 loaded
+    assert_blocks_hold(e, second, 4)  # block 2 holds its own KV, not block 0's
+    assert e.worker_stats["corrupt_blocks"] == 1
+    e.worker._worker.wait_idle()
+    e.conn.reset_cache()
+    third = run(e, request(prompt()))
+    assert [it.tier for it in loads_of(e)[-1].items] == [SSD] * 4
+    assert e.computed[third.request_id][0] == 4 * BLOCK_SIZE
+    assert_scheduler_empty(e.sched)
