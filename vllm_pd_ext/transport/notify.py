@@ -12,6 +12,12 @@ With a fleet key (:mod:`vllm_pd_ext.fleet_key`) the tag is the HMAC under it of 
 payload, timestamp and nonce; a server with the key queues only frames whose tag is valid, whose
 timestamp is within ``MAX_SKEW_S`` and whose nonce is new, and acknowledges nothing else.
 Without a key the tag is zeros and nothing is checked.
+
+Connections are served at once, a thread each, and nobody can hold them
+(:class:`~vllm_pd_ext.util.conn_slots.ConnectionSlots`): at most :data:`MAX_CONNECTIONS`,
+:data:`MAX_PER_SOURCE` of them from one address; a frame must have arrived
+:data:`FRAME_TIMEOUT_S` after its connection opened, and when all are taken the oldest
+connection still sending its frame is closed for a new one. A slow sender delays nobody else.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from collections.abc import Callable
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.transport.base import MAX_QUEUED_NOTIFICATIONS, Notification
 from vllm_pd_ext.transport.errors import TransferError, TransferTimeout
+from vllm_pd_ext.util.conn_slots import ConnectionSlots
 from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
@@ -41,8 +48,13 @@ MAX_SENDER = 1024
 _LEN = struct.Struct("!I")
 _AUTH = struct.Struct("!Q16s32s")  # timestamp (unix ms), nonce, tag
 _ACK = b"\x06"
-_CONN_TIMEOUT_S = 5.0
-#: Refused notifications are logged at most this often.
+#: Connections served at once (a thread each).
+MAX_CONNECTIONS = 64
+#: Connections from one address at once.
+MAX_PER_SOURCE = 32
+#: A connection's whole frame must have arrived this long after it opened.
+FRAME_TIMEOUT_S = 5.0
+#: Refused notifications and dropped frames are logged at most this often.
 _WARN_EVERY_S = 10.0
 
 
@@ -66,7 +78,9 @@ class _Refused(ValueError):
 
 class NotifyServer:
     """Receives notifications on ``host:port`` (port 0 picks a free one) into a queue; with
-    ``key``, only frames tagged under it (``on_refused`` is called for each other one)."""
+    ``key``, only frames tagged under it (``on_refused`` is called for each other one).
+    Serves up to ``max_connections`` connections at once (``max_per_source`` from one address),
+    each given ``frame_timeout_s`` to send its frame (see the module's docstring)."""
 
     def __init__(
         self,
@@ -75,15 +89,25 @@ class NotifyServer:
         *,
         key: bytes | None = None,
         on_refused: Callable[[], None] | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+        max_per_source: int = MAX_PER_SOURCE,
+        frame_timeout_s: float = FRAME_TIMEOUT_S,
     ) -> None:
         self._key, self._on_refused = key, on_refused
         self._replays = fleet_key.ReplayGuard()
-        self._warnings = Throttle(_WARN_EVERY_S)
+        self._refusals = Throttle(_WARN_EVERY_S)
+        self._drops = Throttle(_WARN_EVERY_S)
+        #: Who may hold a connection (refusals and closes are counted there).
+        self.slots = ConnectionSlots(
+            "MoRI notification server", max_connections, max_per_source, frame_timeout_s
+        )
+        self._frame_timeout_s = frame_timeout_s
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(None)
         self.host = host
         self.port = int(self._sock.getsockname()[1])
         self._queue: collections.deque[Notification] = collections.deque()
+        self._queue_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(
             target=self._serve, name=f"pdext-notify-{self.port}", daemon=True
@@ -96,40 +120,66 @@ class NotifyServer:
         return f"{self.host}:{self.port}"
 
     def _serve(self) -> None:
+        """Accept loop: admit each connection to a thread of its own; close late ones."""
+        poll_s = min(0.2, self._frame_timeout_s / 4)
         while not self._stop.is_set():
+            self.slots.expire()
             try:
-                ready, _, _ = select.select([self._sock], [], [], 0.2)
+                ready, _, _ = select.select([self._sock], [], [], poll_s)
             except (OSError, ValueError):
                 return  # socket closed
             if not ready:
                 continue
             try:
-                conn, _ = self._sock.accept()
+                conn, source = self._sock.accept()
             except OSError:
                 return
-            with conn:
-                try:
-                    conn.settimeout(_CONN_TIMEOUT_S)
-                    (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
-                    if n > MAX_SENDER:
-                        raise ValueError(f"sender name of {n} bytes exceeds {MAX_SENDER}")
-                    name = _recv_exact(conn, n)
-                    (m,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
-                    if m > MAX_PAYLOAD:
-                        raise ValueError(f"notification of {m} bytes exceeds {MAX_PAYLOAD}")
-                    payload = _recv_exact(conn, m)
-                    self._authenticate(name, payload, *_AUTH.unpack(_recv_exact(conn, _AUTH.size)))
+            if not self.slots.admit(conn, source[0]):
+                conn.close()
+                continue
+            try:
+                threading.Thread(
+                    target=self._serve_one, args=(conn,), name="pdext-notify-conn", daemon=True
+                ).start()
+            except BaseException:
+                self.slots.release(conn)
+                conn.close()
+                raise
+
+    def _serve_one(self, conn: socket.socket) -> None:
+        """Connection thread: read one frame, queue it and acknowledge it if it may be."""
+        with conn:
+            try:
+                # A backstop per read; the frame's deadline is the slots' (expire() above).
+                conn.settimeout(self._frame_timeout_s)
+                (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+                if n > MAX_SENDER:
+                    raise ValueError(f"sender name of {n} bytes exceeds {MAX_SENDER}")
+                name = _recv_exact(conn, n)
+                (m,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
+                if m > MAX_PAYLOAD:
+                    raise ValueError(f"notification of {m} bytes exceeds {MAX_PAYLOAD}")
+                payload = _recv_exact(conn, m)
+                auth = _AUTH.unpack(_recv_exact(conn, _AUTH.size))
+                if not self.slots.head_done(conn):
+                    raise ConnectionError("closed: the frame came too late")
+                self._authenticate(name, payload, *auth)
+                note = Notification(sender=name.decode(), payload=payload)
+                with self._queue_lock:
                     if len(self._queue) >= MAX_QUEUED_NOTIFICATIONS:
                         raise ValueError("too many notifications waiting")  # no ack: an error
-                    self._queue.append(Notification(sender=name.decode(), payload=payload))
-                    conn.sendall(_ACK)
-                except _Refused as e:
-                    if self._on_refused is not None:
-                        self._on_refused()
-                    if self._warnings.ready():  # a flood floods no log
-                        logger.warning("refused a notification: %s", e)
-                except (OSError, ValueError, UnicodeDecodeError) as e:
+                    self._queue.append(note)
+                conn.sendall(_ACK)
+            except _Refused as e:
+                if self._on_refused is not None:
+                    self._on_refused()
+                if self._refusals.ready():  # a flood floods no log
+                    logger.warning("refused a notification: %s", e)
+            except (OSError, ValueError, UnicodeDecodeError) as e:
+                if self._drops.ready():
                     logger.warning("dropped a bad notification frame: %s", e)
+            finally:
+                self.slots.release(conn)
 
     def _authenticate(
         self, sender: bytes, payload: bytes, stamp: int, nonce: bytes, tag: bytes
@@ -144,9 +194,9 @@ class NotifyServer:
 
     def drain(self) -> list[Notification]:
         """Notifications received since the last call, oldest first."""
-        out = []
-        while self._queue:
-            out.append(self._queue.popleft())
+        with self._queue_lock:
+            out = list(self._queue)
+            self._queue.clear()
         return out
 
     def close(self) -> None:

@@ -212,9 +212,9 @@ def test_keyed_side_channel_serves_tagged_requests_and_tags_its_answers():
 
 
 def test_keyed_side_channel_refuses_what_is_not_tagged_with_its_key():
-    """Without the header, with another key's tag, with the body changed after tagging, with
-    a replayed header and with a stale timestamp: 401 each time, the route never runs, and
-    each refusal is counted."""
+    """Without the header, with another key's tags, with the head or the body changed after
+    tagging, with a replayed header, with a stale timestamp and with an older header format:
+    401 each time, the route never runs, and each refusal is counted."""
     from vllm_pd_ext.connectors.common import side_channel
 
     offers: list[Any] = []
@@ -228,10 +228,15 @@ def test_keyed_side_channel_refuses_what_is_not_tagged_with_its_key():
         on_refused=lambda: refusals.append(1),
     )
     body = json.dumps({"transfer_id": "t"}).encode()
-    good = side_channel._signed_headers(KEY, "POST", "/write_target", body)
-    stamp, nonce, _ = good[side_channel.AUTH_HEADER].split(".")
+
+    def signed() -> dict[str, str]:
+        return side_channel._signed_headers(KEY, "POST", "/write_target", body)
+
+    _, stamp, nonce, _, _ = signed()[side_channel.AUTH_HEADER].split(".")
     stale = str(int(stamp) - 120_000)
-    stale_tag = side_channel._request_tag(KEY, "POST", "/write_target", stale, nonce + "0", body)
+    stale_head = side_channel._head_tag(KEY, "POST", "/write_target", stale, nonce, len(body))
+    stale_body = side_channel._body_tag(KEY, stale_head, body)
+    good = signed()
     attempts = {
         "no header": ("POST", {}, body),
         "other key": (
@@ -239,8 +244,18 @@ def test_keyed_side_channel_refuses_what_is_not_tagged_with_its_key():
             side_channel._signed_headers(bytes(32), "POST", "/write_target", body),
             body,
         ),
-        "altered body": ("POST", good, json.dumps({"transfer_id": "evil"}).encode()),
-        "stale": ("POST", {side_channel.AUTH_HEADER: f"{stale}.{nonce}0.{stale_tag}"}, body),
+        "altered head": ("POST", signed(), json.dumps({"transfer_id": "longer"}).encode()),
+        "altered body": ("POST", signed(), json.dumps({"transfer_id": "e"}).encode()),
+        "stale": (
+            "POST",
+            {side_channel.AUTH_HEADER: f"v2.{stale}.{nonce}.{stale_head}.{stale_body}"},
+            body,
+        ),
+        "older format": (
+            "POST",
+            {side_channel.AUTH_HEADER: f"{stamp}.{nonce}.{stale_head}"},
+            body,
+        ),
         "handshake untagged": ("GET", {}, None),
     }
     try:
@@ -335,24 +350,65 @@ def test_kv_listeners_bind_loopback_unless_configured(tiny_qwen, monkeypatch):
     assert default_host(config) == "10.9.8.7"
 
 
+def _wait_closed(sock, deadline_s: float, trickle: bytes | None = None) -> bool:
+    """Whether the server closes ``sock`` within ``deadline_s`` (sending one byte of
+    ``trickle`` every 0.1 s meanwhile, as a slow client would)."""
+    import time
+
+    deadline = time.monotonic() + deadline_s
+    sent = 0
+    sock.settimeout(0.1)
+    while time.monotonic() < deadline:
+        try:
+            if trickle is not None and sent < len(trickle):
+                sock.sendall(trickle[sent : sent + 1])
+                sent += 1
+            if sock.recv(1) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except (ConnectionResetError, BrokenPipeError):
+            return True
+    return False
+
+
+def _partial_heads(n: int, source: str, port: int) -> list:
+    """``n`` connections from ``source`` that each sent part of a request head, and stop."""
+    import socket
+
+    socks = []
+    for _ in range(n):
+        s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
+        s.sendall(b"GET /handshake HTTP/1.1\r\nX-Slow: ")
+        socks.append(s)
+    return socks
+
+
 def test_side_channel_bounds_its_connections_and_closes_idle_ones():
-    """Each connection costs a thread: past the cap new ones are closed as they come, and a
-    client that sends nothing is closed after the idle timeout (no slow client holds a thread
-    for ever)."""
+    """Each connection costs a thread: when every slot is past its head (here: waiting for a
+    body that never comes) a new connection is closed unanswered, and a connection idle in its
+    body is closed after the idle timeout."""
     import socket
     import time
 
     server = SideChannelServer(
-        "127.0.0.1", 0, lambda: {"v": 1}, max_connections=2, idle_timeout_s=0.5
+        "127.0.0.1", 0, lambda: {"v": 1}, {"/renew": print}, max_connections=2, idle_timeout_s=0.5
     )
     try:
-        held = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(2)]
+        held = []
+        for _ in range(2):
+            s = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            s.sendall(b"POST /renew HTTP/1.1\r\nContent-Length: 100\r\n\r\n{")
+            held.append(s)
+        deadline = time.monotonic() + 10
+        while server.slots.held() < 2 or server.slots.in_head():  # both wait for their bodies
+            assert time.monotonic() < deadline, "the server never read those heads"
+            time.sleep(0.01)
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as extra:
-            extra.settimeout(5)
-            assert extra.recv(1) == b""  # closed unanswered: both slots are taken
+            assert _wait_closed(extra, 10)  # closed unanswered: both slots are busy
+        assert server.slots.refused == 1
         for s in held:  # the idle ones are closed by the server
-            s.settimeout(5)
-            assert s.recv(1) == b""
+            assert _wait_closed(s, 10)
             s.close()
         deadline = time.monotonic() + 10
         while True:  # the slots come free just after the server closed those connections
@@ -362,5 +418,124 @@ def test_side_channel_bounds_its_connections_and_closes_idle_ones():
             except SideChannelError:
                 assert time.monotonic() < deadline, "the side channel never served again"
                 time.sleep(0.05)
+    finally:
+        server.close()
+
+
+def test_a_trickling_client_is_closed_at_the_head_deadline():
+    """A client that sends its head one byte at a time, each well within the idle timeout,
+    is closed once the head deadline (counted from the connection's start) has passed."""
+    import socket
+
+    server = SideChannelServer(
+        "127.0.0.1", 0, lambda: {"v": 1}, head_timeout_s=0.5, idle_timeout_s=30
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"GET /handshake HTTP/1.1\r\n")
+            assert _wait_closed(s, 10, trickle=b"X-Slow: " + b"a" * 200)
+        assert server.slots.closed == 1
+        assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}
+    finally:
+        server.close()
+
+
+def test_a_keyed_client_is_served_while_one_address_holds_what_it_may(caplog):
+    """Twenty connections from one address that never finish their heads get at most
+    ``max_per_source`` slots (the rest are refused, in one log line); a real client from
+    another address is served."""
+    server = SideChannelServer(
+        "127.0.0.1",
+        0,
+        lambda: {"v": 1},
+        key=KEY,
+        max_connections=8,
+        max_per_source=4,
+        head_timeout_s=60,
+    )
+    attackers = _partial_heads(20, "127.0.0.2", server.port)
+    try:
+        with caplog.at_level("WARNING"):
+            assert fetch_handshake("127.0.0.1", server.port, 5.0, KEY) == {"v": 1}
+        refused = [r for r in caplog.records if "refused a connection" in r.getMessage()]
+        assert server.slots.refused == 16 and len(refused) == 1
+        assert "4 connections from that address already" in refused[0].getMessage()
+    finally:
+        for s in attackers:
+            s.close()
+        server.close()
+
+
+def test_when_full_the_oldest_connection_still_sending_its_head_makes_room():
+    """Connections from several addresses take every slot and never finish their heads: a
+    real client is still served, and the oldest of them is closed to make room for it."""
+    server = SideChannelServer(
+        "127.0.0.1",
+        0,
+        lambda: {"v": 1},
+        key=KEY,
+        max_connections=4,
+        max_per_source=1,
+        head_timeout_s=60,
+    )
+    attackers = [s for i in range(4) for s in _partial_heads(1, f"127.0.0.{2 + i}", server.port)]
+    try:
+        assert fetch_handshake("127.0.0.1", server.port, 5.0, KEY) == {"v": 1}
+        assert _wait_closed(attackers[0], 10)
+        assert server.slots.closed == 1 and server.slots.refused == 0
+    finally:
+        for s in attackers:
+            s.close()
+        server.close()
+
+
+def test_a_forged_header_with_a_large_body_is_refused_before_the_body_is_read():
+    """Someone without the key sends a well-formed header (tagged under another key) that
+    declares an 8 MiB body, and 1 KiB of it: the 401 comes while the rest is unsent, so the
+    server neither waited for nor held the body (its idle timeout, 60 s, is far beyond the
+    10 s this client waits)."""
+    import socket
+
+    from vllm_pd_ext.connectors.common import side_channel
+
+    server = SideChannelServer(
+        "127.0.0.1", 0, dict, {"/write_target": print}, key=KEY, idle_timeout_s=60
+    )
+    body = b" " * side_channel.MAX_BODY
+    forged = side_channel._signed_headers(bytes(32), "POST", "/write_target", body)
+    head = (
+        "POST /write_target HTTP/1.1\r\nHost: x\r\n"
+        f"Content-Length: {len(body)}\r\n{side_channel.AUTH_HEADER}: "
+        f"{forged[side_channel.AUTH_HEADER]}\r\n\r\n"
+    )
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(head.encode() + body[:1024])
+            s.settimeout(10)
+            assert s.recv(64).startswith(b"HTTP/1.0 401")
+        assert server.refused == 1
+    finally:
+        server.close()
+
+
+def test_a_request_head_is_bounded():
+    """A head of endless header lines is cut off at ``MAX_HEAD`` bytes: the connection is
+    closed without an answer and the server goes on serving."""
+    import socket
+
+    server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, head_timeout_s=60)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
+            s.sendall(b"GET /handshake HTTP/1.1\r\n")
+            line = b"X-Pad: " + b"a" * 1000 + b"\r\n"
+            try:
+                for _ in range(256):  # 256 KB: far beyond MAX_HEAD
+                    s.sendall(line)
+                s.settimeout(10)
+                closed = s.recv(64) == b""  # closed, unanswered
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+            assert closed
+        assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}
     finally:
         server.close()

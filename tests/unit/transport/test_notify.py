@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import socket
 import struct
+import time
 
 import pytest
 
@@ -114,3 +116,94 @@ def test_mori_transports_with_the_fleet_key_notify_and_refuse_a_keyless_sender()
     finally:
         for t in (receiver, keyed, keyless):
             t.close()
+
+
+def _closed_within(sock: socket.socket, deadline_s: float, trickle: bytes = b"") -> bool:
+    """Whether the server closes ``sock`` within ``deadline_s``, while it sends one byte of
+    ``trickle`` every 0.1 s (as a slow sender would)."""
+    deadline = time.monotonic() + deadline_s
+    sock.settimeout(0.1)
+    for i in itertools.count():
+        if time.monotonic() > deadline:
+            return False
+        try:
+            if i < len(trickle):
+                sock.sendall(trickle[i : i + 1])
+            if sock.recv(1) == b"":
+                return True
+        except TimeoutError:
+            continue
+        except (BrokenPipeError, ConnectionResetError):
+            return True
+    raise AssertionError("unreachable")
+
+
+def test_a_slow_sender_holds_up_no_other_notification():
+    """A sender that stops mid-frame keeps its connection: a valid notification sent meanwhile
+    is still queued and acknowledged at once."""
+    server = NotifyServer(key=KEY)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as slow:
+            slow.sendall(struct.pack("!I", 4) + b"pe")
+            send_notification(server.address, "peer", b"written", timeout=2, key=KEY)
+            assert [n.payload for n in server.drain()] == [b"written"]
+    finally:
+        server.close()
+
+
+def test_a_trickling_sender_is_closed_at_the_frame_deadline():
+    """A sender that sends its frame one byte at a time, each well within the per-read
+    timeout, is closed once the frame's deadline (from the connection's start) has passed."""
+    server = NotifyServer(frame_timeout_s=0.5)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as slow:
+            assert _closed_within(slow, 10, trickle=struct.pack("!I", 1000) + b"p" * 1000)
+        assert server.slots.closed == 1
+        send_notification(server.address, "peer", b"ok", timeout=5)
+        assert [n.payload for n in server.drain()] == [b"ok"]
+    finally:
+        server.close()
+
+
+def test_one_address_gets_at_most_its_share_of_connections(caplog):
+    """Ten slow senders from one address: ``max_per_source`` of them are served, the others
+    refused (one log line for all), and a sender from another address is still served."""
+    server = NotifyServer(max_connections=4, max_per_source=2, frame_timeout_s=60)
+    slow = [
+        socket.create_connection(
+            ("127.0.0.1", server.port), timeout=5, source_address=("127.0.0.2", 0)
+        )
+        for _ in range(10)
+    ]
+    try:
+        with caplog.at_level("WARNING"):
+            send_notification(server.address, "peer", b"ok", timeout=2)
+        assert [n.payload for n in server.drain()] == [b"ok"]
+        assert server.slots.refused == 8
+        assert len([r for r in caplog.records if "refused a connection" in r.getMessage()]) == 1
+        assert sum(_closed_within(s, 0.3) for s in slow) == 8  # the refused ones
+    finally:
+        for s in slow:
+            s.close()
+        server.close()
+
+
+def test_when_full_the_oldest_unfinished_frame_makes_room():
+    """Slow senders from four addresses hold every connection: a valid notification is still
+    delivered, and the oldest of them is closed for it."""
+    server = NotifyServer(max_connections=4, max_per_source=1, frame_timeout_s=60)
+    slow = [
+        socket.create_connection(
+            ("127.0.0.1", server.port), timeout=5, source_address=(f"127.0.0.{2 + i}", 0)
+        )
+        for i in range(4)
+    ]
+    try:
+        send_notification(server.address, "peer", b"ok", timeout=2)
+        assert [n.payload for n in server.drain()] == [b"ok"]
+        assert _closed_within(slow[0], 10)
+        assert server.slots.closed == 1 and server.slots.refused == 0
+    finally:
+        for s in slow:
+            s.close()
+        server.close()

@@ -7,11 +7,19 @@ one (answered only once no write into it is in flight). Bodies are JSON, capped 
 :data:`MAX_BODY`. Clients: :func:`fetch_handshake` and :func:`post_json`.
 
 With a fleet key (:mod:`vllm_pd_ext.fleet_key`) both directions are authenticated: a request
-carries :data:`AUTH_HEADER` ``<timestamp>.<nonce>.<tag>``, the tag over the method, path,
-timestamp, nonce and body; the server answers anything else 401 and accepts each nonce once
-(:class:`~vllm_pd_ext.fleet_key.ReplayGuard`). Its answer carries the tag of the request's
-nonce, the status and the answer's body, which the client checks: a handshake document or an
+carries :data:`AUTH_HEADER` ``v2.<timestamp>.<nonce>.<head tag>.<body tag>``, the head tag over
+the method, path, timestamp, nonce and ``Content-Length``, the body tag over the head tag and
+the body. The server checks the head tag (then the timestamp and nonce, each nonce accepted
+once: :class:`~vllm_pd_ext.fleet_key.ReplayGuard`) before it reads any body, and the body tag
+after; it answers anything else 401. Its answer carries the tag of the request's nonce, the
+status and the answer's body, which the client checks: a handshake document or an
 acknowledgement cannot be forged either. Without a key nothing is tagged or checked.
+
+Nobody can hold the server's connections (:class:`~vllm_pd_ext.util.conn_slots.ConnectionSlots`):
+at most :data:`MAX_CONNECTIONS`, :data:`MAX_PER_SOURCE` of them from one address; a request's
+head (request line and headers, at most :data:`MAX_HEAD` bytes) must arrive within
+:data:`HEAD_TIMEOUT_S` of the connection's start, and when all are taken the oldest connection
+still sending its head is closed for a new one.
 """
 
 from __future__ import annotations
@@ -28,28 +36,44 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, NamedTuple
 
 from vllm_pd_ext import fleet_key
+from vllm_pd_ext.util.conn_slots import ConnectionSlots
 from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
 #: Largest request body the server reads.
 MAX_BODY = 8 << 20
-#: Connections served at once (a thread each); more are closed as they come.
+#: Largest request head (request line and headers) the server reads.
+MAX_HEAD = 16 << 10
+#: Connections served at once (a thread each); beyond it, the oldest one still sending its
+#: head is closed for a new one, or the new one is refused.
 MAX_CONNECTIONS = 64
-#: A connection that sends nothing for this long is closed (a slow client holds no thread).
+#: Connections from one address at once (a decode host's workers each hold at most
+#: ``max_concurrent_transfers``, default 4, at a time); more from it are refused.
+MAX_PER_SOURCE = 32
+#: A request's head must have arrived this long after the connection opened.
+HEAD_TIMEOUT_S = 3.0
+#: Once the head is in, a read of the body or a write of the answer may wait this long.
 IDLE_TIMEOUT_S = 10.0
 #: The header that carries a request's or an answer's fleet-key tag.
 AUTH_HEADER = "X-PdExt-Auth"
+#: The first field of :data:`AUTH_HEADER` in requests (the header's format version).
+AUTH_VERSION = "v2"
 #: Refusals logged at most this often (a scan must not flood the engine's log).
 _WARN_EVERY_S = 10.0
 
 
-def _request_tag(key: bytes, method: str, path: str, stamp: str, nonce: str, body: bytes) -> str:
-    digest = hashlib.sha256(body).digest()
-    return fleet_key.tag(key, "side-channel request", method, path, stamp, nonce, digest).hex()
+def _head_tag(key: bytes, method: str, path: str, stamp: str, nonce: str, length: int) -> str:
+    return fleet_key.tag(
+        key, "side-channel request head", method, path, stamp, nonce, str(length)
+    ).hex()
+
+
+def _body_tag(key: bytes, head_tag: str, body: bytes) -> str:
+    return fleet_key.tag(key, "side-channel request body", head_tag, body).hex()
 
 
 def _answer_tag(key: bytes, nonce: str, status: int, body: bytes) -> str:
@@ -58,27 +82,43 @@ def _answer_tag(key: bytes, nonce: str, status: int, body: bytes) -> str:
 
 
 _NO_HEADER = f"no valid {AUTH_HEADER} header (is this peer given the fleet key?)"
+_OLD_HEADER = f"an {AUTH_HEADER} header of an older version (upgrade that peer)"
 
 
-def _parse_header(header: str | None) -> tuple[str, str, str] | None:
-    """(timestamp, nonce, tag) of a well-formed request header, else None."""
-    stamp, _, rest = (header or "").partition(".")
-    nonce, _, claimed = rest.partition(".")
+class _Auth(NamedTuple):
+    """The fields of a request's :data:`AUTH_HEADER`."""
+
+    stamp: str
+    nonce: str
+    head: str
+    body: str
+
+
+def _parse_header(header: str | None) -> _Auth | str:
+    """The fields of a well-formed request header, else why it is not one."""
+    fields = (header or "").split(".")
+    if len(fields) == 3:  # <timestamp>.<nonce>.<tag>: before the head was tagged on its own
+        return _OLD_HEADER
+    if len(fields) != 5 or fields[0] != AUTH_VERSION:
+        return _NO_HEADER
+    auth = _Auth(*fields[1:])
     well_formed = (
-        0 < len(stamp) <= 16
-        and 0 < len(nonce) <= 64
-        and 0 < len(claimed) <= 128
-        and (stamp + nonce + claimed).isascii()
-        and stamp.isdigit()
+        0 < len(auth.stamp) <= 16
+        and 0 < len(auth.nonce) <= 64
+        and 0 < len(auth.head) <= 64
+        and 0 < len(auth.body) <= 64
+        and "".join(auth).isascii()
+        and auth.stamp.isdigit()
     )
-    return (stamp, nonce, claimed) if well_formed else None
+    return auth if well_formed else _NO_HEADER
 
 
 def _signed_headers(key: bytes | None, method: str, path: str, body: bytes) -> dict[str, str]:
     if key is None:
         return {}
     stamp, nonce = str(int(time.time() * 1000)), secrets.token_hex(16)
-    value = f"{stamp}.{nonce}.{_request_tag(key, method, path, stamp, nonce, body)}"
+    head = _head_tag(key, method, path, stamp, nonce, len(body))
+    value = f"{AUTH_VERSION}.{stamp}.{nonce}.{head}.{_body_tag(key, head, body)}"
     return {AUTH_HEADER: value}
 
 
@@ -89,10 +129,12 @@ class SideChannelError(RuntimeError):
 class SideChannelServer:
     """Serves ``handshake`` at ``GET /handshake`` and passes POST bodies to ``post_routes``.
 
-    Runs one daemon thread plus one per connection, at most ``max_connections`` (more are
-    closed as they come); a connection idle for ``idle_timeout_s`` is closed. ``close()``
-    stops it. With ``key``, only requests tagged with it are served (see the module's
-    docstring); ``on_refused`` is called for each other one.
+    Runs one daemon thread plus one per connection: at most ``max_connections``,
+    ``max_per_source`` of them from one address; a request's head must arrive within
+    ``head_timeout_s`` of the connection's start, and a connection then idle for
+    ``idle_timeout_s`` is closed (see the module's docstring). ``close()`` stops it. With
+    ``key``, only requests tagged with it are served; ``on_refused`` is called for each other
+    one.
     """
 
     def __init__(
@@ -105,12 +147,27 @@ class SideChannelServer:
         key: bytes | None = None,
         on_refused: Callable[[], None] | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        max_per_source: int = MAX_PER_SOURCE,
+        head_timeout_s: float = HEAD_TIMEOUT_S,
         idle_timeout_s: float = IDLE_TIMEOUT_S,
     ) -> None:
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
             timeout = idle_timeout_s  # socket timeout on every read: no slow client for ever
+
+            def setup(self) -> None:
+                super().setup()
+                self.rfile = _HeadLimit(self.rfile, MAX_HEAD)  # type: ignore[assignment]
+
+            def parse_request(self) -> bool:
+                ok = super().parse_request()
+                assert isinstance(self.rfile, _HeadLimit)
+                self.rfile = self.rfile.raw  # the body: bounded by Content-Length
+                if not outer.slots.head_done(self.connection):
+                    self.close_connection = True  # closed for a late head: serve nothing
+                    return False
+                return ok
 
             def log_message(self, fmt: str, *args: Any) -> None:
                 logger.debug("side channel: " + fmt, *args)
@@ -125,24 +182,56 @@ class SideChannelServer:
                 self.end_headers()
                 self.wfile.write(raw)
 
-            def _authenticate(self, method: str, body: bytes) -> str | None:
-                """The request's nonce if it may be served (always without a key); otherwise
-                answer 401 and return None."""
-                if outer._key is None:
-                    return ""
-                problem, nonce = outer._check_tag(
-                    outer._key, method, self.path, self.headers.get(AUTH_HEADER), body
-                )
-                if problem is None:
-                    return nonce
+            def _refuse(self, method: str, problem: str) -> None:
                 outer._refuse(self.client_address[0], method, self.path, problem)
                 self._reply(401, {"error": f"unauthenticated: {problem}"})
-                return None
+
+            def _content_length(self, method: str) -> int | None:
+                """The declared body length (GET: 0 unless declared); answer 400 and return
+                None when it is missing for a POST, not a number, or over :data:`MAX_BODY`."""
+                try:
+                    n = int(self.headers.get("Content-Length", "0"))
+                    least = 1 if method == "POST" else 0
+                    if not least <= n <= MAX_BODY:
+                        raise ValueError(f"body of {n} bytes")
+                except ValueError as e:
+                    self._reply(400, {"error": str(e)})
+                    return None
+                return n
+
+            def _read(self, method: str) -> tuple[str, bytes] | None:
+                """(nonce, body) of a request that may be served (nonce "" without a key);
+                otherwise answer it (400, 401) and return None. With a key, the head is
+                checked before any body is read: nobody without the key makes us read one."""
+                n = self._content_length(method)
+                if n is None:
+                    return None
+                key = outer._key
+                if key is None:
+                    return "", self.rfile.read(n) if method == "POST" else b""
+                auth = _parse_header(self.headers.get(AUTH_HEADER))
+                if isinstance(auth, str):
+                    self._refuse(method, auth)
+                    return None
+                head = _head_tag(key, method, self.path, auth.stamp, auth.nonce, n)
+                if not hmac.compare_digest(auth.head, head):
+                    self._refuse(method, "bad tag (a different fleet key, or an altered request)")
+                    return None
+                problem = outer._replays.check(int(auth.stamp) / 1000, auth.nonce)
+                if problem is not None:
+                    self._refuse(method, problem)
+                    return None
+                body = self.rfile.read(n) if method == "POST" else b""
+                if len(body) != n or not hmac.compare_digest(auth.body, _body_tag(key, head, body)):
+                    self._refuse(method, "bad body tag (the body was altered or cut short)")
+                    return None
+                return auth.nonce, body
 
             def do_GET(self) -> None:
-                nonce = self._authenticate("GET", b"")
-                if nonce is None:
+                request = self._read("GET")
+                if request is None:
                     return
+                nonce, _ = request
                 if self.path != "/handshake":
                     self._reply(404, {"error": f"no route {self.path}"}, nonce)
                     return
@@ -153,22 +242,10 @@ class SideChannelServer:
                 if route is None:
                     self._reply(404, {"error": f"no route {self.path}"})
                     return
-                try:
-                    n = int(self.headers.get("Content-Length", "0"))
-                    if not 0 < n <= MAX_BODY:
-                        raise ValueError(f"body of {n} bytes")
-                except ValueError as e:
-                    self._reply(400, {"error": str(e)})
+                request = self._read("POST")
+                if request is None:
                     return
-                if outer._key is not None and _parse_header(self.headers.get(AUTH_HEADER)) is None:
-                    # refused before its body is read: no one without the key makes us hold it
-                    outer._refuse(self.client_address[0], "POST", self.path, _NO_HEADER)
-                    self._reply(401, {"error": f"unauthenticated: {_NO_HEADER}"})
-                    return
-                raw = self.rfile.read(n)
-                nonce = self._authenticate("POST", raw)
-                if nonce is None:
-                    return
+                nonce, raw = request
                 try:
                     body = json.loads(raw)
                     if not isinstance(body, dict):
@@ -187,8 +264,12 @@ class SideChannelServer:
         self._warnings = Throttle(_WARN_EVERY_S)
         self._lock = threading.Lock()
         self.refused = 0
+        #: Who may hold a connection (refusals and closes are counted there).
+        self.slots = ConnectionSlots(
+            "KV side channel", max_connections, max_per_source, head_timeout_s
+        )
         try:
-            self._server = _BoundedServer((host, port), Handler, max_connections)
+            self._server = _BoundedServer((host, port), Handler, self.slots)
         except OSError as e:
             raise SideChannelError(
                 f"cannot bind the KV side channel on {host}:{port} ({e}); set "
@@ -197,24 +278,11 @@ class SideChannelServer:
         self.host, self.port = host, int(self._server.server_address[1])
         self._thread = threading.Thread(
             target=self._server.serve_forever,
-            kwargs={"poll_interval": 0.2},
+            kwargs={"poll_interval": min(0.2, head_timeout_s / 4)},
             name=f"pdext-side-channel-{self.port}",
             daemon=True,
         )
         self._thread.start()
-
-    def _check_tag(
-        self, key: bytes, method: str, path: str, header: str | None, body: bytes
-    ) -> tuple[str | None, str]:
-        """(None, nonce) for a request tagged with ``key`` and fresh, else (why not, "")."""
-        parts = _parse_header(header)
-        if parts is None:
-            return _NO_HEADER, ""
-        stamp, nonce, claimed = parts
-        if not hmac.compare_digest(claimed, _request_tag(key, method, path, stamp, nonce, body)):
-            return "bad tag (a different fleet key, or the request was altered)", ""
-        problem = self._replays.check(int(stamp) / 1000, nonce)
-        return problem, nonce
 
     def _refuse(self, client: str, method: str, path: str, problem: str) -> None:
         with self._lock:
@@ -238,36 +306,51 @@ class SideChannelServer:
         self._thread.join(timeout=2.0)
 
 
+class _HeadLimit:
+    """A request's input while its head is read: at most ``limit`` bytes of lines."""
+
+    def __init__(self, raw: Any, limit: int) -> None:
+        self.raw, self._left = raw, limit
+
+    def readline(self, size: int = -1) -> bytes:
+        if self._left <= 0:
+            raise ConnectionError(f"request head over {MAX_HEAD} bytes")
+        line: bytes = self.raw.readline(self._left if size < 0 else min(size, self._left))
+        self._left -= len(line)
+        return line
+
+
 class _BoundedServer(ThreadingHTTPServer):
-    """A threading HTTP server that serves at most ``limit`` connections at once."""
+    """A threading HTTP server that serves the connections ``slots`` admits."""
 
     daemon_threads = True
+    request_queue_size = 128  # a burst of connections waits to be admitted or refused
 
-    def __init__(self, address: tuple[str, int], handler: type, limit: int) -> None:
-        self._slots = threading.BoundedSemaphore(limit)
-        self._limit = limit
+    def __init__(self, address: tuple[str, int], handler: type, slots: ConnectionSlots) -> None:
+        self.slots = slots
         super().__init__(address, handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            logger.warning(
-                "KV side channel: %d connections already; closed one from %s",
-                self._limit,
-                client_address[0],
-            )
+        if not self.slots.admit(request, client_address[0]):
             self.shutdown_request(request)
             return
         try:
             super().process_request(request, client_address)
         except BaseException:
-            self._slots.release()
+            self.slots.release(request)
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:
-            self._slots.release()
+            self.slots.release(request)
+
+    def service_actions(self) -> None:
+        self.slots.expire()  # runs every poll interval of serve_forever
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.debug("side channel: connection from %s ended", client_address[0], exc_info=True)
 
 
 #: P/D hosts talk to each other directly: never through an HTTP proxy from the environment.
@@ -303,7 +386,7 @@ def _exchange(
     except (OSError, urllib.error.URLError) as e:
         raise SideChannelError(f"{method} {path} to {host}:{port} failed: {e}") from e
     if key is not None:
-        nonce = headers[AUTH_HEADER].split(".")[1]
+        nonce = headers[AUTH_HEADER].split(".")[2]
         if not isinstance(tag, str) or not hmac.compare_digest(
             tag.encode(), _answer_tag(key, nonce, status, raw).encode()
         ):
