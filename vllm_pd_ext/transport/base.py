@@ -15,6 +15,13 @@ or a benchmark process). Its life:
    to that peer before it; the peer reads it with ``drain_notifications()``.
 6. ``close()`` releases the engine and every registration.
 
+A connector can confine what peers may do to its memory: after ``enforce_grants()`` a peer's
+read or write is served only inside spans ``grant(grant_id, op, peer, spans)`` gave that peer
+for that operation, until ``revoke(grant_id)``. Only backends whose own code serves peers
+(``enforces_grants``: ``tcp``) can check this; for the others a grant is a no-op and their data
+plane must be isolated (see docs/security.md). Without ``enforce_grants()`` a transport serves
+any span of any registered region to any peer its backend lets in.
+
 :class:`Transport` implements validation (spans are checked against the registered bounds
 BEFORE anything reaches the engine), coalescing of adjacent spans, handle bookkeeping and
 instrumentation (:class:`~vllm_pd_ext.transport.stats.TransferStats`) once for all backends.
@@ -30,7 +37,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
@@ -38,6 +45,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 import numpy as np
 
 from vllm_pd_ext.transport.errors import (
+    GrantError,
     PeerMismatch,
     RegistrationError,
     TransferError,
@@ -47,8 +55,10 @@ from vllm_pd_ext.transport.errors import (
     UnknownPeer,
     UnknownRegion,
 )
+from vllm_pd_ext.transport.grants import GrantTable, merge_extents
 from vllm_pd_ext.transport.spans import LOCAL, REMOTE, as_span_array, check_bounds, coalesce
 from vllm_pd_ext.transport.stats import TransferStats
+from vllm_pd_ext.util.throttle import Throttle
 
 if TYPE_CHECKING:
     import torch
@@ -60,6 +70,10 @@ DESCRIPTOR_VERSION = 1
 #: Notifications a transport keeps until they are drained; more are refused (the sender gets
 #: an error), so a peer that floods them cannot fill memory.
 MAX_QUEUED_NOTIFICATIONS = 16384
+#: Grants a transport holds at once (one per transfer in flight); more are refused.
+MAX_GRANTS = 4096
+#: Requests refused for want of a grant are logged at most this often (all are counted).
+_UNGRANTED_LOG_EVERY_S = 10.0
 
 
 class TransferOp(str, Enum):
@@ -266,6 +280,11 @@ class Transport(abc.ABC):
     #: write or notification from a peer without the key); ``"notifications"``, only those
     #: (the engine it drives moves bytes unauthenticated); ``""``, nothing.
     fleet_key_scope: ClassVar[str] = ""
+    #: Whether the backend serves peers' reads and writes only inside granted spans once
+    #: :meth:`enforce_grants` is on. False where an engine we only drive serves them
+    #: (one-sided RDMA, a third-party engine): there :meth:`grant` and :meth:`revoke` are
+    #: no-ops and the data plane must be isolated instead.
+    enforces_grants: ClassVar[bool] = False
 
     def __init__(self, *, coalesce_spans: bool = True) -> None:
         self.stats = TransferStats()
@@ -277,6 +296,10 @@ class Transport(abc.ABC):
         self._outstanding: dict[str, set[TransferHandle]] = {}
         self._ids = itertools.count(1)
         self._closed = False
+        self._grants = GrantTable(MAX_GRANTS)
+        self._grants_enforced = False
+        self._on_ungranted: Callable[[], None] | None = None
+        self._ungranted_log = Throttle(_UNGRANTED_LOG_EVERY_S)
 
     # ------------------------------------------------------------------ memory
     def register_buffer(self, name: str, addr: int, size: int, *, owner: Any = None) -> Region:
@@ -330,6 +353,64 @@ class Transport(abc.ABC):
         """A copy of the registered local regions by name."""
         with self._lock:
             return dict(self._regions)
+
+    # ------------------------------------------------------------------ grants
+    def enforce_grants(self, on_refused: Callable[[], None] | None = None) -> None:
+        """From now on serve a peer's read or write only inside spans granted to that peer
+        for that operation (:meth:`grant`); anything else is refused (the peer's transfer
+        fails), counted in ``stats`` and passed to ``on_refused``, and logged at most every
+        10 s. Cannot be turned off. A no-op where ``enforces_grants`` is False."""
+        with self._lock:
+            self._on_ungranted = on_refused
+            self._grants_enforced = True
+
+    @property
+    def grants_enforced(self) -> bool:
+        """True once :meth:`enforce_grants` was called on a backend that enforces grants."""
+        return self._grants_enforced and self.enforces_grants
+
+    def grant(self, grant_id: str, op: TransferOp, peer: str, spans: Mapping[str, Any]) -> None:
+        """Let ``peer`` (its engine id) ``op`` (READ: read from us; WRITE: write into us) the
+        ``spans`` of our regions: ``{region name: (offset, length) pairs}``. A grant with the
+        same id is replaced. Raises :class:`GrantError` for a span outside its region, an
+        unregistered region, or when ``MAX_GRANTS`` are held. A no-op where
+        ``enforces_grants`` is False."""
+        if not self.enforces_grants:
+            return
+        with self._lock:
+            self._check_open()
+            sizes = {name: r.size for name, r in self._regions.items()}
+        extents = {}
+        for name, pairs in spans.items():
+            if name not in sizes:
+                raise GrantError(f"grant {grant_id!r}: no local region named {name!r}")
+            extents[name] = merge_extents(pairs, sizes[name])
+        self._grants.add(grant_id, TransferOp(op).value, peer, extents)
+
+    def revoke(self, grant_id: str) -> bool:
+        """Withdraw grant ``grant_id`` (requests checked after this are refused); False if it
+        was not held. Idempotent; a no-op where ``enforces_grants`` is False."""
+        return self._grants.remove(grant_id)
+
+    def _check_grant(self, peer: str, op: TransferOp, region: str, pairs: np.ndarray) -> str | None:
+        """For backends that serve peers: why ``peer``'s ``op`` of ``(offset, length)``
+        ``pairs`` (inside ``region``'s bounds) is refused, or None to serve it. Counts and
+        logs (rate-limited) each refusal."""
+        if not self._grants_enforced or self._grants.allows(peer, op.value, region, pairs):
+            return None
+        self.stats.record_ungranted()
+        if self._on_ungranted is not None:
+            self._on_ungranted()
+        if self._ungranted_log.ready():  # a peer that keeps asking floods no log
+            logger.warning(
+                "refused a %s of region %r by peer %s: outside what was granted to it "
+                "(%d refused so far)",
+                op.value,
+                region,
+                peer,
+                self.stats.totals().ungranted,
+            )
+        return f"{op.value} outside the spans granted to {peer}"
 
     # ------------------------------------------------------------------- peers
     @property
@@ -548,6 +629,7 @@ class Transport(abc.ABC):
                 self._keepalive.clear()
                 self._peers.clear()
                 self._outstanding.clear()
+                self._grants.clear()
         logger.debug("closed %s transport %s", self.backend_name, self.engine_id)
 
     @property
@@ -627,6 +709,7 @@ class Transport(abc.ABC):
 
 
 __all__ = [
+    "MAX_GRANTS",
     "BackendJob",
     "Notification",
     "Region",

@@ -9,6 +9,7 @@ TransportError
 ├── RegistrationError       a region could not be registered (duplicate name, bad tensor, engine)
 │   └── UnknownRegion       no local region is registered under that name
 ├── RegionBoundsError       a span leaves its registered region, or spans overlap at the target
+├── GrantError              a grant could not be recorded (bad spans, unknown region, too many)
 ├── PeerError
 │   ├── UnknownPeer         no peer connected under that id
 │   ├── PeerMismatch        the descriptor belongs to another backend, or lacks a named region
@@ -45,6 +46,11 @@ class RegionBoundsError(TransportError, ValueError):
 
     Raised before anything reaches the engine: nothing was transferred.
     """
+
+
+class GrantError(TransportError, ValueError):
+    """A grant (:meth:`Transport.grant`) could not be recorded: a span leaves its region, the
+    region is not registered, or the transport holds as many grants as it may."""
 
 
 class PeerError(TransportError):

@@ -113,6 +113,8 @@ class MoriTransport(Transport):
 
     backend_name = "mori"
     fleet_key_scope = "notifications"
+    #: Peers read and write our memory one-sided over RDMA: nothing of ours sees the request.
+    enforces_grants = False
 
     def __init__(
         self,

@@ -28,6 +28,8 @@ class StatsSnapshot:
     seconds: float = 0.0
     notifications_sent: int = 0
     notifications_received: int = 0
+    #: Peers' reads and writes this transport refused for want of a grant (``enforce_grants``).
+    ungranted: int = 0
     #: Seconds of each successful transfer in the interval (empty in ``totals``), oldest first.
     durations: list[float] = field(default_factory=list)
 
@@ -48,6 +50,7 @@ class StatsSnapshot:
             "seconds": self.seconds,
             "notifications_sent": self.notifications_sent,
             "notifications_received": self.notifications_received,
+            "ungranted": self.ungranted,
             "durations": list(self.durations),
         }
 
@@ -90,6 +93,12 @@ class TransferStats:
                 s.notifications_sent += sent
                 s.notifications_received += received
 
+    def record_ungranted(self) -> None:
+        """Count one peer's read or write refused because nothing granted it."""
+        with self._lock:
+            self._interval.ungranted += 1
+            self._totals.ungranted += 1
+
     def take(self) -> StatsSnapshot:
         """Return the counters since the previous ``take()`` and start a new interval."""
         with self._lock:
@@ -110,4 +119,5 @@ class TransferStats:
                 seconds=t.seconds,
                 notifications_sent=t.notifications_sent,
                 notifications_received=t.notifications_received,
+                ungranted=t.ungranted,
             )

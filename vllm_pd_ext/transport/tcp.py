@@ -39,6 +39,11 @@ neither be served (no read, write or notification gets through) nor pass as a se
 recorded HELLO is worthless (fresh nonces each time). Without a key the proofs are zeros and
 the data server serves anyone who can reach ``host:port`` (within the regions' bounds), as
 Mooncake's and MoRI's engines do: then bind it to a private interface.
+
+Once the transport's ``enforce_grants()`` is on, the server also serves a READ only inside
+spans granted for reading to the engine id the connection named at HELLO, and a WRITE only
+inside spans granted to it for writing (:mod:`vllm_pd_ext.transport.grants`); anything else is
+answered FAIL (a WRITE's payload drained first, nothing written).
 """
 
 from __future__ import annotations
@@ -345,6 +350,10 @@ def _check_spans(pairs: np.ndarray, size: int, nbytes: int | None) -> str | None
 
 
 # ------------------------------------------------------------------------------- server
+#: Why a peer's request for ``(offset, length)`` pairs of a region is refused (None: serve it).
+GrantCheck = Callable[[str, TransferOp, str, np.ndarray], str | None]
+
+
 class _Server:
     """The data server: answers peers' WRITE, READ and NOTIFY requests."""
 
@@ -355,11 +364,13 @@ class _Server:
         memory: _Memory,
         key: bytes | None,
         on_refused: Callable[[], None] | None,
+        check_grant: GrantCheck,
     ) -> None:
         self.cfg = cfg
         self.engine_id = engine_id
         self.memory = memory
         self.key, self.on_refused = key, on_refused
+        self.check_grant = check_grant
         self._refusal_log = Throttle(_REFUSAL_LOG_EVERY_S)
         self.notes: deque[Notification] = deque()
         self._stop = threading.Event()
@@ -430,9 +441,9 @@ class _Server:
                     continue
                 pairs = np.frombuffer(link.recv(16 * nspans), dtype="<i8").reshape(-1, 2)
                 if kind == _WRITE:
-                    self._write(link, xid, name, pairs, nbytes)
+                    self._write(link, xid, peer, name, pairs, nbytes)
                 elif kind == _READ:
-                    self._read(link, xid, name, pairs)
+                    self._read(link, xid, peer, name, pairs)
                 else:
                     raise ValueError(f"unknown request kind {kind}")
         except _Closed:
@@ -471,13 +482,17 @@ class _Server:
         msg = message.encode()[:_MAX_MESSAGE]
         link.send(_RSP.pack(_FAIL, len(msg), xid, 0) + msg)
 
-    def _write(self, link: _Link, xid: int, name: str, pairs: np.ndarray, nbytes: int) -> None:
+    def _write(
+        self, link: _Link, xid: int, peer: str, name: str, pairs: np.ndarray, nbytes: int
+    ) -> None:
         view = self.memory.acquire(name)
         if view is None:
             link.drain(nbytes)
             return self._fail(link, xid, f"no region named {name!r} is registered")
         try:
-            problem = _check_spans(pairs, len(view), nbytes)
+            problem = _check_spans(pairs, len(view), nbytes) or self.check_grant(
+                peer, TransferOp.WRITE, name, pairs
+            )
             if problem:
                 link.drain(nbytes)
                 return self._fail(link, xid, f"region {name!r}: {problem}")
@@ -488,12 +503,14 @@ class _Server:
             self.memory.release(name)
         link.send(_RSP.pack(_OK, 0, xid, 0))
 
-    def _read(self, link: _Link, xid: int, name: str, pairs: np.ndarray) -> None:
+    def _read(self, link: _Link, xid: int, peer: str, name: str, pairs: np.ndarray) -> None:
         view = self.memory.acquire(name)
         if view is None:
             return self._fail(link, xid, f"no region named {name!r} is registered")
         try:
-            problem = _check_spans(pairs, len(view), None)
+            problem = _check_spans(pairs, len(view), None) or self.check_grant(
+                peer, TransferOp.READ, name, pairs
+            )
             if problem:
                 return self._fail(link, xid, f"region {name!r}: {problem}")
             nbytes = int(pairs[:, 1].sum())
@@ -803,6 +820,7 @@ class TcpTransport(Transport):
 
     backend_name = "tcp"
     fleet_key_scope = "all"
+    enforces_grants = True
 
     def __init__(
         self,
@@ -821,7 +839,9 @@ class TcpTransport(Transport):
         self._memory = _Memory()
         self._engine_id = f"tcp-{uuid.uuid4().hex[:12]}"
         try:
-            self._server = _Server(cfg, self._engine_id, self._memory, key, on_refused)
+            self._server = _Server(
+                cfg, self._engine_id, self._memory, key, on_refused, self._check_grant
+            )
         except OSError as e:
             raise TransportError(
                 f"tcp data server could not bind {cfg.host}:{cfg.port}: {e}"

@@ -23,22 +23,24 @@ def pattern(seed: int, size: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
 
 
-def raw_tcp_hello(s: socket.socket, key: bytes | None = None, proof: bytes | None = None):
-    """A raw client's HELLO, written from the wire format: our id "x" and nonce, the server's
-    HELLO, our proof (under ``key``, zeros without one, or ``proof`` as given); the server's
-    verdict ``(kind, message)``."""
+def raw_tcp_hello(
+    s: socket.socket, key: bytes | None = None, proof: bytes | None = None, me: bytes = b"x"
+):
+    """A raw client's HELLO, written from the wire format: our id ``me`` and nonce, the
+    server's HELLO, our proof (under ``key``, zeros without one, or ``proof`` as given); the
+    server's verdict ``(kind, message)``."""
     from vllm_pd_ext import fleet_key
     from vllm_pd_ext.transport import tcp
 
     s.settimeout(5)
     nonce = bytes(range(16))
-    s.sendall(tcp._HELLO.pack(b"PDXT", 2, 1) + b"x" + nonce)
+    s.sendall(tcp._HELLO.pack(b"PDXT", 2, len(me)) + me + nonce)
     magic, version, n = tcp._HELLO.unpack(recv_exact(s, tcp._HELLO.size))
     assert (magic, version) == (b"PDXT", 2)
     server_id, server_nonce, _ = recv_exact(s, n), recv_exact(s, 16), recv_exact(s, 32)
     if proof is None:
         proof = (
-            fleet_key.tag(key, "tcp hello client", nonce, server_nonce, b"x", server_id)
+            fleet_key.tag(key, "tcp hello client", nonce, server_nonce, me, server_id)
             if key
             else bytes(32)
         )
