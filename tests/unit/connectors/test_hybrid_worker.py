@@ -3,7 +3,8 @@ vLLM's hybrid allocator lays out a GraniteMoeHybrid's: each storage is shared by
 (one int8 view of whole state pages) and an attention layer (bf16 blocks), and block ids come
 per KV cache group. The prefill worker runs in a spawned process; the decode worker pulls over
 real Mooncake engines and must end with the same state pages and attention blocks, byte for
-byte, and nothing else touched."""
+byte, and nothing else touched. Over our ``tcp`` backend (in one process) it may read only the
+pages and blocks leased to it."""
 
 from __future__ import annotations
 
@@ -64,9 +65,12 @@ def hybrid_caches(seed: int | None, heads: int = HEADS) -> dict[str, torch.Tenso
     return out
 
 
-def worker(role: str, port: int, heads: int = HEADS) -> TransferWorker:
+def worker(role: str, port: int, heads: int = HEADS, backend: str = "mooncake") -> TransferWorker:
     cfg = TransferConfig(
-        backend_settings={"host": "127.0.0.1"}, transfer_timeout_s=10.0, handshake_timeout_s=5.0
+        backend=backend,
+        backend_settings={"host": "127.0.0.1"},
+        transfer_timeout_s=10.0,
+        handshake_timeout_s=5.0,
     )
     return TransferWorker(
         cfg,
@@ -152,6 +156,69 @@ def test_state_pages_and_attention_blocks_cross_processes(prompt_tokens):
                 assert torch.equal(got, want), (layer, b)  # bytes: random bf16 holds NaNs
             elif b not in d_state + d_attn:  # pages are shared: check untouched ones only
                 assert torch.count_nonzero(dc[layer][b].view(torch.uint8)) == 0, (layer, b)
+
+
+def test_a_peer_reads_only_the_state_pages_and_blocks_leased_to_it():
+    """Over ``tcp``: a load through the whole READ path (claim, read of both KV cache
+    groups, "done") succeeds; the decode transport that claimed another lease reads its state
+    page and attention blocks, while the state page of a request leased to nobody, an
+    attention block of it, and group 1's block on the leased state page (the same storage,
+    more bytes than the state) are refused and leave the decode caches untouched."""
+    from vllm_pd_ext.connectors.common.side_channel import post_json
+    from vllm_pd_ext.transport import TransferError
+
+    port = free_port()
+    p = worker("kv_producer", port, backend="tcp")
+    d = worker("kv_consumer", free_port(), backend="tcp")
+    try:
+        pc, dc = hybrid_caches(seed=7), hybrid_caches(seed=None)
+        p.register_kv_caches(pc)
+        d.register_kv_caches(dc)
+        assert d.transport is not None
+        p.bind(
+            PdTransferMetadata(
+                send=[
+                    SendSpec("p-first", "read", ((1,), (8, 9))),
+                    SendSpec("p-req", "read", ((3,), (5, 6))),
+                    SendSpec("p-other", "read", ((4,), (7,))),
+                ]
+            )
+        )
+        p.get_finished({"p-first", "p-req", "p-other"})
+        first = RemoteRef("engine-kv_producer", "127.0.0.1", port, "p-first")
+        pairs = (((10, 1),), ((17, 8), (18, 9)))
+        d.bind(
+            PdTransferMetadata(recv=[RecvSpec("d-req", "read", first, pairs, ((10,), (17, 18)))])
+        )
+        d.start_load_kv()
+        deadline = time.monotonic() + 20
+        while not d.get_finished(set())[1]:
+            assert time.monotonic() < deadline, "the load never finished"
+            time.sleep(0.01)
+        assert d.take_failed_loads() == set()
+        while p.get_finished(set())[0] != {"p-first"}:
+            assert time.monotonic() < deadline, "the prefill side never freed p-first"
+            time.sleep(0.01)
+        ref = RemoteRef("engine-kv_producer", "127.0.0.1", port, "p-req")
+        post_json(
+            "127.0.0.1", port, "/renew", {"req": "p-req", "engine_id": d.transport.engine_id}, 5
+        )
+        peer = d._peer(ref)
+        d._move(peer, (((11, 3),), ((14, 5), (15, 6))), deadline, read=True)
+        for layer, group in GROUPS.items():
+            moved = [(10, 1), (11, 3)] if group == 0 else [(17, 8), (18, 9), (14, 5), (15, 6)]
+            for mine, theirs in moved:
+                got, want = dc[layer][mine].view(torch.uint8), pc[layer][theirs].view(torch.uint8)
+                assert torch.equal(got, want), (layer, mine)
+        for outside in [(((12, 4),), ()), ((), ((16, 7),)), ((), ((12, 3),))]:
+            with pytest.raises(TransferError, match="read outside the spans granted"):
+                d._move(peer, outside, deadline, read=True)
+        for layer in GROUPS:
+            for b in (12, 16):
+                assert torch.count_nonzero(dc[layer][b].view(torch.uint8)) == 0, (layer, b)
+    finally:
+        d.shutdown()
+        p.shutdown()
 
 
 def test_hybrid_layout_mismatch_is_refused_at_handshake():

@@ -517,3 +517,130 @@ def test_leased_blocks_belong_to_the_peer_that_claimed_them(pair, backend, caplo
         evil.close()
     d._notify(d.transport.connect(p.transport.descriptor()), {"op": "done", "req": "p-req"})
     assert poll(lambda: p.get_finished(set())[0], "the holder's release") == {"p-req"}
+
+
+def keyed_stranger(key: bytes | None) -> TransferWorker:
+    """A decode worker of the same fleet (it holds ``key``) that is part of no transfer."""
+    stranger = worker("kv_consumer", free_port(), backend="tcp", key=key)
+    stranger.register_kv_caches(caches(True))
+    return stranger
+
+
+def refused_reads(p: TransferWorker, total: int, new: int) -> None:
+    """Wait until ``p``'s data server refused ``total`` requests in all; its connector stats
+    count the ``new`` ones since they were last taken."""
+    assert p.transport is not None
+    poll(lambda: p.transport.stats.totals().ungranted >= total, f"{total} refusals")
+    assert p.transport.stats.totals().ungranted == total
+    taken = p.stats.take()
+    assert taken is not None and taken.data["ungranted"] == new
+
+
+@pytest.mark.parametrize("backend", ["tcp"])
+@pytest.mark.parametrize("pair", [{"key": KEY}], indirect=True, ids=["fleet key"])
+def test_a_fleet_peer_reads_only_the_blocks_leased_to_it(pair):
+    """Two finished requests' blocks are held. The decode transport that claims the lease of
+    one (its /renew right before reading) reads those blocks, and not the other request's; a
+    worker of the same fleet that claimed nothing reads neither; once the holder says "done"
+    its blocks are not readable any more. Every refused request is counted (one per layer)."""
+    from vllm_pd_ext.transport import TransferError
+
+    p, pc, d, dc, port = pair
+    assert p.transport is not None and d.transport is not None
+    p.bind(
+        PdTransferMetadata(
+            send=[SendSpec("p-req", "read", ((1, 2),)), SendSpec("p-other", "read", ((3,),))]
+        )
+    )
+    assert p.get_finished({"p-req", "p-other"}) == (None, None)
+    ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
+    body = {"req": "p-req", "engine_id": d.transport.engine_id}
+    post_json("127.0.0.1", port, "/renew", body, 2.0, KEY)
+    deadline = time.monotonic() + 10
+
+    def read(w: TransferWorker, pairs) -> None:
+        w._move(w._peer(ref), (pairs,), deadline, read=True)
+
+    read(d, ((5, 1), (6, 2)))
+    assert_copied(pc, dc, [(1, 5), (2, 6)])
+    with pytest.raises(TransferError, match="read outside the spans granted"):
+        read(d, ((7, 3),))  # leased to nobody yet
+    refused_reads(p, LAYERS, LAYERS)
+    stranger = keyed_stranger(KEY)
+    try:
+        with pytest.raises(TransferError, match="read outside the spans granted"):
+            read(stranger, ((5, 1),))  # leased to d
+        refused_reads(p, 2 * LAYERS, LAYERS)
+    finally:
+        stranger.shutdown()
+    d._notify(d._peer(ref).peer_id, {"op": "done", "req": "p-req"})
+    assert poll(lambda: p.get_finished(set())[0], "the holder's release") == {"p-req"}
+    with pytest.raises(TransferError, match="read outside the spans granted"):
+        read(d, ((5, 1),))  # freed: the blocks may hold another request's KV any moment
+    refused_reads(p, 3 * LAYERS, LAYERS)
+    assert torch.count_nonzero(block(dc, next(iter(dc)), 7)) == 0
+
+
+@pytest.mark.parametrize("backend", ["tcp"])
+def test_a_lease_that_runs_out_is_not_readable(pair):
+    from vllm_pd_ext.transport import TransferError
+
+    p, _pc, d, dc, port = pair
+    assert d.transport is not None
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1,),))]))
+    p.get_finished({"p-req"})
+    ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
+    post_json("127.0.0.1", port, "/renew", {"req": "p-req", "engine_id": d.transport.engine_id}, 2)
+    p.clock.now += p.cfg.lease_s + 1
+    assert p.get_finished(set()) == ({"p-req"}, None)
+    with pytest.raises(TransferError, match="read outside the spans granted"):
+        d._move(d._peer(ref), (((5, 1),),), time.monotonic() + 10, read=True)
+    assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
+
+
+@pytest.mark.parametrize("backend", ["tcp"])
+@pytest.mark.parametrize("pair", [{"key": KEY}], indirect=True, ids=["fleet key"])
+def test_the_prefill_writes_only_into_the_blocks_offered_to_it(pair):
+    """The decode side offers blocks 4 and 8 for a push. A write by the prefill transport into
+    block 5, or by another worker of the fleet into block 4, is refused and changes nothing;
+    the push itself lands; after the "written" notice the offer is withdrawn, so block 4
+    takes no more writes."""
+    from vllm_pd_ext.connectors.common.layout import block_spans
+    from vllm_pd_ext.transport import TransferError
+
+    p, pc, d, dc, port = pair
+    assert p.transport is not None and d.transport is not None and p.layout is not None
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),))]))
+    write_offer(d, port, "t-1", ((4, 0), (8, 1)))
+    poll(lambda: "t-1" in p._targets, "the decode offer")
+    target = p._targets["t-1"]
+
+    def write(w: TransferWorker, peer: str, theirs, pairs) -> None:
+        assert w.transport is not None and w.layout is not None
+        mine, dest = w.layout.views[0], theirs.views[0]
+        spans = block_spans(mine, dest, pairs)
+        w.transport.write(peer, mine.region, dest.region, spans).wait(10)
+
+    with pytest.raises(TransferError, match="write outside the spans granted"):
+        write(p, target.peer_id, target.layout, [(1, 5)])  # a block nobody offered
+    stranger = keyed_stranger(KEY)
+    try:
+        assert stranger.transport is not None
+        peer = stranger.transport.connect(d.transport.descriptor())
+        with pytest.raises(TransferError, match="write outside the spans granted"):
+            write(stranger, peer, d.layout, [(1, 4)])  # offered to the prefill, not to it
+    finally:
+        stranger.shutdown()
+    assert all(torch.count_nonzero(t) == 0 for t in dc.values())
+    for layer in pc:
+        p.save_kv_layer(layer)
+    p.wait_for_save()
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), "t-1")]))
+    assert poll(lambda: d.get_finished(set())[1], "the push") == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == set()
+    assert_copied(pc, dc, [(1, 4), (2, 8)])
+    with pytest.raises(TransferError, match="write outside the spans granted"):
+        write(p, target.peer_id, target.layout, [(3, 4)])  # after "written"
+    assert_copied(pc, dc, [(1, 4)])
+    assert d.transport.stats.totals().ungranted == 3
+    assert d.stats.take().data["ungranted"] == 3

@@ -12,6 +12,8 @@ The worker fills a :class:`PdTransferStats` (``get_kv_connector_stats``); vLLM s
 * ``vllm:pdext_kv_params_refused_total``: decode requests whose ``kv_transfer_params`` were
   refused on arrival (malformed, unsigned or tampered with, expired, another contract
   version): each was computed locally instead (counted by the scheduler side);
+* ``vllm:pdext_kv_ungranted_total``: peers' reads and writes of our KV memory refused because
+  they reached beyond the blocks leased or offered to them (backends that enforce grants);
 * ``vllm:pdext_kv_blocks_held`` gauge: prefill-side blocks held for decode instances.
 """
 
@@ -27,7 +29,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 _LISTS = ("seconds", "bytes")
-_COUNTERS = ("failures", "lease_expiries", "unauthenticated", "params_refused")
+_COUNTERS = ("failures", "lease_expiries", "unauthenticated", "params_refused", "ungranted")
 
 
 def _empty() -> dict[str, Any]:
@@ -106,6 +108,11 @@ class StatsRecorder:
         with self._lock:
             self._data["params_refused"] += 1
 
+    def ungranted(self) -> None:
+        """A peer's read or write of our memory outside what was granted to it."""
+        with self._lock:
+            self._data["ungranted"] += 1
+
     def blocks_held(self, n: int) -> None:
         with self._lock:
             if n != self._held:
@@ -177,6 +184,14 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
         )
+        self.ungranted = per_engine(
+            self._counter_cls(
+                name="vllm:pdext_kv_ungranted",
+                documentation="Peers' reads and writes of KV memory refused because they "
+                "reached beyond the blocks leased or offered to them (vllm-pd-ext connectors).",
+                labelnames=labelnames,
+            )
+        )
         self.blocks_held = per_engine(
             self._gauge_cls(
                 name="vllm:pdext_kv_blocks_held",
@@ -200,5 +215,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             self.unauthenticated[engine_idx].inc(d["unauthenticated"])
         if d.get("params_refused"):
             self.params_refused[engine_idx].inc(d["params_refused"])
+        if d.get("ungranted"):
+            self.ungranted[engine_idx].inc(d["ungranted"])
         if d.get("blocks_held") is not None:
             self.blocks_held[engine_idx].set(d["blocks_held"])

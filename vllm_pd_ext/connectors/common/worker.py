@@ -6,9 +6,12 @@ the transfers:
 * READ, decode: a transfer thread handshakes with the prefill worker (once per engine),
   checks the KV layout, reads the blocks, then notifies "done" so the prefill side frees them.
 * READ, prefill: finished requests' blocks are held under a lease; "done" frees them,
-  "renew" extends the lease, and a lease that runs out frees them too.
-* WRITE, decode: the transfer thread offers our blocks (``POST /write_target``) and waits for
-  the prefill side's "written" notice.
+  "renew" extends the lease, and a lease that runs out frees them too. The decode transport
+  that claims the lease (``/renew`` right before it reads) is granted read access to exactly
+  those blocks until they are freed.
+* WRITE, decode: the transfer thread grants the prefill transport write access to the blocks
+  it offers (``POST /write_target``), waits for the prefill side's "written" notice, then
+  withdraws the grant (also on failure or timeout).
 * WRITE, prefill: in the step that computes the last prompt tokens, each layer is written
   into the decode blocks as it is saved (if the offer is already there), the rest after the
   step; then "written" is sent and the blocks are freed.
@@ -25,7 +28,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -55,7 +58,13 @@ from vllm_pd_ext.connectors.common.side_channel import (
     warn_if_exposed,
 )
 from vllm_pd_ext.connectors.common.stats import StatsRecorder
-from vllm_pd_ext.transport import Transport, TransportDescriptor, TransportError, backend_class
+from vllm_pd_ext.transport import (
+    TransferOp,
+    Transport,
+    TransportDescriptor,
+    TransportError,
+    backend_class,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -163,7 +172,8 @@ class TransferWorker:
         self._leases = LeaseTable(cfg.lease_s, clock=clock)
         self._lease_lock = threading.Lock()  # the side channel renews from its own thread
         self._cancelled: set[str] = set()  # WRITE transfers the decode side gave up on
-        self._held: dict[str, int] = {}  # req id -> blocks held (read mode)
+        #: req id -> its blocks per group, held under a lease (read mode)
+        self._held: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._pushes: dict[str, _Push] = {}  # req id -> push
         self._push_futures: dict[str, Future] = {}
         self._push_confirmed: set[str] = set()
@@ -193,6 +203,8 @@ class TransferWorker:
         if self.key is None or backend.fleet_key_scope != "all":
             warn_if_exposed(str(settings["host"]), f"the {self.cfg.backend} KV data server")
         self.transport = backend(**settings)
+        # peers reach only the blocks leased or offered to them (where the backend can check)
+        self.transport.enforce_grants(on_refused=self.stats.ungranted)
         for name, tensor in tensors.items():
             self.transport.register_tensor(name, tensor)
         if self.is_producer:
@@ -281,6 +293,28 @@ class TransferWorker:
         with self._lock:
             self._peers.pop(f"{remote.engine_id}@{remote.host}:{remote.port}", None)
 
+    def _grant(
+        self, grant_id: str, op: TransferOp, peer_id: str, blocks: Sequence[Sequence[int]]
+    ) -> None:
+        """Let transport ``peer_id`` ``op`` blocks ``blocks[g]`` of each KV cache group ``g``
+        (block 0, vLLM's null block, never) in every cache view, until :meth:`_revoke`."""
+        assert self.transport is not None and self.layout is not None
+        if not self.transport.enforces_grants:
+            return
+        spans: dict[str, list[np.ndarray]] = {}
+        for view in self.layout.views:
+            ids = [b for b in (blocks[view.group] if view.group < len(blocks) else ()) if b]
+            if ids:
+                rows = block_spans(view, view, [(b, b) for b in ids])
+                spans.setdefault(view.region, []).append(rows[:, [0, 2]])
+        self.transport.grant(
+            grant_id, op, peer_id, {region: np.concatenate(s) for region, s in spans.items()}
+        )
+
+    def _revoke(self, grant_id: str) -> None:
+        if self.transport is not None:
+            self.transport.revoke(grant_id)
+
     def _notify(self, peer_id: str, body: dict[str, Any]) -> None:
         assert self.transport is not None
         self.transport.notify(
@@ -294,8 +328,8 @@ class TransferWorker:
         for spec in meta.send:
             if spec.mode == READ:
                 with self._lease_lock:
+                    self._held[spec.req_id] = spec.block_ids
                     self._leases.grant(spec.req_id)
-                self._held[spec.req_id] = sum(len(g) for g in spec.block_ids)
             else:
                 self._push_confirmed.add(spec.req_id)
         for push in meta.push:
@@ -335,17 +369,18 @@ class TransferWorker:
             peer = self._peer(spec.remote)
             assert self.transport is not None and self.layout is not None
             if spec.mode == READ:
+                # Claim the blocks (the prefill side then lets our transport read them, and
+                # only us); they must still be held, and stay held while we read: renew
+                # synchronously, then finish well inside the new lease.
+                post_json(
+                    spec.remote.host,
+                    spec.remote.port + self.tp_rank,
+                    "/renew",
+                    {"req": spec.remote.request_id, "engine_id": self.transport.engine_id},
+                    self.cfg.handshake_timeout_s,
+                    self.key,
+                )
                 if spec.lease_s:
-                    # The prefill side must still hold the blocks, and keep them while we
-                    # read: renew synchronously, then finish well inside the new lease.
-                    post_json(
-                        spec.remote.host,
-                        spec.remote.port + self.tp_rank,
-                        "/renew",
-                        {"req": spec.remote.request_id, "engine_id": self.transport.engine_id},
-                        self.cfg.handshake_timeout_s,
-                        self.key,
-                    )
                     deadline = min(deadline, time.monotonic() + 0.8 * spec.lease_s)
                 nbytes = self._move(peer, spec.pairs, deadline, read=True)
                 if time.monotonic() > deadline:
@@ -354,6 +389,13 @@ class TransferWorker:
             else:
                 with self._lock:
                     self._awaiting[str(spec.transfer_id)] = peer.peer_id
+                # the prefill transport may write into the blocks we offer, nowhere else
+                self._grant(
+                    _write_grant(str(spec.transfer_id)),
+                    TransferOp.WRITE,
+                    peer.peer_id,
+                    [[d for d, _ in group] for group in spec.pairs],
+                )
                 post_json(
                     spec.remote.host,
                     spec.remote.port + self.tp_rank,
@@ -380,6 +422,8 @@ class TransferWorker:
             ) from e
         finally:
             if spec.transfer_id is not None:
+                # written, failed or timed out (then cancelled): nothing more may land
+                self._revoke(_write_grant(str(spec.transfer_id)))
                 with self._lock:
                     self._awaiting.pop(str(spec.transfer_id), None)
                     self._written.pop(str(spec.transfer_id), None)
@@ -509,8 +553,9 @@ class TransferWorker:
 
     def _on_renew(self, body: dict[str, Any]) -> None:
         """Side-channel thread: extend a lease, and bind its blocks to the decode transport
-        that will read them (``engine_id``; the first claim stands); ``ValueError`` (400) if
-        none is held or another peer claimed it."""
+        that will read them (``engine_id``; the first claim stands), which is then granted
+        read access to them; ``ValueError`` (400) if none is held, another peer claimed it
+        or no grant can be made."""
         req, peer = str(body["req"]), body.get("engine_id")
         with self._lease_lock:
             holder = self._leases.claim(req, str(peer)) if peer is not None else None
@@ -518,6 +563,8 @@ class TransferWorker:
                 raise ValueError(f"the blocks of {req} are leased to another peer")
             if not self._leases.renew(req):
                 raise ValueError(f"no blocks held for {req} (lease over or never granted)")
+            if holder is not None:  # under the lock: a release revokes only after this
+                self._grant(_read_grant(req), TransferOp.READ, holder, self._held.get(req, ()))
 
     def wait_for_save(self) -> None:
         """Hand each push of this step to a transfer thread that completes it."""
@@ -616,6 +663,8 @@ class TransferWorker:
                     )
 
     def _free(self, req_id: str) -> None:
+        """The lease of ``req_id`` ended: no peer may read its blocks any more."""
+        self._revoke(_read_grant(req_id))
         self._held.pop(req_id, None)
         self._finished_sending.add(req_id)
 
@@ -667,7 +716,7 @@ class TransferWorker:
         self._finished_sending -= sending
         self._finished_reqs -= sending
         self._finished_reqs -= recving
-        self.stats.blocks_held(sum(self._held.values()))
+        self.stats.blocks_held(sum(len(g) for ids in self._held.values() for g in ids))
         return (sending or None), (recving or None)
 
     def _prune_offers(self) -> None:
@@ -698,3 +747,13 @@ class TransferWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
             self.transport.close()
+
+
+def _read_grant(req_id: str) -> str:
+    """Id of the grant that lets a lease's holder read the blocks of ``req_id``."""
+    return f"read:{req_id}"
+
+
+def _write_grant(transfer_id: str) -> str:
+    """Id of the grant that lets the prefill side write transfer ``transfer_id``'s blocks."""
+    return f"write:{transfer_id}"
