@@ -49,6 +49,37 @@ def raw_tcp_hello(
     return kind, recv_exact(s, msg_len).decode()
 
 
+def _raw_tcp_answer(s: socket.socket, xid: int) -> tuple[int, str, bytes]:
+    from vllm_pd_ext.transport import tcp
+
+    kind, msg_len, got, nbytes = tcp._RSP.unpack(recv_exact(s, tcp._RSP.size))
+    assert got == xid
+    message = recv_exact(s, msg_len).decode() if msg_len else ""
+    return kind, message, recv_exact(s, nbytes) if nbytes else b""
+
+
+def raw_tcp_read(s: socket.socket, region: str, spans: Any, xid: int = 1):
+    """A raw READ of ``(offset, length)`` spans of ``region`` after a passed HELLO: the
+    answer's ``(kind, message, payload)``."""
+    from vllm_pd_ext.transport import tcp
+
+    name, pairs = region.encode(), np.asarray(spans, dtype="<i8").reshape(-1, 2)
+    s.sendall(tcp._REQ.pack(tcp._READ, len(name), xid, len(pairs), 0) + name + pairs.tobytes())
+    return _raw_tcp_answer(s, xid)
+
+
+def raw_tcp_write(s: socket.socket, region: str, spans: Any, fill: int, xid: int = 1):
+    """A raw WRITE of bytes ``fill`` into ``(offset, length)`` spans of ``region`` after a
+    passed HELLO: the answer's ``(kind, message)``."""
+    from vllm_pd_ext.transport import tcp
+
+    name, pairs = region.encode(), np.asarray(spans, dtype="<i8").reshape(-1, 2)
+    n = int(pairs[:, 1].sum())
+    head = tcp._REQ.pack(tcp._WRITE, len(name), xid, len(pairs), n) + name + pairs.tobytes()
+    s.sendall(head + bytes([fill]) * n)
+    return _raw_tcp_answer(s, xid)[:2]
+
+
 def recv_exact(s: socket.socket, n: int) -> bytes:
     """Exactly ``n`` bytes from ``s`` (an assertion error if the other side hangs up first)."""
     data = b""

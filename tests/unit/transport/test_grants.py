@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tests.unit.transport.backends import make_transport
-from tests.unit.transport.peer import pattern, raw_tcp_hello, recv_exact
+from tests.unit.transport.peer import pattern, raw_tcp_hello, raw_tcp_read, raw_tcp_write
 from vllm_pd_ext.transport import TransferError, TransferOp, Transport, backend_class, get_backend
 from vllm_pd_ext.transport.errors import GrantError
 from vllm_pd_ext.transport.grants import GrantTable, merge_extents
@@ -50,34 +50,12 @@ def raw_client(t: Transport, me: bytes = b"x") -> Iterator[socket.socket]:
         yield s
 
 
-def _answer(s: socket.socket, xid: int) -> tuple[int, str, bytes]:
-    from vllm_pd_ext.transport import tcp
-
-    kind, msg_len, got, nbytes = tcp._RSP.unpack(recv_exact(s, tcp._RSP.size))
-    assert got == xid
-    message = recv_exact(s, msg_len).decode() if msg_len else ""
-    return kind, message, recv_exact(s, nbytes) if nbytes else b""
-
-
 def raw_read(s: socket.socket, spans, xid: int = 1) -> tuple[int, str, bytes]:
-    """READ ``(offset, length)`` spans of "kv": the answer's kind, message and payload."""
-    from vllm_pd_ext.transport import tcp
-
-    pairs = np.asarray(spans, dtype="<i8").reshape(-1, 2)
-    s.sendall(tcp._REQ.pack(tcp._READ, 2, xid, len(pairs), 0) + b"kv" + pairs.tobytes())
-    return _answer(s, xid)
+    return raw_tcp_read(s, "kv", spans, xid)
 
 
 def raw_write(s: socket.socket, spans, fill: int, xid: int = 1) -> tuple[int, str]:
-    """WRITE bytes ``fill`` into ``(offset, length)`` spans of "kv": the answer's kind, message."""
-    from vllm_pd_ext.transport import tcp
-
-    pairs = np.asarray(spans, dtype="<i8").reshape(-1, 2)
-    n = int(pairs[:, 1].sum())
-    head = tcp._REQ.pack(tcp._WRITE, 2, xid, len(pairs), n) + b"kv" + pairs.tobytes()
-    s.sendall(head + bytes([fill]) * n)
-    kind, message, _ = _answer(s, xid)
-    return kind, message
+    return raw_tcp_write(s, "kv", spans, fill, xid)
 
 
 def test_a_keyed_peer_reads_only_inside_its_read_grant(server, caplog) -> None:
