@@ -140,6 +140,7 @@ def test_stats_take_aggregate_reduce():
     rec.transfer(0.5, 1_000_000)
     rec.failure()
     rec.refused()
+    rec.ungranted()
     rec.blocks_held(3)
     first = rec.take()
     assert first is not None
@@ -154,6 +155,7 @@ def test_stats_take_aggregate_reduce():
         "lease_expiries": 2,
         "unauthenticated": 1,
         "params_refused": 0,
+        "ungranted": 1,
         "blocks_held": 3,
     }
     assert PdTransferStats().is_empty()
