@@ -25,7 +25,7 @@ from vllm_pd_ext.connectors.common.metadata import (
     SendSpec,
 )
 from vllm_pd_ext.connectors.common.side_channel import SideChannelError, post_json
-from vllm_pd_ext.connectors.common.worker import HANDSHAKE_VERSION, TransferWorker
+from vllm_pd_ext.connectors.common.worker import HANDSHAKE_VERSION, MAX_OFFERS, TransferWorker
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = requires_mooncake
@@ -644,3 +644,22 @@ def test_the_prefill_writes_only_into_the_blocks_offered_to_it(pair):
     assert_copied(pc, dc, [(1, 4)])
     assert d.transport.stats.totals().ungranted == 3
     assert d.stats.take().data["ungranted"] == 3
+
+
+def test_cancels_of_transfers_nobody_offered_are_bounded_and_forgotten():
+    """/cancel for transfer ids that were never offered (or whose prefill request never
+    came): at most MAX_OFFERS are remembered, and each is forgotten with the offers, two
+    leases on."""
+    p = worker("kv_producer", free_port(), backend="tcp")
+    try:
+        for i in range(MAX_OFFERS + 10):
+            p._on_cancel({"transfer_id": f"nobody-{i}"})
+        assert len(p._cancelled) == MAX_OFFERS
+        assert "nobody-0" not in p._cancelled and f"nobody-{MAX_OFFERS + 9}" in p._cancelled
+        long_ago = time.monotonic() - 3 * p.cfg.lease_s
+        p._cancelled = dict.fromkeys(p._cancelled, long_ago)
+        p._on_cancel({"transfer_id": "recent"})
+        p._prune_offers()
+        assert list(p._cancelled) == ["recent"]
+    finally:
+        p.shutdown()

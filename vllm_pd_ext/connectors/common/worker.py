@@ -171,7 +171,9 @@ class TransferWorker:
         # prefill side
         self._leases = LeaseTable(cfg.lease_s, clock=clock)
         self._lease_lock = threading.Lock()  # the side channel renews from its own thread
-        self._cancelled: set[str] = set()  # WRITE transfers the decode side gave up on
+        #: WRITE transfers the decode side gave up on, with when (at most ``MAX_OFFERS``;
+        #: forgotten with the offers, by ``_prune_offers``).
+        self._cancelled: dict[str, float] = {}
         #: req id -> its blocks per group, held under a lease (read mode)
         self._held: dict[str, tuple[tuple[int, ...], ...]] = {}
         self._pushes: dict[str, _Push] = {}  # req id -> push
@@ -541,7 +543,10 @@ class TransferWorker:
         nothing more can be written into its blocks."""
         tid = str(body["transfer_id"])
         with self._lock:
-            self._cancelled.add(tid)
+            self._cancelled.pop(tid, None)
+            if len(self._cancelled) >= MAX_OFFERS:  # the oldest: its offer was withdrawn anyway
+                del self._cancelled[next(iter(self._cancelled))]
+            self._cancelled[tid] = time.monotonic()
             self._targets.pop(tid, None)
             pushes = [p for p in self._pushes.values() if p.spec.transfer_id == tid]
         for push in pushes:
@@ -693,7 +698,7 @@ class TransferWorker:
                 push = self._pushes.pop(req_id, None)
                 if push is not None:
                     with self._lock:
-                        self._cancelled.discard(push.spec.transfer_id)
+                        self._cancelled.pop(push.spec.transfer_id, None)
                 if req_id in self._push_confirmed:
                     self._push_confirmed.discard(req_id)
                     self._finished_sending.add(req_id)
@@ -726,7 +731,9 @@ class TransferWorker:
         with self._lock:
             for tid in [t for t, o in self._targets.items() if o.received < horizon]:
                 del self._targets[tid]
-                self._cancelled.discard(tid)
+                self._cancelled.pop(tid, None)
+            for tid in [t for t, at in self._cancelled.items() if at < horizon]:
+                del self._cancelled[tid]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of loads reported finished that did not complete (then cleared); one KV
