@@ -128,8 +128,10 @@ def _is_ids(v: Any) -> bool:
 def _is_block_ids(v: Any) -> bool:
     if not isinstance(v, list) or not v or not isinstance(v[0], list):
         return _is_ids(v)
-    return sum(len(g) for g in v if isinstance(g, list)) <= MAX_BLOCK_IDS and all(
-        _is_ids(g) for g in v
+    return (
+        len(v) <= MAX_BLOCK_IDS
+        and sum(len(g) for g in v if isinstance(g, list)) <= MAX_BLOCK_IDS
+        and all(_is_ids(g) for g in v)
     )
 
 

@@ -67,6 +67,7 @@ def test_every_shape_round_trips():
         ("remote_block_ids", [1, "2"]),
         ("remote_block_ids", [[1], [2.5]]),
         ("remote_block_ids", list(range(MAX_BLOCK_IDS + 1))),
+        ("remote_block_ids", [[]] * (MAX_BLOCK_IDS + 1)),
         ("lease_s", math.nan),
         ("remote_num_tokens", 40.0),
     ],

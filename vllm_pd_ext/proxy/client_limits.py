@@ -336,7 +336,7 @@ class ReadDeadlines(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         framing = self._framing
-        before = framing.phase, framing.requests
+        before = framing.stage, framing.requests  # a chunk ends no stage: no new deadline
         ok = framing.feed(data)
         self.inner.data_received(data)
         if not ok:
@@ -344,7 +344,7 @@ class ReadDeadlines(asyncio.Protocol):
             self._arm("idle")
             if self.transport is not None:
                 self.transport.close()
-        elif (framing.phase, framing.requests) != before:
+        elif (framing.stage, framing.requests) != before:
             self._arm(framing.stage)
 
     def eof_received(self) -> bool | None:

@@ -293,7 +293,7 @@ class FakeEngine:
             rid = "generate-tokens-" + request.headers.get("x-request-id", body["request_id"])
             params = body.get("kv_transfer_params") or {}
             source = _kv_source(params)
-            if source is not None:
+            if source is not None and not source[2]:  # token mode: NIXL-style answers only
                 async with httpx.AsyncClient() as client:
                     await client.post(
                         source[0] + "/_fake/pull", json={"remote_request_id": source[1]}

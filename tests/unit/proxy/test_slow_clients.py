@@ -7,6 +7,7 @@ limits, and keep serving everyone else."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import time
 from collections.abc import Iterator
@@ -134,6 +135,32 @@ def test_another_route_whose_body_stalls_is_closed(fast_path):
         conn.sock.settimeout(10)
         assert conn.response()[0] == 405  # answered without reading the body
         assert closed_unanswered(conn)  # then closed: the rest never came
+
+
+@PATHS
+def test_a_body_trickled_chunk_by_chunk_does_not_hold_the_connection(fast_path):
+    """A chunked body on a route that never reads it, half a chunk every half body timeout
+    and never its end: the deadline counts from the head, not from each piece of framing, so
+    the connection is closed (within the body timeout and its grace), not held for as long as
+    pieces come."""
+    with proxy(fast_path, NOWHERE) as (_, port):
+        conn = Conn(port)
+        conn.send(b"POST /health HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        conn.sock.settimeout(10)
+        assert conn.response()[0] == 405  # answered without reading the body
+        deadline = time.monotonic() + 10  # far past BODY_S and its grace
+        closed = False
+        conn.sock.settimeout(BODY_S / 2)  # the trickle's pace: one chunk per wait below
+        pieces = itertools.cycle([b"1\r\n", b"a\r\n"])  # each ends in another framing phase
+        while not closed and time.monotonic() < deadline:
+            try:
+                conn.send(next(pieces))
+                closed = conn.sock.recv(1) == b""
+            except TimeoutError:
+                continue
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        assert closed
 
 
 @PATHS

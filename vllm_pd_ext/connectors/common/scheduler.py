@@ -18,10 +18,13 @@ tokens; the decode side loads exactly those N-1 tokens (attention blocks and who
 per group) and computes token N itself. A load whose token count is not exactly that is
 refused, since a state at the wrong position would corrupt every following token.
 
-Loads are refused (the prompt is recomputed locally instead) when the params are incomplete,
-name too few blocks, or, for a READ, carry no prompt hash or one that differs from this
-request's prompt, or (with a fleet key, :mod:`vllm_pd_ext.fleet_key`) no valid signature: a
-prefill signs the fields of its answer that a decode side acts on, the proxy a WRITE's.
+Params are checked in full once, when a decode request arrives (``on_new_request``, against
+their shapes in :mod:`vllm_pd_ext.transfer_params`). Loads are refused (the prompt is
+recomputed locally instead, and the refusal counted) when the params are malformed or
+incomplete, of another contract version, name too few blocks, or, for a READ, carry a prompt
+hash that differs from this request's prompt; with a fleet key (:mod:`vllm_pd_ext.fleet_key`)
+also when they carry no valid signature (a prefill signs the fields of its answer that a decode
+side acts on, the proxy a WRITE's) or arrive after they expired.
 """
 
 from __future__ import annotations

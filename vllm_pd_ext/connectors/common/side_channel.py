@@ -254,6 +254,11 @@ class SideChannelServer:
                 except (ValueError, KeyError, TypeError) as e:
                     self._reply(400, {"error": str(e)}, nonce)
                     return
+                except Exception as e:  # the route's own failure (e.g. a peer it must reach)
+                    if outer._warnings.ready():
+                        logger.warning("side channel: %s failed: %r", self.path, e)
+                    self._reply(500, {"error": f"{type(e).__name__}: {e}"}, nonce)
+                    return
                 self._reply(200, {"ok": True}, nonce)
 
         self._handshake = handshake
