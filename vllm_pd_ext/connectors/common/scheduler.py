@@ -102,6 +102,16 @@ def default_host(vllm_config: VllmConfig) -> str:
 LOOPBACK = "127.0.0.1"
 
 
+def _read_ref(source: PdExtReadAnswer | ReadSource) -> RemoteRef:
+    """The prefill side channel a READ answer names, and the id its blocks are held under."""
+    return RemoteRef(
+        engine_id=source.remote_engine_id,
+        host=source.remote_host,
+        port=source.remote_port,
+        request_id=source.remote_request_id,
+    )
+
+
 @dataclass(frozen=True)
 class GroupInfo:
     """What the scheduler side needs to know about one KV cache group."""
@@ -188,12 +198,7 @@ class TransferScheduler:
                 raise InvalidParams("prompt too short to split")
             if mode == READ:
                 answer = PdExtReadAnswer.check(p, self.key, now)
-                remote = RemoteRef(
-                    engine_id=answer.remote_engine_id,
-                    host=answer.remote_host,
-                    port=answer.remote_port,
-                    request_id=answer.remote_request_id,
-                )
+                remote = _read_ref(answer)
                 n = answer.remote_num_tokens
                 if self.backoff and n != want:
                     raise InvalidParams(
@@ -266,12 +271,7 @@ class TransferScheduler:
             source = ReadSource.parse(p)
         except InvalidParams:
             return None
-        return RemoteRef(
-            engine_id=source.remote_engine_id,
-            host=source.remote_host,
-            port=source.remote_port,
-            request_id=source.remote_request_id,
-        )
+        return _read_ref(source)
 
     def _truncate_for_prefill(self, request: Request) -> None:
         p = request.kv_transfer_params
