@@ -28,16 +28,21 @@ class Admission:
         #: is free: the common case never calls it).
         self._on_queued = on_queued or (lambda n: None)
 
+    def refusal_now(self) -> ProxyError | None:
+        """The 429 ``acquire()`` would raise at once (no slot free, the queue full), else
+        None: asked before a request's body is read, so that a refused body is never held."""
+        if self._slots.locked() and self.queued >= self.max_queued:
+            return ProxyError(
+                429, "proxy saturated: too many queued requests", code="queue_full", retry_after=1
+            )
+        return None
+
     async def acquire(self) -> None:
         """Wait for a slot. Raises 429 when the queue is full, 503 on queue timeout."""
         if self._slots.locked():
-            if self.queued >= self.max_queued:
-                raise ProxyError(
-                    429,
-                    "proxy saturated: too many queued requests",
-                    code="queue_full",
-                    retry_after=1,
-                )
+            refused = self.refusal_now()
+            if refused is not None:
+                raise refused
             self.queued += 1
             self._on_queued(self.queued)
             try:

@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from vllm_pd_ext.proxy.client_limits import BodyBudget, BodyReader, plain_protocol
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, error_body, error_response
-from vllm_pd_ext.proxy.front_protocol import fast_cycle, front_protocol
+from vllm_pd_ext.proxy.front_protocol import fast_cycle, front_protocol, internals_ok
 from vllm_pd_ext.proxy.request import PATHS, ClientRequest, Route
 from vllm_pd_ext.proxy.service import ProxyService
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
@@ -34,17 +34,7 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
     own process only): once started, everything alive is moved out of the collector's
     reach, since it lives as long as the process; full passes over it would pause requests
     for tens of milliseconds."""
-    protocol = (
-        front_protocol(
-            config.max_body_bytes,
-            config.client_header_timeout_s,
-            config.client_body_timeout_s,
-            config.max_buffered_body_bytes,
-        )
-        if config.fast_path
-        else None
-    )
-    service = ProxyService(config, fast_path=protocol is not None)
+    service = ProxyService(config, fast_path=config.fast_path and internals_ok())
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -122,7 +112,7 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
             ]
         )
 
-    return FrontDoor(app, config, service, protocol)
+    return FrontDoor(app, config, service)
 
 
 #: The hot routes: served without FastAPI's routing and dependency layers.
@@ -140,23 +130,26 @@ class FrontDoor:
     dependency solving were another few percent.
     """
 
-    def __init__(
-        self,
-        app: FastAPI,
-        config: ProxyConfig,
-        service: ProxyService,
-        protocol: type | None = None,
-    ):
+    def __init__(self, app: FastAPI, config: ProxyConfig, service: ProxyService):
         self.app = app
         self.state = app.state
         self.service = service
         #: Serve through ``front_protocol``'s request cycle (the HTTP server to run this app
         #: with is ``server_protocol()``'s).
         self.fast_path = service.fast_path
-        self._protocol = protocol if self.fast_path else None
-        #: Request bodies held at once, over the process: the fast path's own when it is on.
-        budget = getattr(self._protocol, "body_budget", None)
-        self.body_budget: BodyBudget = budget or BodyBudget(config.max_buffered_body_bytes)
+        #: Request bodies held at once, over the process, on either path.
+        self.body_budget = BodyBudget(config.max_buffered_body_bytes)
+        self._protocol = (
+            front_protocol(
+                config.max_body_bytes,
+                config.client_header_timeout_s,
+                config.client_body_timeout_s,
+                self.body_budget,
+                self._head_refusal,
+            )
+            if self.fast_path
+            else None
+        )
         #: Reads the body of a completion request the fast path does not collect itself.
         self.body_reader = BodyReader(
             config.max_body_bytes, config.client_body_timeout_s, self.body_budget
@@ -165,21 +158,31 @@ class FrontDoor:
         self.admin_token = config.admin_token.get_secret_value() if config.admin_token else None
         self.monitor_secret = config.monitor_secret()
 
+    def _auth_error(self, path: str, scope: dict[str, Any]) -> ProxyError | None:
+        """The 401/404 a request to ``path`` gets from its headers alone, or None."""
+        if path.startswith("/v1/") and self.api_key is not None:
+            if not bearer_ok(scope, self.api_key):
+                return ProxyError(401, "invalid or missing API key", code="invalid_api_key")
+        elif path == "/metrics" and self.monitor_secret is not None:
+            if not bearer_ok(scope, self.monitor_secret):
+                return ProxyError(401, "invalid or missing metrics token")
+        elif path.startswith("/admin/"):
+            if self.admin_token is None:
+                return ProxyError(404, "admin endpoints are disabled")
+            if not bearer_ok(scope, self.admin_token):
+                return ProxyError(401, "invalid or missing admin token")
+        return None
+
+    def _head_refusal(self, path: bytes, headers: list[tuple[bytes, bytes]]) -> ProxyError | None:
+        """The fast path's ``head_check``: a completion request's answer from its head alone
+        (a bad API key, a full admission queue), before its body is read."""
+        error = self._auth_error(path.decode("ascii"), {"headers": headers})
+        return error if error is not None else self.service.refusal_now()
+
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
             path: str = scope["path"]
-            error: ProxyError | None = None
-            if path.startswith("/v1/") and self.api_key is not None:
-                if not bearer_ok(scope, self.api_key):
-                    error = ProxyError(401, "invalid or missing API key", code="invalid_api_key")
-            elif path == "/metrics" and self.monitor_secret is not None:
-                if not bearer_ok(scope, self.monitor_secret):
-                    error = ProxyError(401, "invalid or missing metrics token")
-            elif path.startswith("/admin/"):
-                if self.admin_token is None:
-                    error = ProxyError(404, "admin endpoints are disabled")
-                elif not bearer_ok(scope, self.admin_token):
-                    error = ProxyError(401, "invalid or missing admin token")
+            error = self._auth_error(path, scope)
             if error is not None:
                 await error_response(error)(scope, receive, send)
                 return
@@ -212,12 +215,16 @@ class FrontDoor:
     async def _complete(self, scope, receive, send, route: Route) -> None:
         cycle = fast_cycle(receive) if self.fast_path else None
         if cycle is not None:  # the fast path collected the body within the limits
-            await self._serve(cycle, scope, receive, send, route)
+            await self._serve(cycle, cycle.take_body() or b"", scope, receive, send, route)
             return
-        # uvicorn's own cycle: the body is read here, within the same limits
+        # uvicorn's own cycle: the body is read here, within the same limits, once the
+        # request could be admitted
         try:
+            refused = self.service.refusal_now()
+            if refused is not None:
+                raise refused
             hold = await self.body_reader.read(scope, receive)
-        except ProxyError as exc:  # 408, 413, 503: nothing more is read of this client
+        except ProxyError as exc:  # 408, 413, 429, 503: nothing more is read of this client
             response = error_response(exc)
             response.headers["connection"] = "close"
             await response(scope, receive, send)
@@ -225,11 +232,14 @@ class FrontDoor:
         if hold is None:  # the client went away
             return
         with hold:
-            await self._serve(Request(scope, hold.receive), scope, receive, send, route)
+            raw = hold.take_body()
+            await self._serve(Request(scope, hold.receive), raw, scope, receive, send, route)
 
-    async def _serve(self, request: ClientRequest, scope, receive, send, route: Route) -> None:
+    async def _serve(
+        self, request: ClientRequest, raw: bytes, scope, receive, send, route: Route
+    ) -> None:
         try:
-            response = await self.service.handle(request, route)
+            response = await self.service.handle(request, route, raw)
         except ProxyError as exc:
             response = error_response(exc)
         except Exception:

@@ -57,8 +57,9 @@ class BodyBudget:
 
 class BodyHold:
     """A request body read in full, counted against the budget until ``release()`` (once;
-    also on leaving a ``with`` block). ``receive`` is the ASGI ``receive`` to hand the app:
-    the body first, then the server's own channel (a disconnect)."""
+    also on leaving a ``with`` block). ``take_body()`` hands the body over; ``receive`` is
+    the ASGI ``receive`` to hand the app: the body (unless taken), then the server's own
+    channel (a disconnect)."""
 
     __slots__ = ("_budget", "_chunks", "_receive", "held")
 
@@ -72,12 +73,17 @@ class BodyHold:
         self._chunks.append(chunk)
         self.held += len(chunk)
 
-    async def receive(self) -> dict:
+    def take_body(self) -> bytes:
+        """The body, once (empty after); ``receive`` hands it out the same way."""
         chunks, self._chunks = self._chunks, None
-        if chunks is None:
+        if not chunks:
+            return b""
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def receive(self) -> dict:
+        if self._chunks is None:
             return await self._receive()
-        body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        return {"type": "http.request", "body": body, "more_body": False}
+        return {"type": "http.request", "body": self.take_body(), "more_body": False}
 
     def release(self) -> None:
         self._budget.give(self.held)

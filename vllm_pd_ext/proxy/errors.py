@@ -44,6 +44,16 @@ class ProxyError(Exception):
         #: the body's ``type``; None: the status's entry in ``_TYPES``
         self.err_type = err_type
 
+    def body(self) -> dict:
+        """The OpenAI error body it is answered with."""
+        return error_body(self.status, self.message, self.param, self.code, err_type=self.err_type)
+
+    def headers(self) -> dict[str, str]:
+        """The answer's headers beyond the content type (``Retry-After``)."""
+        if self.retry_after is None:
+            return {}
+        return {"Retry-After": str(max(1, round(self.retry_after)))}
+
     @property
     def outcome(self) -> str:
         """The request's outcome label when it ends with this error: ``client_error`` for
@@ -84,14 +94,7 @@ def error_body(
 
 
 def error_response(exc: ProxyError) -> JSONResponse:
-    headers = {}
-    if exc.retry_after is not None:
-        headers["Retry-After"] = str(max(1, round(exc.retry_after)))
-    return JSONResponse(
-        error_body(exc.status, exc.message, exc.param, exc.code, err_type=exc.err_type),
-        status_code=exc.status,
-        headers=headers,
-    )
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers())
 
 
 def sse_error(status: int, message: str) -> bytes:

@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import cast
 
 from vllm_pd_ext.proxy.client_limits import BUSY_MESSAGE, BodyBudget, body_timeout_error
@@ -107,6 +108,7 @@ class FastCycle:
         "_head",
         "_on_response",
         "_waiter",
+        "body_complete",
         "chunked_encoding",
         "disconnected",
         "flow",
@@ -152,6 +154,7 @@ class FastCycle:
         self._on_response = protocol.on_response_complete
         self._defaults = protocol.server_state  # its default headers (date) change each second
         self._body: list[bytes] = []
+        self.body_complete = False
         self.size = 0
         self._budget, self.held, self.over_budget = budget, 0, False
         self._head: bytes | None = None
@@ -226,8 +229,9 @@ class FastCycle:
         whose body will not be used; the connection closes after it."""
         self.keep_alive = False
         self.release()
-        body = json.dumps(error_body(error.status, error.message, code=error.code)).encode()
+        body = json.dumps(error.body()).encode()
         headers = [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(body))]
+        headers += [(k.lower().encode(), v.encode()) for k, v in error.headers().items()]
         self.transport.write(self.begin(error.status, headers) + body)
         self.response_complete = True
 
@@ -438,42 +442,46 @@ def internals_ok() -> bool:
     return _CHECKED[0]
 
 
-_PROTOCOLS: dict[tuple[int, float, float, int], type] = {}
+#: Told a fast-path request's path and headers once its head is in, before any of its body
+#: is read: an error to answer at once (the body is then read and dropped), or None.
+HeadCheck = Callable[[bytes, list[tuple[bytes, bytes]]], "ProxyError | None"]
 
 
 def is_front_protocol(protocol: object) -> bool:
-    """Is ``protocol`` one of ``front_protocol()``'s classes?"""
-    return type(protocol) in _PROTOCOLS.values()
+    """Is ``protocol`` an instance of one of ``front_protocol()``'s classes?"""
+    return getattr(type(protocol), "pdx_front", False)
 
 
 def front_protocol(
     max_body_bytes: int,
     head_s: float = 10.0,
     body_s: float = 60.0,
-    budget_bytes: int = 1 << 30,
+    budget: BodyBudget | None = None,
+    head_check: HeadCheck | None = None,
 ) -> type | None:
-    """The protocol class ``vllm-pd proxy`` serves with on the fast path (None: the
+    """A protocol class ``vllm-pd proxy`` serves with on the fast path (None: the
     installed uvicorn lacks what it needs; serve with uvicorn's default protocol).
 
-    Request bodies held at once, over all connections, stay within ``budget_bytes``
-    (:class:`BodyBudget`).
+    Request bodies held at once, over all connections the class serves, stay within
+    ``budget`` (:class:`BodyBudget`, 1 GiB when not given).
 
     A request's head must arrive within ``head_s`` (from the connection, or from the request's
     first byte) and its body within ``body_s`` after the head, else the connection is closed:
     a client that trickles bytes holds no connection for ever (uvicorn times out only idle
     keep-alive connections).
+
+    ``head_check`` decides on a completion request from its head alone (API key, a full
+    admission queue): a request it refuses is answered before its body is read, and the body
+    is dropped as it arrives, never held.
     """
-    key = (max_body_bytes, head_s, body_s, budget_bytes)
-    if key in _PROTOCOLS:
-        return _PROTOCOLS[key]
     if not internals_ok():
         return None
-
-    budget = BodyBudget(budget_bytes)
+    shared_budget = budget if budget is not None else BodyBudget(1 << 30)
 
     class FrontProtocol(_impl.HttpToolsProtocol):
+        pdx_front = True
+        body_budget = shared_budget  # shared by every connection this class serves
         _read_timer: asyncio.TimerHandle | None = None
-        body_budget = budget  # shared by every connection this class serves
 
         def _read_within(self, seconds: float) -> None:
             """Close the connection unless what is being read arrives within ``seconds``."""
@@ -489,7 +497,9 @@ def front_protocol(
         def _read_too_slow(self) -> None:
             self._read_timer = None
             cycle = self.cycle
-            if type(cycle) is FastCycle and not cycle.response_started:  # its body is late
+            if (  # its body is late (not the head of a request pipelined behind it)
+                type(cycle) is FastCycle and not cycle.body_complete and not cycle.response_started
+            ):
                 cycle.write_error(body_timeout_error(body_s))
             logger.debug("closed a client connection that sent its request too slowly")
             self.transport.close()
@@ -531,9 +541,13 @@ def front_protocol(
                 path, _, query = self.url.partition(b"?")
                 if path in FAST_PATHS and not self._declares_too_much() and not self._full():
                     # FastCycle stands in for uvicorn's cycle where the protocol reads one
-                    self.cycle = FastCycle(  # type: ignore[assignment]
-                        self, path, query, self.headers, parser.should_keep_alive(), budget
+                    fast = FastCycle(
+                        self, path, query, self.headers, parser.should_keep_alive(), shared_budget
                     )
+                    self.cycle = fast  # type: ignore[assignment]
+                    refused = head_check(path, self.headers) if head_check is not None else None
+                    if refused is not None:  # answered now; the body is dropped as it comes
+                        fast.write_error(refused)
                     return
             url, headers, expect = self.url, self.headers, self.expect_100_continue
             super().on_message_begin()  # uvicorn's scope, around the headers parsed
@@ -566,14 +580,16 @@ def front_protocol(
             self._read_done()
             cycle = self.cycle
             if type(cycle) is FastCycle:
+                cycle.body_complete = True
                 if not cycle.response_complete:
                     task = self.loop.create_task(cycle.run(self.app))
                     task.add_done_callback(self.tasks.discard)
                     self.tasks.add(task)
+                elif not cycle.keep_alive:  # answered from its head: the body is in, dropped
+                    self.transport.close()
                 return
             super().on_message_complete()
 
-    _PROTOCOLS[key] = FrontProtocol
     return FrontProtocol
 
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import Request
-from starlette.requests import ClientDisconnect
 
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, schema_error
@@ -91,38 +90,12 @@ def _header(request: ClientRequest, name: bytes) -> bytes | None:
     return None
 
 
-def _too_large(limit: int) -> ProxyError:
-    return ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
-
-
-async def read_body(request: ClientRequest, limit: int) -> tuple[dict[str, Any], bytes]:
-    """The JSON object in the request body and the body's bytes; 413 past ``limit`` bytes,
-    400 when malformed. ``request``: a Starlette request, or the ``FastCycle`` serving it."""
-    if isinstance(request, FastCycle):  # it never keeps more than ``limit`` + 1 bytes
-        raw = request.take_body() or b""
-        if len(raw) > limit:
-            raise _too_large(limit)
-        return _json_object(raw), raw
-    declared = _header(request, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise _too_large(limit)
-    receive = request.receive
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] != "http.request":
-            raise ClientDisconnect()
-        chunk = message.get("body", b"")
-        if chunk:
-            size += len(chunk)
-            if size > limit:
-                raise _too_large(limit)
-            chunks.append(chunk)
-        if not message.get("more_body", False):
-            break
-    raw = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-    return _json_object(raw), raw
+def parse_body(raw: bytes, limit: int) -> dict[str, Any]:
+    """The JSON object in a request body read within the client limits (the fast path
+    keeps ``limit`` + 1 bytes of a longer body: 413 then); 400 when malformed."""
+    if len(raw) > limit:
+        raise ProxyError(413, f"request body exceeds {limit} bytes", code="body_too_large")
+    return _json_object(raw)
 
 
 def _json_object(raw: bytes) -> dict[str, Any]:

@@ -1,6 +1,7 @@
 """Serving one request, stage by stage; this module only puts the stages in order.
 
-    read and parse (request.py) -> admit (admission.py) -> [render (token_mode.py)]
+    [refuse from the head when admission is full (app.py)] -> read and parse (request.py)
+      -> admit (admission.py) -> [render (token_mode.py)]
       -> route and decide (routing.py, decision.py) -> [prefill leg (prefill.py)]
       -> decode leg (decode.py) -> relay the answer (relay.py) [derender per event]
 
@@ -53,7 +54,7 @@ from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg, discard
 from vllm_pd_ext.proxy.protocols import SIGNED_DECODE_PARAMS, make_protocol
 from vllm_pd_ext.proxy.relay import Relay, StreamRelay
-from vllm_pd_ext.proxy.request import ClientRequest, Route, parse_request, read_body
+from vllm_pd_ext.proxy.request import ClientRequest, Route, parse_body, parse_request
 from vllm_pd_ext.proxy.routing import Router
 from vllm_pd_ext.proxy.token_mode import RenderTier
 from vllm_pd_ext.proxy.upstream import Timeouts
@@ -144,9 +145,20 @@ class ProxyService:
         if self.render is not None:
             await self.render.close()
 
-    async def handle(self, request: ClientRequest, route: Route) -> Response | RelayResponse:
-        """Serve one OpenAI request. Raises ``ProxyError`` for answers the app maps."""
-        body, raw = await read_body(request, self.config.max_body_bytes)
+    def refusal_now(self) -> ProxyError | None:
+        """The 429 a completion request gets from its head alone when admission is full
+        (counted as rejected), else None. Asked before its body is read."""
+        refused = self.admission.refusal_now()
+        if refused is not None:
+            self.metrics.rejected.labels(refused.code or "saturated").inc()
+        return refused
+
+    async def handle(
+        self, request: ClientRequest, route: Route, raw: bytes
+    ) -> Response | RelayResponse:
+        """Serve one OpenAI request whose body ``raw`` the front door read within the client
+        limits. Raises ``ProxyError`` for answers the app maps."""
+        body = parse_body(raw, self.config.max_body_bytes)
         ctx = parse_request(route, body, request, self.config, raw)
         try:
             await self.admission.acquire()

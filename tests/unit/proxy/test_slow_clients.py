@@ -15,7 +15,7 @@ from contextlib import contextmanager
 
 import pytest
 
-from tests.unit.proxy.helpers import fleet, wait_until
+from tests.unit.proxy.helpers import fleet, metric, wait_until
 from tests.unit.proxy.test_front_protocol import Conn
 from vllm_pd_ext.proxy.app import FrontDoor, create_app
 from vllm_pd_ext.proxy.client_limits import MAX_HEAD_BYTES, ReadDeadlines, _Framing, read_deadlines
@@ -250,6 +250,79 @@ def test_requests_on_a_kept_alive_connection_are_served(fast_path, engines):
         conn.send(post(completion(300)) + post(completion(400)))
         assert [conn.response()[0] for _ in range(2)] == [200, 200]
         wait_until(lambda: app.body_budget.used == 0, timeout=10)
+
+
+def _hold_the_only_slot(app: FrontDoor, port: int) -> Conn:
+    """A client whose request holds the proxy's only admission slot (the engines answer
+    after a second); the caller reads its answer."""
+    wait_until(lambda: app.service.fleet.healthy("decode"))
+    holder = Conn(port)
+    holder.send(post(completion(200)))
+    wait_until(lambda: app.service.admission.in_flight == 1, timeout=10)
+    return holder
+
+
+@PATHS
+def test_a_full_proxy_answers_429_from_the_head_without_reading_the_body(fast_path, engines):
+    """All slots taken and no queue: a request is answered 429 as soon as its head is in,
+    while its body has not even been sent, and nothing of it is held."""
+    for d in ("d1", "d2"):
+        engines[d].behavior.delay_s = 1.0
+    with proxy(
+        fast_path, fleet(engines), max_in_flight=1, max_queued=0, client_body_timeout_s=30
+    ) as (app, port):
+        holder = _hold_the_only_slot(app, port)
+        late = Conn(port)
+        late.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2000\r\n\r\n")
+        late.sock.settimeout(10)  # far below the body timeout: only a head-time answer fits
+        status, headers, answer = late.response()
+        assert status == 429 and json.loads(answer)["error"]["code"] == "queue_full"
+        assert headers[b"connection"] == b"close"
+        holder.sock.settimeout(30)
+        assert holder.response()[0] == 200
+        base = f"http://127.0.0.1:{port}"
+        assert metric(base, "vllm_pd_rejected_total", reason="queue_full") == 1
+
+
+@PATHS
+def test_a_request_without_the_api_key_is_answered_401_before_its_body(fast_path):
+    with proxy(fast_path, NOWHERE, api_key="sekret", client_body_timeout_s=30) as (app, port):
+        conn = Conn(port)
+        conn.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        conn.sock.settimeout(10)
+        status, _, answer = conn.response()
+        assert status == 401 and json.loads(answer)["error"]["code"] == "invalid_api_key"
+        # the body it sends then is dropped, never held; behind it, the next request is
+        # answered (the plain path keeps the connection) or the connection ends (the fast one)
+        conn.send(b"x" * 1000 + b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        try:
+            assert conn.response()[0] == 503  # no healthy decode instance
+        except ConnectionError:
+            assert fast_path
+        assert app.body_budget.used == 0
+
+
+@PATHS
+def test_a_stalled_head_pipelined_behind_a_served_request_gets_no_408_in_its_place(
+    fast_path, engines
+):
+    """A complete request is being served when the next request's head, pipelined behind
+    it, stalls: the connection is closed, and no 408 is written as the first request's
+    answer (its body had arrived in full)."""
+    for d in ("d1", "d2"):
+        engines[d].behavior.delay_s = 1.0
+    with proxy(fast_path, fleet(engines)) as (app, port):
+        wait_until(lambda: app.service.fleet.healthy("decode"))
+        conn = Conn(port)
+        conn.send(post(completion(200)) + b"POST /v1/completions HTTP/1.1\r\nHo")
+        conn.sock.settimeout(10)
+        received = b""
+        try:
+            while chunk := conn.sock.recv(65536):
+                received += chunk
+        except ConnectionResetError:
+            pass
+        assert b" 408 " not in received
 
 
 # -- ReadDeadlines around each of uvicorn's protocols, on an echo app --------------------------
