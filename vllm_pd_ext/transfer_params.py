@@ -41,6 +41,7 @@ Imports nothing of ours but ``fleet_key`` (which imports nothing of ours): every
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -159,8 +160,18 @@ class _Shape:
     DROP_NONE: ClassVar[bool] = False
 
     @classmethod
+    @functools.cache  # one entry per shape class: the proxy signs on every request
     def names(cls) -> tuple[str, ...]:
         return tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
+
+    @classmethod
+    @functools.cache
+    def _layout(cls) -> tuple[tuple[str, Any, Callable[[Any], bool]], ...]:
+        """Each field's name, default (``dataclasses.MISSING`` when required) and check."""
+        return tuple(
+            (f.name, f.default, _CHECKS[str(f.type)])
+            for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+        )
 
     def params(self) -> dict[str, Any]:
         out = dict(self.FLAGS)
@@ -181,11 +192,11 @@ class _Shape:
             if key not in (DO_REMOTE_PREFILL, DO_REMOTE_DECODE) and params.get(key) != want:
                 raise InvalidParams(f"{key} is {params.get(key)!r}, expected {want!r}")
         values = {}
-        for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-            value = params.get(f.name, f.default)
-            if value is dataclasses.MISSING or not _CHECKS[str(f.type)](value):
-                raise InvalidParams(f"{f.name}: {'missing' if f.name not in params else 'bad'}")
-            values[f.name] = value
+        for name, default, check in cls._layout():
+            value = params.get(name, default)
+            if value is dataclasses.MISSING or not check(value):
+                raise InvalidParams(f"{name}: {'missing' if name not in params else 'bad'}")
+            values[name] = value
         return cls(**values)
 
 
@@ -316,6 +327,7 @@ class _Signed(_Shape):
     signature: str | None
 
     @classmethod
+    @functools.cache
     def signed_fields(cls) -> tuple[str, ...]:
         return tuple(n for n in cls.names() if n != fleet_key.SIGNATURE)
 
