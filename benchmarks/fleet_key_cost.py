@@ -6,9 +6,10 @@ prompt's KV.
 A keyed READ split pays, beyond an unkeyed one: the prefill's signature and the decode's check
 of the params (once each), a tagged ``/renew`` round trip instead of a plain one (the decode
 worker renews right before it reads), and, on the ``tcp`` backend, the grant of the leased
-blocks to the reader and its revoke (summed as ``keyed_read_split_extra_ms``), and the
-server's check of every span it reads (inside the read: ``keyed_read_vs_plain_read_pct``,
-the median of three reads a round each way).
+blocks to the reader, the server's check of the spans it is asked for, and the revoke (all
+summed as ``keyed_read_split_extra_ms``; the check also runs inside the keyed reads, which
+``keyed_read_vs_plain_read_pct`` compares with plain ones: loopback reads on a busy host vary
+far more than that check costs, so it is timed alone too).
 A keyed WRITE split pays the proxy's signature, the decode's check, and a tagged "written"
 notice instead of a plain one. The handshake and the ``tcp`` HELLO are paid once per peer (a
 proof each way, one more round trip), not per transfer. The goals: under 0.2 ms per request
@@ -50,6 +51,7 @@ from vllm_pd_ext.connectors.common.side_channel import SideChannelServer, post_j
 from vllm_pd_ext.connectors.flexkv.store import FileStore
 from vllm_pd_ext.transfer_params import PdExtReadAnswer, PdExtWriteDecode
 from vllm_pd_ext.transport import get_backend
+from vllm_pd_ext.transport.grants import GrantTable, merge_extents
 from vllm_pd_ext.transport.notify import NotifyServer, send_notification
 
 REPO = Path(__file__).resolve().parent.parent
@@ -105,7 +107,7 @@ def _restore_ms(store: FileStore, keys: list[str], out: np.ndarray, block_bytes:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=int, default=8)
     p.add_argument("--tokens", type=int, default=8192)
     p.add_argument("--bytes-per-token", type=int, default=12288)
     p.add_argument("--out", type=Path, default=REPO / "benchmarks/results/fleet_key_cost.json")
@@ -137,6 +139,10 @@ def main(argv: list[str] | None = None) -> int:
     # a prompt's blocks are not in order in a real cache: here block i reads block n-1-i
     spans = [(i * block_bytes, (blocks - 1 - i) * block_bytes, block_bytes) for i in range(blocks)]
     leased = {"kv": [(src_off, length) for _, src_off, length in spans]}
+    # what the tcp server checks a READ's spans with (inside read_ms_keyed, timed alone here)
+    table = GrantTable(16)
+    table.add("lease", "read", "d", {"kv": merge_extents(leased["kv"], size)})
+    asked = np.asarray(leased["kv"], dtype=np.int64)
     files = tempfile.TemporaryDirectory(prefix="fleet-key-cost-")
     stores = {
         k: FileStore(files.name, "plain" if k is None else "keyed", key=k) for k in (None, key)
@@ -149,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for r in range(args.rounds):
             row: dict[str, float] = {}
-            for label, k in (("plain", None), ("keyed", key)):
+            cases = [("plain", None), ("keyed", key)]
+            for label, k in cases if r % 2 == 0 else cases[::-1]:  # each goes first by turns
 
                 def renew(k: bytes | None = k) -> None:
                     post_json("127.0.0.1", servers[k].port, "/renew", {"req": "r"}, 5.0, k)
@@ -183,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
                 )
                 notifiers[k].drain()
                 row[f"restore_ms_{label}"] = _restore_ms(stores[k], block_keys, dst, block_bytes)
+            row["grant_check_ms"] = _per_call_ms(
+                lambda: table.allows("d", "read", "kv", asked), 200
+            )
             row["sign_read_ms"] = _per_call_ms(lambda: READ_ANSWER.signed(key), 2000)
             row["verify_read_ms"] = _per_call_ms(
                 lambda: PdExtReadAnswer.check(signed, key, time.time()), 2000
@@ -210,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
         + med["sign_read_ms"]
         + med["verify_read_ms"]
         + med["grant_revoke_ms"]
+        + med["grant_check_ms"]
     )
     write_extra_ms = (
         med["sign_write_ms"]
