@@ -48,6 +48,7 @@ class Call:
         "outcome",
         "params",
         "prefill_done",
+        "prefill_instance",
         "start",
         "watch",
     )
@@ -75,6 +76,8 @@ class Call:
         #: When the legs started (after render and the decision), and the prefill leg ended.
         self.start = 0.0
         self.prefill_done: float | None = None
+        #: The prefill instance that computed the KV the decode leg loads.
+        self.prefill_instance: Instance | None = None
         #: Token mode: every engine the request was sent to (aborted if the client leaves).
         self.engines: list[Instance] = []
         self.outcome: str | None = None
@@ -88,6 +91,7 @@ class Call:
     def colocate(self) -> None:
         """From now on the decode leg runs without KV from a prefill."""
         self.params = self.cached = None
+        self.prefill_done = self.prefill_instance = None
 
     def hold(self, lease: Lease) -> None:
         """Keep ``lease`` until the call is closed (the block that took it lets it go)."""

@@ -102,6 +102,34 @@ class DecisionConfig(_Strict):
     cost_min_samples: int = Field(5, ge=1, description="measurements before the cost model acts")
 
 
+class StallGuardConfig(_Strict):
+    """A split streamed request's first token must arrive within a deadline after its prefill
+    leg, else it is served colocated (``stall_guard.py``)."""
+
+    enabled: bool = True
+    floor_s: float = Field(
+        1.0,
+        gt=0,
+        description="least time from the prefill leg's end to the decode leg's first token "
+        "(set it above the transfer time of your longest prompts)",
+    )
+    factor: float = Field(
+        4.0,
+        ge=1,
+        description="the deadline is this many times the transfer the cost model expects for "
+        "the prompt (once it has measured cost_min_samples splits), if more than floor_s",
+    )
+    breaker_stalls: int = Field(
+        3, ge=1, description="stalls in a row on one prefill-decode pair that stop its splits"
+    )
+    breaker_open_s: float = Field(
+        30.0, gt=0, description="how long a pair gets no splits; then one split probes it"
+    )
+    breaker_max_open_s: float = Field(
+        300.0, gt=0, description="a probe that stalls again doubles the time, up to this"
+    )
+
+
 class TimeoutConfig(_Strict):
     connect_s: float = Field(3.0, gt=0)
     prefill_s: float = Field(120.0, gt=0, description="whole prefill leg")
@@ -194,6 +222,7 @@ class ProxyConfig(_Strict):
 
     affinity_prefix_chars: int = Field(1024, ge=16, description="prefix-affinity key length")
     decision: DecisionConfig = DecisionConfig()
+    stall_guard: StallGuardConfig = StallGuardConfig()
     timeouts: TimeoutConfig = TimeoutConfig()
 
     @field_validator("render")

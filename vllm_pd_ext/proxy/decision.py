@@ -3,7 +3,8 @@
 Rules, in order (the first that applies wins):
 
 1. ``not_splittable``: ``n > 1``, ``best_of`` or a batch of prompts.
-2. ``no_prefill``: no healthy prefill instance.
+2. ``no_prefill``: no healthy prefill instance (``breaker_open``, decided by the router: there
+   are some, but the stall guard stopped splits between each of them and the decode instance).
 3. ``short_prompt``: estimated prompt tokens below ``min_split_prompt_tokens`` (default 256):
    the transfer and the extra hop cost more than a short prefill stalls anyone.
 4. ``prefill_overloaded``: every healthy prefill instance has ``max_prefill_waiting`` (default
@@ -73,6 +74,13 @@ class Decider:
         if prompt_tokens > 0:
             self.prefill_s_per_token.add(prefill_s / prompt_tokens)
             self.transfer_s_per_token.add(transfer_gap_s / prompt_tokens)
+
+    def expected_transfer_s(self, prompt_tokens: int) -> float | None:
+        """The measured transfer gap for a prompt this long (None: not measured enough)."""
+        transfer = self.transfer_s_per_token
+        if transfer.value is None or transfer.samples < self.config.cost_min_samples:
+            return None
+        return transfer.value * prompt_tokens
 
     def decide(
         self, ctx: RequestContext, prefill_pool: Sequence[Loaded], decode: Loaded

@@ -6,16 +6,21 @@ already sent it there: ``pending``). An attempt that fails before the answer's h
 when the protocol bound the KV to the first instance (``binds_decode``), a retry elsewhere
 runs colocated. A 4xx is the client's mistake and passes through. Once an engine answers 200,
 its lease stays with the call until the answer is out.
+
+A split streamed leg is guarded (``stall_guard.py``): its first token must come within the
+guard's deadline after the prefill leg, else it is closed and the request served colocated.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import time
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from vllm_pd_ext.proxy.call import Call
 from vllm_pd_ext.proxy.client_channel import ClientGone
+from vllm_pd_ext.proxy.decision import Decision
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough
 from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
 from vllm_pd_ext.proxy.legs import decode_body
@@ -23,7 +28,7 @@ from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.protocols import PDProtocol
 from vllm_pd_ext.proxy.relay import Opened, StreamRelay
 from vllm_pd_ext.proxy.routing import Route, Router
-from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse
+from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse, discard
 
 
 class DecodeLeg:
@@ -84,17 +89,34 @@ class DecodeLeg:
         through; 502 when every instance tried failed) or ``ClientGone``."""
         errors: list[str] = []
         candidates = self.router.candidates(call.ctx, route.decode_pool, "decode", route.decode)
+        guard = self.router.guard
+        stalled = False
         for attempt, inst in enumerate(candidates):
             if attempt and call.params is not None and self.protocol.binds_decode:
                 call.colocate()
                 self.metrics.fallbacks.labels("decode_retry").inc()
+            # the first attempt of a split stream: its first token must beat the deadline
+            guarded = (
+                attempt == 0
+                and stream is not None
+                and call.params is not None
+                and call.prefill_done is not None
+                and guard.config.enabled
+            )
             with Lease(inst) as lease:
                 if attempt == 0 and pending is not None:
                     opening: Any = pending
                 else:
-                    sink = stream.direct_sink() if stream is not None else None
+                    # a guarded leg's first bytes wait for the guard, not for the client
+                    sink = stream.direct_sink() if stream is not None and not guarded else None
                     body = decode_body(call.ctx, call.params)
                     opening = self.send_body(call, inst, body, call.ctx.request_id, sink)
+                if guarded:
+                    assert call.prefill_done is not None
+                    left = guard.budget_s(call.ctx.est_prompt_tokens) - (
+                        time.perf_counter() - call.prefill_done
+                    )
+                    opening = _first_bytes(opening, left)
                 try:
                     resp = await call.watch.race(opening, "decode_wait")
                 except UpstreamError as exc:
@@ -106,6 +128,12 @@ class DecodeLeg:
                         # the stream was under way, from the engine connection's side
                         raise ClientGone("decode_stream") from None
                     raise
+                if resp is None:  # a guarded leg past its deadline: closed, and aborted
+                    guard.stalled(call.prefill_instance, inst, call.ctx.request_id)
+                    call.colocate()
+                    call.decide(Decision(False, "stall"))
+                    stalled = True
+                    break
                 if resp.status >= 500:
                     resp.close()
                     errors.append(f"{inst.label}: HTTP {resp.status}")
@@ -118,6 +146,41 @@ class DecodeLeg:
                     finally:
                         resp.close()
                     raise passthrough(resp.status, raw)
+                if guarded:
+                    guard.served(call.prefill_instance, inst)
                 call.hold(lease)
                 return Opened(resp, inst)
+        if stalled:  # served colocated now, from the route's decode instance on
+            return await self.open(call, route, None, stream)
         raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
+
+
+async def _first_bytes(
+    opening: Awaitable[UpstreamResponse], timeout: float
+) -> UpstreamResponse | None:
+    """``opening``'s response once it has answered and, if 200, its body's first bytes have
+    come, all within ``timeout`` seconds; None past that (what was opened is closed, so the
+    engine aborts the request)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    task = asyncio.ensure_future(opening)
+    try:
+        done, _ = await asyncio.wait((task,), timeout=max(0.0, timeout))
+    except BaseException:
+        await discard(task)
+        raise
+    if not done:
+        await discard(task)
+        return None
+    resp = task.result()  # its UpstreamError, as an unguarded leg's
+    if resp.status != 200:
+        return resp
+    try:
+        arrived = await resp.arrived(deadline - loop.time())
+    except BaseException:
+        resp.close()
+        raise
+    if not arrived:
+        resp.close()
+        return None
+    return resp

@@ -74,6 +74,12 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
+        self.breaker_open = Gauge(
+            "vllm_pd_breaker_open",
+            "1 while the stall guard gives a prefill-decode pair no splits",
+            ["prefill", "decode"],
+            registry=r,
+        )
         self.aborts = Counter(
             "vllm_pd_aborts", "Client disconnects by phase", ["phase"], registry=r
         )

@@ -23,7 +23,13 @@ from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
 from vllm_pd_ext.proxy.legs import one_token_body
 from vllm_pd_ext.proxy.protocols import MissingCoordinates, PDProtocol
 from vllm_pd_ext.proxy.routing import Route, Router
-from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse, json_object
+from vllm_pd_ext.proxy.upstream import (
+    Timeouts,
+    UpstreamError,
+    UpstreamResponse,
+    discard,
+    json_object,
+)
 from vllm_pd_ext.transfer_params import prefill_cached_tokens
 
 #: Sends the decode leg to an instance with the given params; the opened response.
@@ -46,6 +52,8 @@ class Prefilled:
     params: dict[str, Any]
     #: Prompt tokens the prefill instance found in its own prefix cache, when it said.
     cached: int | None
+    #: The prefill instance that computed it.
+    instance: Instance
     #: Concurrent protocols: the decode leg, already sent to the route's decode instance.
     pending: asyncio.Task | None = None
 
@@ -84,7 +92,7 @@ class PrefillLeg:
             if answer is None:
                 errors.append(f"{inst.label}: no kv_transfer_params (is a KV connector set?)")
                 continue
-            return Prefilled(answer, cached_tokens(answer, usage))
+            return Prefilled(answer, cached_tokens(answer, usage), inst)
         raise LegFailed("; ".join(errors) or "no healthy prefill instance")
 
     async def _concurrent(self, call: Call, route: Route) -> Prefilled:
@@ -113,7 +121,7 @@ class PrefillLeg:
             except BaseException:
                 await discard(pending)
                 raise
-            return Prefilled(plan.decode_params, cached_tokens(None, usage), pending)
+            return Prefilled(plan.decode_params, cached_tokens(None, usage), inst, pending)
         raise LegFailed("; ".join(errors) or "no healthy prefill instance")
 
     async def _once(
@@ -154,14 +162,3 @@ def cached_tokens(params: dict[str, Any] | None, usage: dict[str, Any] | None) -
     details = (usage or {}).get("prompt_tokens_details") or {}
     value = details.get("cached_tokens")
     return value if isinstance(value, int) else None
-
-
-async def discard(task: asyncio.Task) -> None:
-    """Cancel a pending upstream request, closing its response if it already arrived. A
-    cancellation of the caller itself still propagates."""
-    task.cancel()
-    try:
-        await asyncio.wait((task,))
-    finally:
-        if task.done() and not task.cancelled() and task.exception() is None:
-            task.result().close()

@@ -1,5 +1,6 @@
-"""Where a request goes: its decode instance, whether it is split (``decision.py``), and which
-instances a leg tries, in order, when one fails."""
+"""Where a request goes: its decode instance, whether it is split (``decision.py``, over the
+prefill instances the stall guard lets it split with), and which instances a leg tries, in
+order, when one fails."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from vllm_pd_ext.proxy.fleet import Fleet, Instance
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.policies import make_policy
 from vllm_pd_ext.proxy.request import RequestContext
+from vllm_pd_ext.proxy.stall_guard import StallGuard
 
 
 @dataclass(slots=True)
@@ -33,6 +35,7 @@ class Router:
         self.fleet = fleet
         self.metrics = metrics
         self.decider = Decider(config.decision)
+        self.guard = StallGuard(config.stall_guard, self.decider, metrics)
         self.prefill_policy = make_policy(config.prefill_policy)
         self.decode_policy = make_policy(config.decode_policy)
 
@@ -51,8 +54,13 @@ class Router:
     def route(self, ctx: RequestContext, decode_pool: list[Instance]) -> Route:
         """Pick the decode instance, then decide split or colocated (counted by reason)."""
         decode = self.decode_policy.select(ctx.affinity_key, decode_pool)
-        prefill_pool = [p for p in self.fleet.healthy("prefill") if p is not decode]
-        decision = self.decider.decide(ctx, prefill_pool, decode)
+        healthy = [p for p in self.fleet.healthy("prefill") if p is not decode]
+        guard = self.guard
+        prefill_pool = [p for p in healthy if guard.allows(p, decode)] if guard.stalls else healthy
+        if healthy and not prefill_pool:
+            decision = Decision(False, "breaker_open", {"healthy_prefill": len(healthy)})
+        else:
+            decision = self.decider.decide(ctx, prefill_pool, decode)
         metrics = self.metrics
         metrics.child(metrics.decisions, decision.label, decision.reason).inc()
         return Route(decode, decode_pool, prefill_pool, decision)

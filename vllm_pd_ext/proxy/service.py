@@ -23,6 +23,8 @@ Failure semantics (all timeouts come from ``TimeoutConfig``):
   (``retry-then-colocated``, default) or answer 502 (``retry-then-fail``). Never a partial answer.
 * decode leg fails before its first byte: try up to ``decode_retries`` other decode instances
   (colocated there when the protocol pushed the KV to the first one: ``binds_decode``).
+* a split stream's first token misses the stall guard's deadline (``stall_guard.py``): the
+  decode leg is closed and the request served colocated, before the client saw a byte.
 * decode fails mid-stream: one SSE error event, then the stream closes.
 * a 4xx from an engine is the client's mistake: passed through unchanged.
 * the client disconnects: waiting for the prefill leg -> that request is cancelled (the engine
@@ -51,13 +53,13 @@ from vllm_pd_ext.proxy.decode import DecodeLeg
 from vllm_pd_ext.proxy.errors import ProxyError
 from vllm_pd_ext.proxy.fleet import Fleet
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
-from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg, discard
+from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg
 from vllm_pd_ext.proxy.protocols import SIGNED_DECODE_PARAMS, make_protocol
 from vllm_pd_ext.proxy.relay import Relay, StreamRelay
 from vllm_pd_ext.proxy.request import ClientRequest, Route, parse_body, parse_request
 from vllm_pd_ext.proxy.routing import Router
 from vllm_pd_ext.proxy.token_mode import RenderTier
-from vllm_pd_ext.proxy.upstream import Timeouts
+from vllm_pd_ext.proxy.upstream import Timeouts, discard
 
 logger = logging.getLogger(__name__)
 
@@ -216,6 +218,7 @@ class ProxyService:
                 call.prefill_done = time.perf_counter()
                 self.metrics.prefill_leg.observe(call.prefill_done - call.start)
                 call.params, call.cached = prefilled.params, prefilled.cached
+                call.prefill_instance = prefilled.instance
                 pending = prefilled.pending
                 if call.watch.gone.is_set():
                     if pending is not None:  # the decode leg is in flight: it frees P's KV

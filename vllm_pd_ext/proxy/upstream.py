@@ -391,6 +391,22 @@ class UpstreamResponse:
             else:
                 await conn.wait(read_s, deadline)
 
+    async def arrived(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the body's first bytes (or its end, or an
+        error, which ``read``/``chunks`` then raise): True when any came. Call it before a
+        sink is set (bytes a sink takes wake nobody)."""
+        conn = self._conn
+        deadline = conn.loop.time() + timeout
+        while not conn.chunks and conn.state != _DONE and conn.error is None:
+            left = deadline - conn.loop.time()
+            if left <= 0:
+                return False
+            try:
+                await conn.wait(left, None)
+            except UpstreamError:
+                return False
+        return True
+
     def set_sink(self, sink: Callable[[bytes], bool] | None) -> None:
         """Offer each body piece to ``sink`` as it is parsed, before ``chunks`` sees it.
 
@@ -415,6 +431,17 @@ class UpstreamResponse:
             self._pool._release(conn)
         else:
             conn.close()
+
+
+async def discard(task: asyncio.Future[UpstreamResponse]) -> None:
+    """Cancel a pending upstream request, closing its response if it already arrived. A
+    cancellation of the caller itself still propagates."""
+    task.cancel()
+    try:
+        await asyncio.wait((task,))
+    finally:
+        if task.done() and not task.cancelled() and task.exception() is None:
+            task.result().close()
 
 
 class Upstream:

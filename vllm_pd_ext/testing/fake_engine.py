@@ -90,6 +90,9 @@ class Behavior:
     connector: str | None = None  # "moriio-read", "moriio-write", "pdext-read", "pdext-write"
     metrics_status: int = 200  # answer /metrics with this status
     not_json: bool = False  # answer a completion with 200 and a body that is not JSON
+    #: a streamed leg that loads remote KV sends its head, then nothing for this long before
+    #: its first token (a stalled KV transfer; a disconnect meanwhile counts in ``disconnects``)
+    kv_stall_s: float = 0.0
 
 
 @dataclass
@@ -254,8 +257,10 @@ class FakeEngine:
                 "prompt_tokens_details": {"cached_tokens": len(prompt.split())},
             }
             if body.get("stream"):
+                stall = b.kv_stall_s if loads_remote(params) else 0.0
                 return StreamingResponse(
-                    self._stream(request, tokens, chat, body, usage), media_type="text/event-stream"
+                    self._stream(request, tokens, chat, body, usage, stall),
+                    media_type="text/event-stream",
                 )
             choice = (
                 {
@@ -368,10 +373,18 @@ class FakeEngine:
         ).params()
 
     async def _stream(
-        self, request: Request, tokens: list[str], chat: bool, body: dict, usage: dict
+        self,
+        request: Request,
+        tokens: list[str],
+        chat: bool,
+        body: dict,
+        usage: dict,
+        stall_s: float = 0.0,
     ):
         self.running += 1
         try:
+            if stall_s:
+                await asyncio.sleep(stall_s)  # the stall itself (cancelled on a disconnect)
             for i, tok in enumerate(tokens):
                 if (
                     self.behavior.die_after_tokens is not None

@@ -1,0 +1,123 @@
+"""The stall guard: a split request is never left waiting on a KV transfer that stalls.
+
+A split pays the KV transfer before its first token. When the transfer stalls (a connector
+waiting for blocks whose lease expired, a peer that stopped answering), the decode engine
+waits, and the client with it, far longer than a colocated prefill would have taken. So a
+guarded decode leg (a split, streamed) gets a deadline from the prefill leg's end:
+``factor`` times the transfer the cost model expects for its prompt once it has measured
+enough splits, and never less than ``floor_s``. If the leg's first body bytes (its first
+token) have not arrived by then, and so the client has seen nothing yet, the leg is closed
+(the engine aborts the request and frees its blocks) and the request is served colocated;
+counted in ``vllm_pd_fallbacks_total{reason="stall"}`` and logged.
+
+A prefill-decode pair that stalls ``breaker_stalls`` times in a row gets no splits for
+``breaker_open_s`` (decision reason ``breaker_open``; ``vllm_pd_breaker_open{prefill,decode}``
+is 1 meanwhile, and one WARNING line says so). Then one split probes it: a first token in time
+closes the breaker, another stall opens it for twice as long, up to ``breaker_max_open_s``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from vllm_pd_ext.proxy.config import StallGuardConfig
+from vllm_pd_ext.proxy.decision import Decider
+from vllm_pd_ext.proxy.fleet import Instance
+from vllm_pd_ext.proxy.metrics import ProxyMetrics
+
+logger = logging.getLogger(__name__)
+
+#: Pairs with a stall on record, at most (the oldest forgotten first).
+MAX_PAIRS = 4096
+
+
+@dataclass(slots=True)
+class _Pair:
+    stalls: int = 0  # in a row
+    open_until: float = 0.0  # monotonic; 0: closed
+    open_s: float = 0.0  # how long it was last opened for
+    probe_at: float = 0.0  # when the last probe was let through
+
+
+class StallGuard:
+    """Deadlines for guarded decode legs, and the per-pair breakers. Event loop only."""
+
+    def __init__(self, config: StallGuardConfig, decider: Decider, metrics: ProxyMetrics):
+        self.config = config
+        self.decider = decider
+        self.metrics = metrics
+        self._pairs: OrderedDict[tuple[str, str], _Pair] = OrderedDict()
+
+    @property
+    def stalls(self) -> bool:
+        """Is any pair's stall on record (else every pair may split)?"""
+        return bool(self._pairs)
+
+    def budget_s(self, prompt_tokens: int) -> float:
+        """Seconds from the prefill leg's end to the decode leg's first token."""
+        cfg = self.config
+        expected = self.decider.expected_transfer_s(prompt_tokens)
+        if expected is None:
+            return cfg.floor_s
+        return max(cfg.floor_s, cfg.factor * expected)
+
+    def allows(self, prefill: Instance, decode: Instance) -> bool:
+        """May a request split across this pair now? False while its breaker is open; once
+        the open time is over, True for one probe per ``breaker_open_s``."""
+        pair = self._pairs.get((prefill.label, decode.label))
+        if pair is None or pair.open_until == 0.0:
+            return True
+        now = time.monotonic()
+        if now < pair.open_until or now < pair.probe_at + self.config.breaker_open_s:
+            return False
+        pair.probe_at = now
+        return True
+
+    def stalled(self, prefill: Instance | None, decode: Instance, request_id: str) -> None:
+        """A guarded leg missed its deadline on this pair."""
+        self.metrics.fallbacks.labels("stall").inc()
+        logger.warning(
+            "request %s: no first token from %s within the stall guard's deadline after the "
+            "prefill on %s; serving it colocated",
+            request_id,
+            decode.label,
+            prefill.label if prefill is not None else "?",
+        )
+        if prefill is None:
+            return
+        key = (prefill.label, decode.label)
+        pair = self._pairs.get(key)
+        if pair is None:
+            pair = self._pairs[key] = _Pair()
+            if len(self._pairs) > MAX_PAIRS:
+                self._pairs.popitem(last=False)
+        self._pairs.move_to_end(key)
+        pair.stalls += 1
+        cfg = self.config
+        probing = pair.open_until != 0.0
+        if probing or pair.stalls >= cfg.breaker_stalls:
+            pair.open_s = (
+                min(2 * pair.open_s, cfg.breaker_max_open_s) if probing else cfg.breaker_open_s
+            )
+            pair.open_until = time.monotonic() + pair.open_s
+            self.metrics.breaker_open.labels(prefill.label, decode.label).set(1)
+            logger.warning(
+                "no splits from %s to %s for %.0f s: %d stalls in a row",
+                prefill.label,
+                decode.label,
+                pair.open_s,
+                pair.stalls,
+            )
+
+    def served(self, prefill: Instance | None, decode: Instance) -> None:
+        """A guarded leg's first token came in time: the pair's record is cleared (its
+        breaker closed)."""
+        if prefill is None:
+            return
+        pair = self._pairs.pop((prefill.label, decode.label), None)
+        if pair is not None and pair.open_until != 0.0:
+            self.metrics.breaker_open.labels(prefill.label, decode.label).set(0)
+            logger.warning("splits from %s to %s again", prefill.label, decode.label)
