@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.slow_peers import closed_within, connect_from
 from vllm_pd_ext.connectors.common.config import parse_transfer_config
 from vllm_pd_ext.connectors.common.layout import LayoutMismatch, block_spans, layout_from_caches
 from vllm_pd_ext.connectors.common.leases import LeaseTable
@@ -352,38 +353,8 @@ def test_kv_listeners_bind_loopback_unless_configured(tiny_qwen, monkeypatch):
     assert default_host(config) == "10.9.8.7"
 
 
-def _wait_closed(sock, deadline_s: float, trickle: bytes | None = None) -> bool:
-    """Whether the server closes ``sock`` within ``deadline_s`` (sending one byte of
-    ``trickle`` every 0.1 s meanwhile, as a slow client would)."""
-    import time
-
-    deadline = time.monotonic() + deadline_s
-    sent = 0
-    sock.settimeout(0.1)
-    while time.monotonic() < deadline:
-        try:
-            if trickle is not None and sent < len(trickle):
-                sock.sendall(trickle[sent : sent + 1])
-                sent += 1
-            if sock.recv(1) == b"":
-                return True
-        except TimeoutError:
-            continue
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-    return False
-
-
-def _partial_heads(n: int, source: str, port: int) -> list:
-    """``n`` connections from ``source`` that each sent part of a request head, and stop."""
-    import socket
-
-    socks = []
-    for _ in range(n):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
-        s.sendall(b"GET /handshake HTTP/1.1\r\nX-Slow: ")
-        socks.append(s)
-    return socks
+#: What a slow client sends of a request head before it stops.
+PARTIAL_HEAD = b"GET /handshake HTTP/1.1\r\nX-Slow: "
 
 
 def test_side_channel_bounds_its_connections_and_closes_idle_ones():
@@ -407,10 +378,10 @@ def test_side_channel_bounds_its_connections_and_closes_idle_ones():
             assert time.monotonic() < deadline, "the server never read those heads"
             time.sleep(0.01)
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as extra:
-            assert _wait_closed(extra, 10)  # closed unanswered: both slots are busy
+            assert closed_within(extra, 10)  # closed unanswered: both slots are busy
         assert server.slots.refused == 1
         for s in held:  # the idle ones are closed by the server
-            assert _wait_closed(s, 10)
+            assert closed_within(s, 10)
             s.close()
         deadline = time.monotonic() + 10
         while True:  # the slots come free just after the server closed those connections
@@ -435,7 +406,7 @@ def test_a_trickling_client_is_closed_at_the_head_deadline():
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
             s.sendall(b"GET /handshake HTTP/1.1\r\n")
-            assert _wait_closed(s, 10, trickle=b"X-Slow: " + b"a" * 200)
+            assert closed_within(s, 10, trickle=b"X-Slow: " + b"a" * 200)
         assert server.slots.closed == 1
         assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}
     finally:
@@ -455,7 +426,7 @@ def test_a_keyed_client_is_served_while_one_address_holds_what_it_may(caplog):
         max_per_source=4,
         head_timeout_s=60,
     )
-    attackers = _partial_heads(20, "127.0.0.2", server.port)
+    attackers = connect_from("127.0.0.2", server.port, 20, PARTIAL_HEAD)
     try:
         with caplog.at_level("WARNING"):
             assert fetch_handshake("127.0.0.1", server.port, 5.0, KEY) == {"v": 1}
@@ -480,10 +451,12 @@ def test_when_full_the_oldest_connection_still_sending_its_head_makes_room():
         max_per_source=1,
         head_timeout_s=60,
     )
-    attackers = [s for i in range(4) for s in _partial_heads(1, f"127.0.0.{2 + i}", server.port)]
+    attackers = [
+        s for i in range(4) for s in connect_from(f"127.0.0.{2 + i}", server.port, 1, PARTIAL_HEAD)
+    ]
     try:
         assert fetch_handshake("127.0.0.1", server.port, 5.0, KEY) == {"v": 1}
-        assert _wait_closed(attackers[0], 10)
+        assert closed_within(attackers[0], 10)
         assert server.slots.closed == 1 and server.slots.refused == 0
     finally:
         for s in attackers:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import itertools
 import socket
 import struct
-import time
 
 import pytest
 
+from tests.unit.slow_peers import closed_within, connect_from
 from vllm_pd_ext.transport import TransferError, get_backend, notify, tcp
 from vllm_pd_ext.transport.notify import NotifyServer, send_notification
 
@@ -118,26 +117,6 @@ def test_mori_transports_with_the_fleet_key_notify_and_refuse_a_keyless_sender()
             t.close()
 
 
-def _closed_within(sock: socket.socket, deadline_s: float, trickle: bytes = b"") -> bool:
-    """Whether the server closes ``sock`` within ``deadline_s``, while it sends one byte of
-    ``trickle`` every 0.1 s (as a slow sender would)."""
-    deadline = time.monotonic() + deadline_s
-    sock.settimeout(0.1)
-    for i in itertools.count():
-        if time.monotonic() > deadline:
-            return False
-        try:
-            if i < len(trickle):
-                sock.sendall(trickle[i : i + 1])
-            if sock.recv(1) == b"":
-                return True
-        except TimeoutError:
-            continue
-        except (BrokenPipeError, ConnectionResetError):
-            return True
-    raise AssertionError("unreachable")
-
-
 def test_a_slow_sender_holds_up_no_other_notification():
     """A sender that stops mid-frame keeps its connection: a valid notification sent meanwhile
     is still queued and acknowledged at once."""
@@ -157,7 +136,7 @@ def test_a_trickling_sender_is_closed_at_the_frame_deadline():
     server = NotifyServer(frame_timeout_s=0.5)
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as slow:
-            assert _closed_within(slow, 10, trickle=struct.pack("!I", 1000) + b"p" * 1000)
+            assert closed_within(slow, 10, trickle=struct.pack("!I", 1000) + b"p" * 1000)
         assert server.slots.closed == 1
         send_notification(server.address, "peer", b"ok", timeout=5)
         assert [n.payload for n in server.drain()] == [b"ok"]
@@ -169,19 +148,14 @@ def test_one_address_gets_at_most_its_share_of_connections(caplog):
     """Ten slow senders from one address: ``max_per_source`` of them are served, the others
     refused (one log line for all), and a sender from another address is still served."""
     server = NotifyServer(max_connections=4, max_per_source=2, frame_timeout_s=60)
-    slow = [
-        socket.create_connection(
-            ("127.0.0.1", server.port), timeout=5, source_address=("127.0.0.2", 0)
-        )
-        for _ in range(10)
-    ]
+    slow = connect_from("127.0.0.2", server.port, 10)
     try:
         with caplog.at_level("WARNING"):
             send_notification(server.address, "peer", b"ok", timeout=2)
         assert [n.payload for n in server.drain()] == [b"ok"]
         assert server.slots.refused == 8
         assert len([r for r in caplog.records if "refused a connection" in r.getMessage()]) == 1
-        assert sum(_closed_within(s, 0.3) for s in slow) == 8  # the refused ones
+        assert all(closed_within(s, 10) for s in slow[2:])  # the refused ones
     finally:
         for s in slow:
             s.close()
@@ -192,16 +166,11 @@ def test_when_full_the_oldest_unfinished_frame_makes_room():
     """Slow senders from four addresses hold every connection: a valid notification is still
     delivered, and the oldest of them is closed for it."""
     server = NotifyServer(max_connections=4, max_per_source=1, frame_timeout_s=60)
-    slow = [
-        socket.create_connection(
-            ("127.0.0.1", server.port), timeout=5, source_address=(f"127.0.0.{2 + i}", 0)
-        )
-        for i in range(4)
-    ]
+    slow = [s for i in range(4) for s in connect_from(f"127.0.0.{2 + i}", server.port)]
     try:
         send_notification(server.address, "peer", b"ok", timeout=2)
         assert [n.payload for n in server.drain()] == [b"ok"]
-        assert _closed_within(slow[0], 10)
+        assert closed_within(slow[0], 10)
         assert server.slots.closed == 1 and server.slots.refused == 0
     finally:
         for s in slow:
