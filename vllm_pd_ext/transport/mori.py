@@ -53,7 +53,7 @@ from vllm_pd_ext.transport.errors import (
     TransferError,
     TransportError,
 )
-from vllm_pd_ext.transport.notify import NotifyServer, send_notification
+from vllm_pd_ext.transport.notify import NotifyLimits, NotifyServer, send_notification
 from vllm_pd_ext.transport.spans import LENGTH, LOCAL, REMOTE
 
 logger = logging.getLogger(__name__)
@@ -78,6 +78,12 @@ class MoriConfig(BaseModel):
     max_batch_entries: int = Field(4096, ge=1, description="Spans per batch_* call.")
     sq_full_retry_s: float = Field(1.0, ge=0, description="Retry 'SQ full' posts this long.")
     notify_port: int = Field(0, ge=0, le=65535, description="Notification port; 0 = free.")
+    notify_limits: NotifyLimits = Field(
+        default_factory=NotifyLimits,
+        description="What the notification server serves at most: connections (in all and "
+        "per address), a frame's deadline, payload and sender sizes; e.g. "
+        "{'max_per_source': 8}.",
+    )
     coalesce: bool = Field(True, description="Merge spans adjacent on both sides.")
 
 
@@ -150,7 +156,9 @@ class MoriTransport(Transport):
         self._remote_engines: dict[str, Any] = {}  # peer -> EngineDesc
         self._sessions: dict[tuple[str, str, str], Any] = {}  # (peer, local, remote)
         self._fleet_key = key
-        self._notify = NotifyServer(cfg.host, cfg.notify_port, key=key, on_refused=on_refused)
+        self._notify = NotifyServer(
+            cfg.host, cfg.notify_port, key=key, on_refused=on_refused, limits=cfg.notify_limits
+        )
         logger.info("MoRI-IO engine %s up (%s)", self._key, cfg.backend)
 
     def _backend_args(self, cfg: MoriConfig) -> tuple[Any, Any]:
@@ -298,7 +306,14 @@ class MoriTransport(Transport):
 
     # notifications
     def _send_notification(self, desc: TransportDescriptor, payload: bytes, timeout: float) -> None:
-        send_notification(desc.extra[_NOTIFY_KEY], self._key, payload, timeout, self._fleet_key)
+        send_notification(
+            desc.extra[_NOTIFY_KEY],
+            self._key,
+            payload,
+            timeout,
+            self._fleet_key,
+            max_payload_bytes=self.config.notify_limits.max_payload_bytes,
+        )
 
     def _receive_notifications(self) -> list[Notification]:
         return self._notify.drain()

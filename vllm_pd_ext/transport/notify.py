@@ -5,8 +5,8 @@ advertises its ``host:port`` in its descriptor. :func:`send_notification` opens 
 sends one frame and waits for a one-byte acknowledgement, so a returned call means the peer
 has queued the message. Frames: ``u32 sender length, sender (UTF-8), u32 payload length,
 payload, u64 timestamp (unix ms), 16-byte nonce, 32-byte tag``; payloads are capped at
-:data:`MAX_PAYLOAD` bytes, sender names at :data:`MAX_SENDER`, and at most
-:data:`MAX_QUEUED_NOTIFICATIONS` wait to be drained (more get no ack).
+``max_payload_bytes``, sender names at ``max_sender_bytes`` (:class:`NotifyLimits`), and at
+most :data:`MAX_QUEUED_NOTIFICATIONS` wait to be drained (more get no ack).
 
 With a fleet key (:mod:`vllm_pd_ext.fleet_key`) the tag is the HMAC under it of the sender,
 payload, timestamp and nonce; a server with the key queues only frames whose tag is valid, whose
@@ -14,10 +14,10 @@ timestamp is within ``MAX_SKEW_S`` and whose nonce is new, and acknowledges noth
 Without a key the tag is zeros and nothing is checked.
 
 Connections are served at once, a thread each, and nobody can hold them
-(:class:`~vllm_pd_ext.util.conn_slots.ConnectionSlots`): at most :data:`MAX_CONNECTIONS`,
-:data:`MAX_PER_SOURCE` of them from one address; a frame must have arrived
-:data:`FRAME_TIMEOUT_S` after its connection opened, and when all are taken the oldest
-connection still sending its frame is closed for a new one. A slow sender delays nobody else.
+(:class:`~vllm_pd_ext.util.conn_slots.ConnectionSlots`), within :class:`NotifyLimits`: at most
+``max_connections``, ``max_per_source`` of them from one address; a frame must have arrived
+``frame_timeout_s`` after its connection opened, and when all are taken the oldest connection
+still sending its frame is closed for a new one. A slow sender delays nobody else.
 """
 
 from __future__ import annotations
@@ -33,6 +33,8 @@ import threading
 import time
 from collections.abc import Callable
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.transport.base import MAX_QUEUED_NOTIFICATIONS, Notification
 from vllm_pd_ext.transport.errors import TransferError, TransferTimeout
@@ -41,19 +43,9 @@ from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
-#: Largest payload a notification may carry.
-MAX_PAYLOAD = 64 * 1024
-#: Longest sender name a frame may carry.
-MAX_SENDER = 1024
 _LEN = struct.Struct("!I")
 _AUTH = struct.Struct("!Q16s32s")  # timestamp (unix ms), nonce, tag
 _ACK = b"\x06"
-#: Connections served at once (a thread each).
-MAX_CONNECTIONS = 64
-#: Connections from one address at once.
-MAX_PER_SOURCE = 32
-#: A connection's whole frame must have arrived this long after it opened.
-FRAME_TIMEOUT_S = 5.0
 #: Refused notifications and dropped frames are logged at most this often.
 _WARN_EVERY_S = 10.0
 
@@ -76,11 +68,39 @@ class _Refused(ValueError):
     """A frame without a valid fleet-key tag."""
 
 
+class NotifyLimits(BaseModel):
+    """What one notification server serves at most (see the module's docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_connections: int = Field(
+        64,
+        ge=1,
+        description="Connections served at once (a thread each); beyond it, the oldest one "
+        "still sending its frame is closed for a new one, or the new one is.",
+    )
+    max_per_source: int = Field(
+        32, ge=1, description="Connections from one address at once; more from it are closed."
+    )
+    frame_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="A connection's whole frame must have arrived this long after it opened.",
+    )
+    max_payload_bytes: int = Field(
+        64 << 10, ge=1, description="Largest notification payload, sent or received."
+    )
+    max_sender_bytes: int = Field(1024, ge=1, description="Longest sender name a frame may carry.")
+
+
+#: The limits of a server or sender given none.
+DEFAULT_LIMITS = NotifyLimits()
+
+
 class NotifyServer:
     """Receives notifications on ``host:port`` (port 0 picks a free one) into a queue; with
     ``key``, only frames tagged under it (``on_refused`` is called for each other one).
-    Serves up to ``max_connections`` connections at once (``max_per_source`` from one address),
-    each given ``frame_timeout_s`` to send its frame (see the module's docstring)."""
+    Serves connections within ``limits`` (see the module's docstring)."""
 
     def __init__(
         self,
@@ -89,19 +109,20 @@ class NotifyServer:
         *,
         key: bytes | None = None,
         on_refused: Callable[[], None] | None = None,
-        max_connections: int = MAX_CONNECTIONS,
-        max_per_source: int = MAX_PER_SOURCE,
-        frame_timeout_s: float = FRAME_TIMEOUT_S,
+        limits: NotifyLimits = DEFAULT_LIMITS,
     ) -> None:
         self._key, self._on_refused = key, on_refused
+        self.limits = limits
         self._replays = fleet_key.ReplayGuard()
         self._refusals = Throttle(_WARN_EVERY_S)
         self._drops = Throttle(_WARN_EVERY_S)
         #: Who may hold a connection (refusals and closes are counted there).
         self.slots = ConnectionSlots(
-            "MoRI notification server", max_connections, max_per_source, frame_timeout_s
+            "MoRI notification server",
+            limits.max_connections,
+            limits.max_per_source,
+            limits.frame_timeout_s,
         )
-        self._frame_timeout_s = frame_timeout_s
         self._sock = socket.create_server((host, port))
         self._sock.settimeout(None)
         self.host = host
@@ -121,7 +142,7 @@ class NotifyServer:
 
     def _serve(self) -> None:
         """Accept loop: admit each connection to a thread of its own; close late ones."""
-        poll_s = min(0.2, self._frame_timeout_s / 4)
+        poll_s = min(0.2, self.limits.frame_timeout_s / 4)
         while not self._stop.is_set():
             self.slots.expire()
             try:
@@ -151,14 +172,17 @@ class NotifyServer:
         with conn:
             try:
                 # A backstop per read; the frame's deadline is the slots' (expire() above).
-                conn.settimeout(self._frame_timeout_s)
+                limits = self.limits
+                conn.settimeout(limits.frame_timeout_s)
                 (n,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
-                if n > MAX_SENDER:
-                    raise ValueError(f"sender name of {n} bytes exceeds {MAX_SENDER}")
+                if n > limits.max_sender_bytes:
+                    raise ValueError(f"sender name of {n} bytes exceeds {limits.max_sender_bytes}")
                 name = _recv_exact(conn, n)
                 (m,) = _LEN.unpack(_recv_exact(conn, _LEN.size))
-                if m > MAX_PAYLOAD:
-                    raise ValueError(f"notification of {m} bytes exceeds {MAX_PAYLOAD}")
+                if m > limits.max_payload_bytes:
+                    raise ValueError(
+                        f"notification of {m} bytes exceeds {limits.max_payload_bytes}"
+                    )
                 payload = _recv_exact(conn, m)
                 auth = _AUTH.unpack(_recv_exact(conn, _AUTH.size))
                 if not self.slots.head_done(conn):
@@ -209,16 +233,22 @@ class NotifyServer:
 
 
 def send_notification(
-    address: str, sender: str, payload: bytes, timeout: float, key: bytes | None = None
+    address: str,
+    sender: str,
+    payload: bytes,
+    timeout: float,
+    key: bytes | None = None,
+    max_payload_bytes: int = DEFAULT_LIMITS.max_payload_bytes,
 ) -> None:
     """Deliver one notification to the server at ``address`` and wait for its ack; with
     ``key``, tagged under it.
 
     Raises :class:`TransferTimeout` past ``timeout`` and :class:`TransferError` when the
-    server cannot be reached, the payload is too large, or the server refused it.
+    server cannot be reached, the payload is over ``max_payload_bytes``, or the server
+    refused it.
     """
-    if len(payload) > MAX_PAYLOAD:
-        raise TransferError(f"notification of {len(payload)} bytes exceeds {MAX_PAYLOAD}")
+    if len(payload) > max_payload_bytes:
+        raise TransferError(f"notification of {len(payload)} bytes exceeds {max_payload_bytes}")
     host, _, port = address.rpartition(":")
     name = sender.encode()
     stamp, nonce = int(time.time() * 1000), secrets.token_bytes(16)

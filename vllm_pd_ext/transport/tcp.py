@@ -12,7 +12,13 @@ microsecond per span.
 Shape:
 
 * each transport runs one :class:`_Server` (a listening socket on ``host``, one daemon thread
-  per accepted connection) that serves peers' requests against its registered regions;
+  per accepted connection) that serves peers' requests against its registered regions. Nobody
+  can hold its connections (:class:`~vllm_pd_ext.util.conn_slots.ConnectionSlots`): at most
+  ``max_connections``, ``max_per_source`` of them from one address; a peer must have passed its
+  HELLO (the server's verdict on its proof) ``hello_timeout_s`` after its connection was
+  accepted, however it paces its bytes, and when all are taken the oldest connection still in
+  its HELLO is closed for a new one. A peer past its HELLO is long-lived: only the
+  ``io_timeout_s`` stall rule below ends it;
 * each connected peer gets one persistent :class:`_PeerConn`: a writer thread sends requests
   in submission order, a reader thread takes the answers. A WRITE is a header, the
   destination ``(offset, length)`` array and the payload; the receiver checks the region and
@@ -87,6 +93,7 @@ from vllm_pd_ext.transport.errors import (
     TransportError,
 )
 from vllm_pd_ext.transport.spans import LENGTH, LOCAL, REMOTE
+from vllm_pd_ext.util.conn_slots import ConnectionSlots
 from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
@@ -101,9 +108,6 @@ _WRITE, _READ, _NOTIFY = 1, 2, 3
 _OK, _DATA, _FAIL = 1, 2, 3
 _MAX_NAME = 4096
 _MAX_MESSAGE = 64 * 1024
-_MAX_SPANS = 1 << 24  # per request: 256 MiB of span table at most
-#: Largest notification payload.
-MAX_NOTIFY_PAYLOAD = 64 * 1024
 #: Receive timeout of one blocking call: how often idle threads look at their stop flag.
 _POLL_S = 0.25
 _DRAIN_CHUNK = 1 << 20
@@ -133,8 +137,26 @@ class TcpConfig(BaseModel):
     max_connections: int = Field(
         256,
         ge=1,
-        description="Peer connections the data server serves at once (a thread each); more "
-        "are closed as they come.",
+        description="Peer connections the data server serves at once (a thread each); beyond "
+        "it, the oldest one still in its HELLO is closed for a new one, or the new one is.",
+    )
+    max_per_source: int = Field(
+        128, ge=1, description="Data connections from one address at once; more are closed."
+    )
+    hello_timeout_s: float = Field(
+        5.0,
+        gt=0,
+        description="A data connection must have passed its HELLO (a verified proof of the "
+        "fleet key) this long after it was accepted, or it is closed.",
+    )
+    max_spans: int = Field(
+        1 << 24,
+        ge=1,
+        description="Spans in one request, sent or served (the server reads 16 bytes of span "
+        "table per span before it checks them).",
+    )
+    max_notify_bytes: int = Field(
+        64 << 10, ge=1, description="Largest notification payload, sent or received."
     )
 
 
@@ -374,10 +396,12 @@ class _Server:
         self._refusal_log = Throttle(_REFUSAL_LOG_EVERY_S)
         self.notes: deque[Notification] = deque()
         self._stop = threading.Event()
-        self._conns: set[socket.socket] = set()
-        self._lock = threading.Lock()
+        #: Who may hold a connection (refusals and closes are counted there).
+        self.slots = ConnectionSlots(
+            "tcp data server", cfg.max_connections, cfg.max_per_source, cfg.hello_timeout_s
+        )
         self._sock = socket.create_server((cfg.host, cfg.port))
-        self._sock.settimeout(_POLL_S)
+        self._sock.settimeout(min(_POLL_S, cfg.hello_timeout_s / 4))  # how often expire() runs
         self.port = int(self._sock.getsockname()[1])
         self._threads = [
             threading.Thread(target=self._accept, name="pdext-tcp-accept", daemon=True)
@@ -385,29 +409,21 @@ class _Server:
         self._threads[0].start()
 
     def _accept(self) -> None:
+        """Accept loop: admit each connection to a thread of its own; close late HELLOs."""
         while not self._stop.is_set():
+            self.slots.expire()
             try:
                 conn, addr = self._sock.accept()
             except TimeoutError:
                 continue
             except OSError:
                 return
-            with self._lock:
-                if self._stop.is_set():
-                    conn.close()
-                    return
-                full = len(self._conns) >= self.cfg.max_connections
-                if not full:
-                    self._conns.add(conn)
-            if full:
-                logger.warning(
-                    "tcp data server: %d connections already; closed one from %s",
-                    self.cfg.max_connections,
-                    addr[0],
-                )
+            if self._stop.is_set():
+                conn.close()
+                return
+            if not self.slots.admit(conn, addr[0]):
                 conn.close()
                 continue
-            _tune(conn, self.cfg)
             self._threads = [t for t in self._threads if t.is_alive()]
             t = threading.Thread(
                 target=self._serve,
@@ -415,22 +431,28 @@ class _Server:
                 name=f"pdext-tcp-serve-{addr[1]}",
                 daemon=True,
             )
+            try:
+                t.start()
+            except BaseException:
+                self.slots.release(conn)
+                conn.close()
+                raise
             self._threads.append(t)
-            t.start()
 
     def _serve(self, conn: socket.socket, address: str) -> None:
         link = _Link(conn, self.cfg, self._stop)
         peer = f"? at {address}"
         try:
+            _tune(conn, self.cfg)
             peer = self._hello(link)
             while True:
                 head = link.recv(_REQ.size, idle=_always)
                 kind, name_len, xid, nspans, nbytes = _REQ.unpack(head)
-                if name_len > _MAX_NAME or nspans > _MAX_SPANS:
+                if name_len > _MAX_NAME or nspans > self.cfg.max_spans:
                     raise ValueError("malformed request header")
                 name = link.recv(name_len).decode()
                 if kind == _NOTIFY:
-                    if nbytes > MAX_NOTIFY_PAYLOAD:
+                    if nbytes > self.cfg.max_notify_bytes:
                         raise ValueError(f"notification of {nbytes} bytes")
                     payload = link.recv(nbytes)
                     if len(self.notes) >= MAX_QUEUED_NOTIFICATIONS:
@@ -455,12 +477,12 @@ class _Server:
             if not self._stop.is_set():
                 logger.warning("tcp data connection from %s dropped: %s", peer, e)
         finally:
-            with self._lock:
-                self._conns.discard(conn)
+            self.slots.release(conn)
             conn.close()
 
     def _hello(self, link: _Link) -> str:
-        """Exchange HELLOs; with a key, serve only a peer that proves it holds it."""
+        """Exchange HELLOs; with a key, serve only a peer that proves it holds it, and only
+        within its connection's HELLO deadline (:class:`_Closed` once that has passed)."""
         magic, version, n = _HELLO.unpack(link.recv(_HELLO.size))
         if magic != _MAGIC or version != _VERSION or n > _MAX_NAME:
             raise ValueError(f"not a pdext tcp peer (magic {magic!r}, version {version})")
@@ -475,6 +497,8 @@ class _Server:
             if self.on_refused is not None:
                 self.on_refused()
             raise _Refused("refused a peer without the fleet key")
+        if not self.slots.head_done(link.sock):
+            raise _Closed("closed: its HELLO came too late")
         link.send(_RSP.pack(_OK, 0, 0, 0))
         return peer.decode()
 
@@ -524,10 +548,7 @@ class _Server:
     def close(self) -> None:
         self._stop.set()
         self._sock.close()
-        with self._lock:
-            conns = list(self._conns)
-        for c in conns:
-            _shutdown(c)
+        self.slots.shutdown_all()
         for t in self._threads:
             t.join(timeout=2.0)
 
@@ -909,8 +930,10 @@ class TcpTransport(Transport):
     ) -> _Job:
         kind = _WRITE if op is TransferOp.WRITE else _READ
         job = _Job(kind, next(self._xids), local=local.name, remote=remote.name, spans=spans)
-        if len(spans) > _MAX_SPANS:
-            job.finish(f"{len(spans)} spans in one transfer; the tcp backend takes {_MAX_SPANS}")
+        if len(spans) > self.config.max_spans:
+            job.finish(
+                f"{len(spans)} spans in one transfer; the tcp backend takes {self.config.max_spans}"
+            )
             return job
         try:
             conn = self._conn(desc)
@@ -921,9 +944,9 @@ class TcpTransport(Transport):
 
     # notifications
     def _send_notification(self, desc: TransportDescriptor, payload: bytes, timeout: float) -> None:
-        if len(payload) > MAX_NOTIFY_PAYLOAD:
+        if len(payload) > self.config.max_notify_bytes:
             raise TransferError(
-                f"notification of {len(payload)} bytes exceeds {MAX_NOTIFY_PAYLOAD}"
+                f"notification of {len(payload)} bytes exceeds {self.config.max_notify_bytes}"
             )
         try:
             conn = self._conn(desc)

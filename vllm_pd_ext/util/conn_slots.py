@@ -145,6 +145,14 @@ class ConnectionSlots:
         with self._lock:
             return len(self._slots)
 
+    def shutdown_all(self) -> None:
+        """Shut down every connection not yet released (the listener is closing): each
+        thread wakes up with end of file and releases its own."""
+        with self._lock:
+            for slot in self._slots.values():
+                with contextlib.suppress(OSError):  # the peer is gone already
+                    slot.sock.shutdown(socket.SHUT_RDWR)
+
     def _close(self, slot: _Slot) -> None:  # holding the lock
         slot.closed = True
         self._open -= 1

@@ -11,11 +11,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.unit.slow_peers import closed_within, connect_from
 from vllm_pd_ext.connectors.common.config import parse_transfer_config
 from vllm_pd_ext.connectors.common.layout import LayoutMismatch, block_spans, layout_from_caches
 from vllm_pd_ext.connectors.common.leases import LeaseTable
 from vllm_pd_ext.connectors.common.side_channel import (
     SideChannelError,
+    SideChannelLimits,
     SideChannelServer,
     fetch_handshake,
     post_json,
@@ -34,6 +36,10 @@ def test_config_names_the_bad_key():
         parse_transfer_config("X", {"backend": "nope"})
     for name in backend_names():
         assert parse_transfer_config("X", {"backend": name}).backend == name
+    limits = {"side_channel_limits": {"max_per_source": 2}}
+    assert parse_transfer_config("X", limits).side_channel_limits.max_per_source == 2
+    with pytest.raises(ValueError, match=r"side_channel_limits\.max_per_source: Input should be"):
+        parse_transfer_config("X", {"side_channel_limits": {"max_per_source": 0}})
 
 
 def test_leases_expire_renew_and_release():
@@ -352,38 +358,8 @@ def test_kv_listeners_bind_loopback_unless_configured(tiny_qwen, monkeypatch):
     assert default_host(config) == "10.9.8.7"
 
 
-def _wait_closed(sock, deadline_s: float, trickle: bytes | None = None) -> bool:
-    """Whether the server closes ``sock`` within ``deadline_s`` (sending one byte of
-    ``trickle`` every 0.1 s meanwhile, as a slow client would)."""
-    import time
-
-    deadline = time.monotonic() + deadline_s
-    sent = 0
-    sock.settimeout(0.1)
-    while time.monotonic() < deadline:
-        try:
-            if trickle is not None and sent < len(trickle):
-                sock.sendall(trickle[sent : sent + 1])
-                sent += 1
-            if sock.recv(1) == b"":
-                return True
-        except TimeoutError:
-            continue
-        except (ConnectionResetError, BrokenPipeError):
-            return True
-    return False
-
-
-def _partial_heads(n: int, source: str, port: int) -> list:
-    """``n`` connections from ``source`` that each sent part of a request head, and stop."""
-    import socket
-
-    socks = []
-    for _ in range(n):
-        s = socket.create_connection(("127.0.0.1", port), timeout=5, source_address=(source, 0))
-        s.sendall(b"GET /handshake HTTP/1.1\r\nX-Slow: ")
-        socks.append(s)
-    return socks
+#: What a slow client sends of a request head before it stops.
+PARTIAL_HEAD = b"GET /handshake HTTP/1.1\r\nX-Slow: "
 
 
 def test_side_channel_bounds_its_connections_and_closes_idle_ones():
@@ -394,7 +370,11 @@ def test_side_channel_bounds_its_connections_and_closes_idle_ones():
     import time
 
     server = SideChannelServer(
-        "127.0.0.1", 0, lambda: {"v": 1}, {"/renew": print}, max_connections=2, idle_timeout_s=0.5
+        "127.0.0.1",
+        0,
+        lambda: {"v": 1},
+        {"/renew": print},
+        limits=SideChannelLimits(max_connections=2, idle_timeout_s=0.5),
     )
     try:
         held = []
@@ -407,10 +387,10 @@ def test_side_channel_bounds_its_connections_and_closes_idle_ones():
             assert time.monotonic() < deadline, "the server never read those heads"
             time.sleep(0.01)
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as extra:
-            assert _wait_closed(extra, 10)  # closed unanswered: both slots are busy
+            assert closed_within(extra, 10)  # closed unanswered: both slots are busy
         assert server.slots.refused == 1
         for s in held:  # the idle ones are closed by the server
-            assert _wait_closed(s, 10)
+            assert closed_within(s, 10)
             s.close()
         deadline = time.monotonic() + 10
         while True:  # the slots come free just after the server closed those connections
@@ -430,12 +410,15 @@ def test_a_trickling_client_is_closed_at_the_head_deadline():
     import socket
 
     server = SideChannelServer(
-        "127.0.0.1", 0, lambda: {"v": 1}, head_timeout_s=0.5, idle_timeout_s=30
+        "127.0.0.1",
+        0,
+        lambda: {"v": 1},
+        limits=SideChannelLimits(head_timeout_s=0.5, idle_timeout_s=30),
     )
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
             s.sendall(b"GET /handshake HTTP/1.1\r\n")
-            assert _wait_closed(s, 10, trickle=b"X-Slow: " + b"a" * 200)
+            assert closed_within(s, 10, trickle=b"X-Slow: " + b"a" * 200)
         assert server.slots.closed == 1
         assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}
     finally:
@@ -451,11 +434,9 @@ def test_a_keyed_client_is_served_while_one_address_holds_what_it_may(caplog):
         0,
         lambda: {"v": 1},
         key=KEY,
-        max_connections=8,
-        max_per_source=4,
-        head_timeout_s=60,
+        limits=SideChannelLimits(max_connections=8, max_per_source=4, head_timeout_s=60),
     )
-    attackers = _partial_heads(20, "127.0.0.2", server.port)
+    attackers = connect_from("127.0.0.2", server.port, 20, PARTIAL_HEAD)
     try:
         with caplog.at_level("WARNING"):
             assert fetch_handshake("127.0.0.1", server.port, 5.0, KEY) == {"v": 1}
@@ -476,14 +457,14 @@ def test_when_full_the_oldest_connection_still_sending_its_head_makes_room():
         0,
         lambda: {"v": 1},
         key=KEY,
-        max_connections=4,
-        max_per_source=1,
-        head_timeout_s=60,
+        limits=SideChannelLimits(max_connections=4, max_per_source=1, head_timeout_s=60),
     )
-    attackers = [s for i in range(4) for s in _partial_heads(1, f"127.0.0.{2 + i}", server.port)]
+    attackers = [
+        s for i in range(4) for s in connect_from(f"127.0.0.{2 + i}", server.port, 1, PARTIAL_HEAD)
+    ]
     try:
         assert fetch_handshake("127.0.0.1", server.port, 5.0, KEY) == {"v": 1}
-        assert _wait_closed(attackers[0], 10)
+        assert closed_within(attackers[0], 10)
         assert server.slots.closed == 1 and server.slots.refused == 0
     finally:
         for s in attackers:
@@ -501,9 +482,14 @@ def test_a_forged_header_with_a_large_body_is_refused_before_the_body_is_read():
     from vllm_pd_ext.connectors.common import side_channel
 
     server = SideChannelServer(
-        "127.0.0.1", 0, dict, {"/write_target": print}, key=KEY, idle_timeout_s=60
+        "127.0.0.1",
+        0,
+        dict,
+        {"/write_target": print},
+        key=KEY,
+        limits=SideChannelLimits(idle_timeout_s=60),
     )
-    body = b" " * side_channel.MAX_BODY
+    body = b" " * side_channel.DEFAULT_LIMITS.max_body_bytes
     forged = side_channel._signed_headers(bytes(32), "POST", "/write_target", body)
     head = (
         "POST /write_target HTTP/1.1\r\nHost: x\r\n"
@@ -521,17 +507,19 @@ def test_a_forged_header_with_a_large_body_is_refused_before_the_body_is_read():
 
 
 def test_a_request_head_is_bounded():
-    """A head of endless header lines is cut off at ``MAX_HEAD`` bytes: the connection is
+    """A head of endless header lines is cut off at ``max_head_bytes``: the connection is
     closed without an answer and the server goes on serving."""
     import socket
 
-    server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, head_timeout_s=60)
+    server = SideChannelServer(
+        "127.0.0.1", 0, lambda: {"v": 1}, limits=SideChannelLimits(head_timeout_s=60)
+    )
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as s:
             s.sendall(b"GET /handshake HTTP/1.1\r\n")
             line = b"X-Pad: " + b"a" * 1000 + b"\r\n"
             try:
-                # 20 KB: beyond MAX_HEAD, and too few lines for http.server's own limit
+                # 20 KB: beyond max_head_bytes, and too few lines for http.server's own limit
                 for _ in range(20):
                     s.sendall(line)
                 s.settimeout(10)

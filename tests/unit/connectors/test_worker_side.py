@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from tests.unit.connectors.conftest import requires_mooncake
+from tests.unit.slow_peers import closed_within, connect_from
 from vllm_pd_ext.connectors.common.config import TransferConfig
 from vllm_pd_ext.connectors.common.metadata import (
     PdTransferMetadata,
@@ -661,5 +662,32 @@ def test_cancels_of_transfers_nobody_offered_are_bounded_and_forgotten():
         p._on_cancel({"transfer_id": "recent"})
         p._prune_offers()
         assert list(p._cancelled) == ["recent"]
+    finally:
+        p.shutdown()
+
+
+def test_limits_set_in_the_config_reach_the_side_channel_and_the_data_server():
+    """A per-source cap of 1 set in ``kv_connector_extra_config`` (``side_channel_limits``,
+    and the tcp backend's ``backend_settings``) is what the prefill worker's listeners
+    enforce: a second connection from one address is closed at once (the defaults admit
+    dozens), while the first is held."""
+    port = free_port()
+    p = worker(
+        "kv_producer",
+        port,
+        backend="tcp",
+        side_channel_limits={"max_per_source": 1},
+        backend_settings={"host": "127.0.0.1", "max_per_source": 1},
+    )
+    try:
+        p.register_kv_caches(caches(True))
+        assert p.transport is not None and p._server is not None
+        data_port = int(p.transport.descriptor().address.rpartition(":")[2])
+        for listener in (port, data_port):
+            held, extra = connect_from("127.0.0.2", listener, 2)
+            with held, extra:
+                assert closed_within(extra, 10), listener
+        assert p._server.slots.refused == 1
+        assert p.transport._server.slots.refused == 1  # type: ignore[attr-defined]
     finally:
         p.shutdown()

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import itertools
 import socket
 import struct
-import time
 
 import pytest
 
+from tests.unit.slow_peers import closed_within, connect_from
 from vllm_pd_ext.transport import TransferError, get_backend, notify, tcp
-from vllm_pd_ext.transport.notify import NotifyServer, send_notification
+from vllm_pd_ext.transport.notify import NotifyLimits, NotifyServer, send_notification
 
 
 def test_a_frame_declaring_a_huge_sender_is_dropped_unread():
@@ -118,26 +117,6 @@ def test_mori_transports_with_the_fleet_key_notify_and_refuse_a_keyless_sender()
             t.close()
 
 
-def _closed_within(sock: socket.socket, deadline_s: float, trickle: bytes = b"") -> bool:
-    """Whether the server closes ``sock`` within ``deadline_s``, while it sends one byte of
-    ``trickle`` every 0.1 s (as a slow sender would)."""
-    deadline = time.monotonic() + deadline_s
-    sock.settimeout(0.1)
-    for i in itertools.count():
-        if time.monotonic() > deadline:
-            return False
-        try:
-            if i < len(trickle):
-                sock.sendall(trickle[i : i + 1])
-            if sock.recv(1) == b"":
-                return True
-        except TimeoutError:
-            continue
-        except (BrokenPipeError, ConnectionResetError):
-            return True
-    raise AssertionError("unreachable")
-
-
 def test_a_slow_sender_holds_up_no_other_notification():
     """A sender that stops mid-frame keeps its connection: a valid notification sent meanwhile
     is still queued and acknowledged at once."""
@@ -154,10 +133,10 @@ def test_a_slow_sender_holds_up_no_other_notification():
 def test_a_trickling_sender_is_closed_at_the_frame_deadline():
     """A sender that sends its frame one byte at a time, each well within the per-read
     timeout, is closed once the frame's deadline (from the connection's start) has passed."""
-    server = NotifyServer(frame_timeout_s=0.5)
+    server = NotifyServer(limits=NotifyLimits(frame_timeout_s=0.5))
     try:
         with socket.create_connection(("127.0.0.1", server.port), timeout=5) as slow:
-            assert _closed_within(slow, 10, trickle=struct.pack("!I", 1000) + b"p" * 1000)
+            assert closed_within(slow, 10, trickle=struct.pack("!I", 1000) + b"p" * 1000)
         assert server.slots.closed == 1
         send_notification(server.address, "peer", b"ok", timeout=5)
         assert [n.payload for n in server.drain()] == [b"ok"]
@@ -168,20 +147,17 @@ def test_a_trickling_sender_is_closed_at_the_frame_deadline():
 def test_one_address_gets_at_most_its_share_of_connections(caplog):
     """Ten slow senders from one address: ``max_per_source`` of them are served, the others
     refused (one log line for all), and a sender from another address is still served."""
-    server = NotifyServer(max_connections=4, max_per_source=2, frame_timeout_s=60)
-    slow = [
-        socket.create_connection(
-            ("127.0.0.1", server.port), timeout=5, source_address=("127.0.0.2", 0)
-        )
-        for _ in range(10)
-    ]
+    server = NotifyServer(
+        limits=NotifyLimits(max_connections=4, max_per_source=2, frame_timeout_s=60)
+    )
+    slow = connect_from("127.0.0.2", server.port, 10)
     try:
         with caplog.at_level("WARNING"):
             send_notification(server.address, "peer", b"ok", timeout=2)
         assert [n.payload for n in server.drain()] == [b"ok"]
         assert server.slots.refused == 8
         assert len([r for r in caplog.records if "refused a connection" in r.getMessage()]) == 1
-        assert sum(_closed_within(s, 0.3) for s in slow) == 8  # the refused ones
+        assert all(closed_within(s, 10) for s in slow[2:])  # the refused ones
     finally:
         for s in slow:
             s.close()
@@ -191,19 +167,61 @@ def test_one_address_gets_at_most_its_share_of_connections(caplog):
 def test_when_full_the_oldest_unfinished_frame_makes_room():
     """Slow senders from four addresses hold every connection: a valid notification is still
     delivered, and the oldest of them is closed for it."""
-    server = NotifyServer(max_connections=4, max_per_source=1, frame_timeout_s=60)
-    slow = [
-        socket.create_connection(
-            ("127.0.0.1", server.port), timeout=5, source_address=(f"127.0.0.{2 + i}", 0)
-        )
-        for i in range(4)
-    ]
+    server = NotifyServer(
+        limits=NotifyLimits(max_connections=4, max_per_source=1, frame_timeout_s=60)
+    )
+    slow = [s for i in range(4) for s in connect_from(f"127.0.0.{2 + i}", server.port)]
     try:
         send_notification(server.address, "peer", b"ok", timeout=2)
         assert [n.payload for n in server.drain()] == [b"ok"]
-        assert _closed_within(slow[0], 10)
+        assert closed_within(slow[0], 10)
         assert server.slots.closed == 1 and server.slots.refused == 0
     finally:
         for s in slow:
             s.close()
         server.close()
+
+
+def test_limits_set_in_the_mori_config_reach_its_notification_server():
+    """``notify_limits`` in the ``mori`` backend's settings is what its notification server
+    enforces: a second connection from one address is closed at once (the default admits
+    32), and a payload over the configured size is refused by receiver and sender alike."""
+    from tests.unit.transport import fake_mori
+
+    limits = {"max_per_source": 1, "max_payload_bytes": 16}
+    receiver = get_backend("mori", module=fake_mori, host="127.0.0.1", notify_limits=limits)
+    sender = get_backend("mori", module=fake_mori, host="127.0.0.1")
+    capped = get_backend("mori", module=fake_mori, host="127.0.0.1", notify_limits=limits)
+    try:
+        port = int(receiver.descriptor().extra["notify"].rpartition(":")[2])
+        held, extra = connect_from("127.0.0.2", port, 2)
+        with held, extra:
+            assert closed_within(extra, 10)
+        peer = sender.connect(receiver.descriptor())
+        sender.notify(peer, b"x" * 16, timeout=5)
+        with pytest.raises(TransferError):
+            sender.notify(peer, b"x" * 17, timeout=5)  # dropped by the receiver, no ack
+        with pytest.raises(TransferError, match="exceeds 16"):
+            capped.notify(capped.connect(receiver.descriptor()), b"x" * 17, timeout=5)
+        assert [n.payload for n in receiver.drain_notifications()] == [b"x" * 16]
+    finally:
+        for t in (receiver, sender, capped):
+            t.close()
+
+
+def test_tcp_notification_size_is_a_setting():
+    """``max_notify_bytes`` bounds what a tcp data server takes and what a transport sends."""
+    receiver = get_backend("tcp", host="127.0.0.1", max_notify_bytes=16)
+    sender = get_backend("tcp", host="127.0.0.1")
+    capped = get_backend("tcp", host="127.0.0.1", max_notify_bytes=16)
+    try:
+        peer = sender.connect(receiver.descriptor())
+        sender.notify(peer, b"x" * 16, timeout=5)
+        with pytest.raises(TransferError):
+            sender.notify(peer, b"x" * 17, timeout=5)  # the receiver drops the connection
+        with pytest.raises(TransferError, match="exceeds 16"):
+            capped.notify(capped.connect(receiver.descriptor()), b"x" * 17, timeout=5)
+        assert [n.payload for n in receiver.drain_notifications()] == [b"x" * 16]
+    finally:
+        for t in (receiver, sender, capped):
+            t.close()

@@ -14,6 +14,7 @@ import pydantic
 import pytest
 
 from tests.skips import need
+from tests.unit.slow_peers import closed_within, connect_from
 from tests.unit.transport.peer import PeerProcess, pattern, raw_tcp_hello, recv_exact
 from vllm_pd_ext.transport import (
     RegistrationError,
@@ -24,10 +25,13 @@ from vllm_pd_ext.transport import (
     TransportDescriptor,
     TransportError,
     get_backend,
+    tcp,
 )
 
 WAIT_S = 60.0
 BIG = 64 << 20
+KEY = bytes(range(32))
+OTHER_KEY = bytes(range(1, 33))
 
 
 @pytest.fixture(scope="module")
@@ -236,8 +240,6 @@ def test_settings_and_host_memory_only() -> None:
 def test_a_span_outside_the_region_is_refused_however_it_is_written(span) -> None:
     """A raw peer asks to READ a span whose int64 offset + length wraps around (or that
     plainly leaves the region): the server answers FAIL and sends no data."""
-    from vllm_pd_ext.transport import tcp
-
     t = _local()
     buf = pattern(5, 4096)
     t.register_buffer("r", buf.ctypes.data, buf.nbytes, owner=buf)
@@ -255,45 +257,122 @@ def test_a_span_outside_the_region_is_refused_however_it_is_written(span) -> Non
         t.close()
 
 
-def test_connections_beyond_the_cap_are_closed_at_once() -> None:
-    """Each served connection costs a thread: past ``max_connections`` the server closes new
-    ones as they come, and serves again once one goes."""
-    t = _local(max_connections=2)
+def _port(t: Transport) -> int:
+    return int(t.descriptor().address.rpartition(":")[2])
+
+
+def _served(server: Transport, **settings: object) -> None:
+    """A fresh transport (``settings``: its key) writes 4 KiB into ``server``'s region
+    ``"dst"`` and reads them back, byte for byte."""
+    client = _local(**settings)
+    src, back = pattern(9, 4096), np.zeros(4096, dtype=np.uint8)
     try:
-        port = int(t.descriptor().address.rpartition(":")[2])
+        client.register_buffer("src", src.ctypes.data, src.nbytes, owner=src)
+        client.register_buffer("back", back.ctypes.data, back.nbytes, owner=back)
+        peer = client.connect(server.descriptor())
+        client.write(peer, "src", "dst", [(0, 0, 4096)]).wait(WAIT_S)
+        client.read(peer, "back", "dst", [(0, 0, 4096)]).wait(WAIT_S)
+        assert (back == src).all()
+    finally:
+        client.close()
+
+
+def _serving(**settings: object) -> Transport:
+    """A tcp transport with a 4 KiB region ``"dst"``."""
+    t = _local(**settings)
+    dst = np.zeros(4096, dtype=np.uint8)
+    t.register_buffer("dst", dst.ctypes.data, dst.nbytes, owner=dst)
+    return t
+
+
+def test_connections_beyond_the_cap_are_closed_at_once() -> None:
+    """Each served connection costs a thread: once ``max_connections`` peers are past their
+    HELLO the server closes new connections as they come, and serves again once one goes."""
+    t = _serving(max_connections=2)
+    try:
+        port = _port(t)
         held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(2)]
+        for s in held:
+            assert raw_tcp_hello(s) == (tcp._OK, "")
         with socket.create_connection(("127.0.0.1", port), timeout=5) as extra:
-            extra.settimeout(5)
-            with contextlib.suppress(ConnectionResetError):
-                assert extra.recv(1) == b""  # closed by the server, unanswered
+            assert closed_within(extra, 10)  # unanswered: no slot, none still in its HELLO
+        assert t._server.slots.refused == 1
         held.pop().close()
-
-        def answered() -> bool:
-            with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
-                s.settimeout(5)
-                s.sendall(tcp_hello())
-                with contextlib.suppress(ConnectionResetError):
-                    return len(s.recv(8)) > 0
-                return False
-
         deadline = time.monotonic() + 10
-        while not answered():  # the server notices the closed one, then serves again
-            assert time.monotonic() < deadline, "never served again"
-            time.sleep(0.05)
+        while True:  # the server notices the closed one, then serves again
+            try:
+                _served(t)
+                break
+            except TransportError:  # refused before its thread released the slot
+                assert time.monotonic() < deadline, "never served again"
+                time.sleep(0.05)
         for s in held:
             s.close()
     finally:
         t.close()
 
 
-def tcp_hello() -> bytes:
-    from vllm_pd_ext.transport import tcp
+def test_a_hello_trickled_byte_by_byte_is_closed_at_the_hello_deadline() -> None:
+    """A peer without the key sends its HELLO one byte every 0.1 s, far within the per-read
+    stall timeout: it is closed once ``hello_timeout_s`` (from its accept) has passed, and a
+    keyed peer is served afterwards."""
+    t = _serving(key=KEY, hello_timeout_s=0.5, io_timeout_s=60)
+    try:
+        hello = tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 1000) + b"x" * 1000 + bytes(16)
+        with socket.create_connection(("127.0.0.1", _port(t)), timeout=5) as slow:
+            assert closed_within(slow, 10, trickle=hello)
+        assert t._server.slots.closed == 1
+        _served(t, key=KEY)
+    finally:
+        t.close()
 
-    return tcp._HELLO.pack(tcp._MAGIC, tcp._VERSION, 1) + b"x" + bytes(16)
+
+def test_one_address_gets_at_most_max_per_source_connections() -> None:
+    """Six connections from one address that never send their HELLO: ``max_per_source`` of
+    them are held, the rest closed at once, and a keyed peer from another address (which,
+    without the cap, would find every slot taken) connects and transfers."""
+    t = _serving(key=KEY, max_connections=4, max_per_source=2, hello_timeout_s=60)
+    attackers = connect_from("127.0.0.2", _port(t), 6)
+    try:
+        for s in attackers[2:]:
+            assert closed_within(s, 10)
+        _served(t, key=KEY)  # from 127.0.0.1
+        assert t._server.slots.refused == 4 and t._server.slots.closed == 0
+    finally:
+        for s in attackers:
+            s.close()
+        t.close()
 
 
-KEY = bytes(range(32))
-OTHER_KEY = bytes(range(1, 33))
+def test_when_full_the_oldest_connection_still_in_its_hello_makes_room() -> None:
+    """Connections from four addresses take every slot and never send their HELLO: a keyed
+    peer is still served, and the oldest of them is closed for it."""
+    t = _serving(key=KEY, max_connections=4, max_per_source=1, hello_timeout_s=60)
+    attackers = [s for i in range(4) for s in connect_from(f"127.0.0.{2 + i}", _port(t))]
+    try:
+        _served(t, key=KEY)
+        assert closed_within(attackers[0], 10)
+        assert t._server.slots.closed == 1 and t._server.slots.refused == 0
+    finally:
+        for s in attackers:
+            s.close()
+        t.close()
+
+
+def test_a_peer_past_its_hello_is_no_longer_under_the_hello_deadline() -> None:
+    """The HELLO deadline bounds only the unauthenticated phase: once a peer proved the key
+    its connection leaves the slots' head phase (which alone has a deadline) and serves on."""
+    t = _serving(key=KEY, hello_timeout_s=0.2)
+    client = _local(key=KEY)
+    src = pattern(3, 4096)
+    try:
+        client.register_buffer("src", src.ctypes.data, src.nbytes, owner=src)
+        peer = client.connect(t.descriptor())
+        client.write(peer, "src", "dst", [(0, 0, 4096)]).wait(WAIT_S)
+        assert (t._server.slots.held(), t._server.slots.in_head()) == (1, 0)
+    finally:
+        client.close()
+        t.close()
 
 
 def test_peers_holding_the_fleet_key_write_read_and_notify() -> None:
@@ -326,7 +405,6 @@ def test_a_raw_peer_without_the_fleet_key_can_neither_read_write_nor_notify(proo
     key, or a valid proof recorded from another connection): the server says why it refuses,
     closes, and then a READ, a WRITE and a NOTIFY sent anyway get no answer and change nothing."""
     from vllm_pd_ext import fleet_key
-    from vllm_pd_ext.transport import tcp
 
     refused: list[int] = []
     t = _local(key=KEY, on_refused=lambda: refused.append(1))

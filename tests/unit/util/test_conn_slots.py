@@ -84,3 +84,18 @@ def test_when_no_connection_is_in_its_head_a_new_one_is_refused(pairs):
         slots.head_done(c)
     assert not slots.admit(pairs()[0], "b")
     assert slots.refused == 1 and slots.closed == 0
+
+
+def test_shutdown_all_ends_every_connection_not_yet_released(pairs):
+    """A closing listener shuts down every connection it holds, in its head or past it."""
+    slots = ConnectionSlots("test", limit=4, per_source=4, head_timeout_s=10)
+    (head, head_peer), (served, served_peer), (gone, gone_peer) = pairs(), pairs(), pairs()
+    for c in (head, served, gone):
+        slots.admit(c, "a")
+    slots.head_done(served)
+    slots.release(gone)
+    slots.shutdown_all()
+    assert _is_shut(head_peer) and _is_shut(served_peer)
+    gone_peer.setblocking(False)
+    with pytest.raises(BlockingIOError):
+        gone_peer.recv(1)  # released before: not ours to end

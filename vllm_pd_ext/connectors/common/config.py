@@ -7,6 +7,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from vllm_pd_ext.connectors.common.side_channel import SideChannelLimits
 from vllm_pd_ext.transport.registry import backend_names
 
 M = TypeVar("M", bound=BaseModel)
@@ -47,6 +48,12 @@ class TransferConfig(BaseModel):
         ge=1,
         le=65535,
         description="Handshake server port (plus the worker's TP rank); default kv_port.",
+    )
+    side_channel_limits: SideChannelLimits = Field(
+        default_factory=SideChannelLimits,
+        description="What the handshake server serves at most: connections (in all and per "
+        "address), deadlines for a request's head and for an idle connection, head and body "
+        "sizes; e.g. {'max_per_source': 8}.",
     )
     lease_s: float = Field(
         30.0, gt=0, description="P frees a request's blocks this long after D last renewed."

@@ -4,7 +4,8 @@
 KV layout and its fingerprint). POST routes hand their body to a callback: ``/write_target``
 takes a decode worker's offer of where a WRITE-mode transfer should land, ``/cancel`` withdraws
 one (answered only once no write into it is in flight). Bodies are JSON, capped at
-:data:`MAX_BODY`. Clients: :func:`fetch_handshake` and :func:`post_json`.
+:attr:`SideChannelLimits.max_body_bytes`. Clients: :func:`fetch_handshake` and
+:func:`post_json`.
 
 With a fleet key (:mod:`vllm_pd_ext.fleet_key`) both directions are authenticated: a request
 carries :data:`AUTH_HEADER` ``v2.<timestamp>.<nonce>.<head tag>.<body tag>``, the head tag over
@@ -15,11 +16,12 @@ after; it answers anything else 401. Its answer carries the tag of the request's
 status and the answer's body, which the client checks: a handshake document or an
 acknowledgement cannot be forged either. Without a key nothing is tagged or checked.
 
-Nobody can hold the server's connections (:class:`~vllm_pd_ext.util.conn_slots.ConnectionSlots`):
-at most :data:`MAX_CONNECTIONS`, :data:`MAX_PER_SOURCE` of them from one address; a request's
-head (request line and headers, at most :data:`MAX_HEAD` bytes) must arrive within
-:data:`HEAD_TIMEOUT_S` of the connection's start, and when all are taken the oldest connection
-still sending its head is closed for a new one.
+Nobody can hold the server's connections (:class:`~vllm_pd_ext.util.conn_slots.ConnectionSlots`),
+within :class:`SideChannelLimits` (``side_channel_limits`` in the connectors' config): at most
+``max_connections``, ``max_per_source`` of them from one address; a request's head (request
+line and headers, at most ``max_head_bytes``) must arrive within ``head_timeout_s`` of the
+connection's start, and when all are taken the oldest connection still sending its head is
+closed for a new one; after its head, a connection idle for ``idle_timeout_s`` is closed.
 """
 
 from __future__ import annotations
@@ -38,26 +40,16 @@ from collections.abc import Callable, Mapping
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, NamedTuple
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.util.conn_slots import ConnectionSlots
 from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
-#: Largest request body the server reads.
-MAX_BODY = 8 << 20
-#: Largest request head (request line and headers) the server reads.
-MAX_HEAD = 16 << 10
-#: Connections served at once (a thread each); beyond it, the oldest one still sending its
-#: head is closed for a new one, or the new one is refused.
-MAX_CONNECTIONS = 64
-#: Connections from one address at once (a decode host's workers each hold at most
-#: ``max_concurrent_transfers``, default 4, at a time); more from it are refused.
-MAX_PER_SOURCE = 32
-#: A request's head must have arrived this long after the connection opened.
-HEAD_TIMEOUT_S = 3.0
-#: Once the head is in, a read of the body or a write of the answer may wait this long.
-IDLE_TIMEOUT_S = 10.0
+#: Largest answer body a client reads.
+MAX_ANSWER = 8 << 20
 #: The header that carries a request's or an answer's fleet-key tag.
 AUTH_HEADER = "X-PdExt-Auth"
 #: The first field of :data:`AUTH_HEADER` in requests (the header's format version).
@@ -126,15 +118,48 @@ class SideChannelError(RuntimeError):
     """The peer's side channel could not be reached or answered badly."""
 
 
+class SideChannelLimits(BaseModel):
+    """What one side-channel server serves at most (see the module's docstring)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    max_connections: int = Field(
+        64,
+        ge=1,
+        description="Connections served at once (a thread each); beyond it, the oldest one "
+        "still sending its head is closed for a new one, or the new one is.",
+    )
+    max_per_source: int = Field(
+        32,
+        ge=1,
+        description="Connections from one address at once (a decode host's workers each hold "
+        "at most max_concurrent_transfers at a time); more from it are closed.",
+    )
+    head_timeout_s: float = Field(
+        3.0, gt=0, description="A request's head must have arrived this long after it connected."
+    )
+    idle_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Once the head is in, a read of the body or a write of the answer may "
+        "wait this long.",
+    )
+    max_head_bytes: int = Field(
+        16 << 10, ge=1, description="Largest request head (request line and headers)."
+    )
+    max_body_bytes: int = Field(8 << 20, ge=1, description="Largest request body.")
+
+
+#: The limits of a server given none.
+DEFAULT_LIMITS = SideChannelLimits()
+
+
 class SideChannelServer:
     """Serves ``handshake`` at ``GET /handshake`` and passes POST bodies to ``post_routes``.
 
-    Runs one daemon thread plus one per connection: at most ``max_connections``,
-    ``max_per_source`` of them from one address; a request's head must arrive within
-    ``head_timeout_s`` of the connection's start, and a connection then idle for
-    ``idle_timeout_s`` is closed (see the module's docstring). ``close()`` stops it. With
-    ``key``, only requests tagged with it are served; ``on_refused`` is called for each other
-    one.
+    Runs one daemon thread plus one per connection, within ``limits`` (see the module's
+    docstring). ``close()`` stops it. With ``key``, only requests tagged with it are served;
+    ``on_refused`` is called for each other one.
     """
 
     def __init__(
@@ -146,19 +171,17 @@ class SideChannelServer:
         *,
         key: bytes | None = None,
         on_refused: Callable[[], None] | None = None,
-        max_connections: int = MAX_CONNECTIONS,
-        max_per_source: int = MAX_PER_SOURCE,
-        head_timeout_s: float = HEAD_TIMEOUT_S,
-        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        limits: SideChannelLimits = DEFAULT_LIMITS,
     ) -> None:
         outer = self
+        self.limits = limits
 
         class Handler(BaseHTTPRequestHandler):
-            timeout = idle_timeout_s  # socket timeout on every read: no slow client for ever
+            timeout = limits.idle_timeout_s  # socket timeout on every read: no slow client for ever
 
             def setup(self) -> None:
                 super().setup()
-                self.rfile = _HeadLimit(self.rfile, MAX_HEAD)  # type: ignore[assignment]
+                self.rfile = _HeadLimit(self.rfile, limits.max_head_bytes)  # type: ignore[assignment]
 
             def parse_request(self) -> bool:
                 ok = super().parse_request()
@@ -188,11 +211,11 @@ class SideChannelServer:
 
             def _content_length(self, method: str) -> int | None:
                 """The declared body length (GET: 0 unless declared); answer 400 and return
-                None when it is missing for a POST, not a number, or over :data:`MAX_BODY`."""
+                None when it is missing for a POST, not a number, or over ``max_body_bytes``."""
                 try:
                     n = int(self.headers.get("Content-Length", "0"))
                     least = 1 if method == "POST" else 0
-                    if not least <= n <= MAX_BODY:
+                    if not least <= n <= limits.max_body_bytes:
                         raise ValueError(f"body of {n} bytes")
                 except ValueError as e:
                     self._reply(400, {"error": str(e)})
@@ -271,7 +294,7 @@ class SideChannelServer:
         self.refused = 0
         #: Who may hold a connection (refusals and closes are counted there).
         self.slots = ConnectionSlots(
-            "KV side channel", max_connections, max_per_source, head_timeout_s
+            "KV side channel", limits.max_connections, limits.max_per_source, limits.head_timeout_s
         )
         try:
             self._server = _BoundedServer((host, port), Handler, self.slots)
@@ -283,7 +306,7 @@ class SideChannelServer:
         self.host, self.port = host, int(self._server.server_address[1])
         self._thread = threading.Thread(
             target=self._server.serve_forever,
-            kwargs={"poll_interval": min(0.2, head_timeout_s / 4)},
+            kwargs={"poll_interval": min(0.2, limits.head_timeout_s / 4)},
             name=f"pdext-side-channel-{self.port}",
             daemon=True,
         )
@@ -315,11 +338,11 @@ class _HeadLimit:
     """A request's input while its head is read: at most ``limit`` bytes of lines."""
 
     def __init__(self, raw: Any, limit: int) -> None:
-        self.raw, self._left = raw, limit
+        self.raw, self._limit, self._left = raw, limit, limit
 
     def readline(self, size: int = -1) -> bytes:
         if self._left <= 0:
-            raise ConnectionError(f"request head over {MAX_HEAD} bytes")
+            raise ConnectionError(f"request head over {self._limit} bytes")
         line: bytes = self.raw.readline(self._left if size < 0 else min(size, self._left))
         self._left -= len(line)
         return line
@@ -383,7 +406,7 @@ def _exchange(
     req = urllib.request.Request(_url(host, port, path), data=body, headers=headers, method=method)
     try:
         with _OPENER.open(req, timeout=timeout) as r:
-            raw = r.read(MAX_BODY + 1)
+            raw = r.read(MAX_ANSWER + 1)
             status, tag = r.status, r.headers.get(AUTH_HEADER)
     except urllib.error.HTTPError as e:
         detail = e.read(4096).decode("utf-8", "replace")

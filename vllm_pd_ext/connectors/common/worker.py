@@ -223,6 +223,7 @@ class TransferWorker:
                 },
                 key=self.key,
                 on_refused=self.stats.refused,
+                limits=self.cfg.side_channel_limits,
             )
         logger.info(
             "KV transfer ready: %s backend %s, %d regions, %d cache views, layout %s%s",
