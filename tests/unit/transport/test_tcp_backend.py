@@ -277,9 +277,10 @@ def _served(server: Transport, **settings: object) -> None:
         client.close()
 
 
-def _serving(**settings: object) -> Transport:
+def _serving(**settings: object) -> tcp.TcpTransport:
     """A tcp transport with a 4 KiB region ``"dst"``."""
     t = _local(**settings)
+    assert isinstance(t, tcp.TcpTransport)
     dst = np.zeros(4096, dtype=np.uint8)
     t.register_buffer("dst", dst.ctypes.data, dst.nbytes, owner=dst)
     return t
