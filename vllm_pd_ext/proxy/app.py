@@ -78,8 +78,13 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
     async def health(request: Request) -> JSONResponse:
         decode = len(service.fleet.healthy("decode"))
         prefill = len(service.fleet.healthy("prefill"))
-        status = 200 if decode else 503
-        body: dict[str, Any] = {"status": "ok" if decode else "no_decode"}
+        if decode:
+            status, state = 200, "ok"
+        elif prefill and config.no_decode_fallback:  # served whole on prefill instances
+            status, state = 200, "degraded_no_decode"
+        else:
+            status, state = 503, "no_decode"
+        body: dict[str, Any] = {"status": state}
         # the status for anyone (load balancers); the fleet's size only with the token
         if monitor_secret is None or bearer_ok(request.scope, monitor_secret):
             body.update(healthy_decode=decode, healthy_prefill=prefill)

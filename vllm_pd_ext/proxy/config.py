@@ -165,6 +165,12 @@ class ProxyConfig(_Strict):
     decode_policy: str = "least-loaded"
     client_kv_transfer_params: Literal["drop", "reject"] = "drop"
     on_prefill_failure: Literal["retry-then-colocated", "retry-then-fail"] = "retry-then-colocated"
+    no_decode_fallback: bool = Field(
+        True,
+        description="with no healthy decode instance, serve requests whole on a healthy "
+        'prefill instance (counted in vllm_pd_fallbacks_total{reason="no_decode"}) '
+        "instead of answering 503",
+    )
     prefill_retries: int = Field(1, ge=0, description="other prefill instances tried")
     decode_retries: int = Field(1, ge=0, description="other decode instances tried (pre-stream)")
     max_in_flight: int = Field(256, ge=1)

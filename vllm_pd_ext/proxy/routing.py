@@ -4,6 +4,7 @@ order, when one fails."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -15,6 +16,9 @@ from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.policies import make_policy
 from vllm_pd_ext.proxy.request import RequestContext
 from vllm_pd_ext.proxy.stall_guard import StallGuard
+from vllm_pd_ext.util.throttle import Throttle
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -36,12 +40,16 @@ class Router:
         self.metrics = metrics
         self.decider = Decider(config.decision)
         self.guard = StallGuard(config.stall_guard, self.decider, metrics)
+        self._no_decode_log = Throttle(10.0)
         self.prefill_policy = make_policy(config.prefill_policy)
         self.decode_policy = make_policy(config.decode_policy)
 
     def decode_pool(self) -> list[Instance]:
-        """The healthy decode instances; 503 when there is none."""
+        """The healthy decode instances; with none, the healthy prefill instances
+        (``no_decode_fallback``), which then serve requests whole; 503 when there is none."""
         pool = self.fleet.healthy("decode")
+        if not pool and self.config.no_decode_fallback:
+            pool = self.fleet.healthy("prefill")
         if not pool:
             raise ProxyError(
                 503,
@@ -54,6 +62,8 @@ class Router:
     def route(self, ctx: RequestContext, decode_pool: list[Instance]) -> Route:
         """Pick the decode instance, then decide split or colocated (counted by reason)."""
         decode = self.decode_policy.select(ctx.affinity_key, decode_pool)
+        if not decode.serves("decode"):  # no decode instance is healthy: served whole here
+            return self._no_decode(ctx, decode, decode_pool)
         healthy = [p for p in self.fleet.healthy("prefill") if p is not decode]
         guard = self.guard
         prefill_pool = [p for p in healthy if guard.allows(p, decode)] if guard.stalls else healthy
@@ -64,6 +74,20 @@ class Router:
         metrics = self.metrics
         metrics.child(metrics.decisions, decision.label, decision.reason).inc()
         return Route(decode, decode_pool, prefill_pool, decision)
+
+    def _no_decode(self, ctx: RequestContext, inst: Instance, pool: list[Instance]) -> Route:
+        metrics = self.metrics
+        metrics.fallbacks.labels("no_decode").inc()
+        decision = Decision(False, "no_decode")
+        metrics.child(metrics.decisions, decision.label, decision.reason).inc()
+        if self._no_decode_log.ready():
+            logger.warning(
+                "no healthy decode instance: serving requests whole on prefill instances "
+                "(request %s on %s)",
+                ctx.request_id,
+                inst.label,
+            )
+        return Route(inst, pool, [], decision)
 
     def candidates(
         self,

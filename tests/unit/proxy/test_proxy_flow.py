@@ -522,7 +522,8 @@ def test_api_key_and_admin_token(engines):
 
 
 def test_health_models_and_recovery(engines):
-    with proxy(engines, instances=fleet(engines, decode=("d1",))) as (base, _):
+    one_decode = fleet(engines, decode=("d1",))
+    with proxy(engines, instances=one_decode, no_decode_fallback=False) as (base, _):
         assert httpx.get(f"{base}/v1/models", timeout=60).json()["data"][0]["id"] == "fake"
         engines["d1"].behavior.health_status = 503
         wait_until(lambda: httpx.get(f"{base}/health", timeout=60).status_code == 503)
@@ -630,3 +631,28 @@ def test_a_pair_that_keeps_stalling_gets_no_splits_while_its_breaker_is_open(eng
         assert len(engines["p1"].requests) == prefill_legs  # no split tried
         assert metric(base, "vllm_pd_decisions_total", reason="breaker_open") == 1
         assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 2
+
+
+def test_with_no_healthy_decode_instance_a_prefill_instance_serves_requests_whole(engines):
+    """Degraded, not down: every decode instance fails its health checks, so a long prompt
+    (which would split) is served whole on a prefill instance, counted, and /health says
+    so with a 200; once a decode instance is back, requests split again."""
+    with proxy(engines) as (base, _):
+        for d in ("d1", "d2"):
+            engines[d].behavior.health_status = 503
+        wait_until(lambda: httpx.get(f"{base}/health", timeout=60).json()["healthy_decode"] == 0)
+        health = httpx.get(f"{base}/health", timeout=60)
+        assert health.status_code == 200 and health.json()["status"] == "degraded_no_decode"
+        body = {"model": "m", "prompt": LONG, "max_tokens": 4}
+        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200, resp.text
+        legs = [r["body"] for p in ("p1", "p2") for r in engines[p].requests]
+        assert len(legs) == 1 and "kv_transfer_params" not in legs[0]  # whole, no split
+        assert legs[0]["max_tokens"] == 4
+        assert engines["d1"].requests == engines["d2"].requests == []
+        assert metric(base, "vllm_pd_fallbacks_total", reason="no_decode") == 1
+        assert metric(base, "vllm_pd_decisions_total", reason="no_decode") == 1
+        engines["d1"].behavior.health_status = 200
+        wait_until(lambda: httpx.get(f"{base}/health", timeout=60).json()["status"] == "ok")
+        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+        assert metric(base, "vllm_pd_decisions_total", decision="split") == 1
