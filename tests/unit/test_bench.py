@@ -12,6 +12,7 @@ from vllm_pd_ext.tools.bench import (
     format_table,
     percentiles,
     slo_attained,
+    stalls,
 )
 from vllm_pd_ext.tools.bench import plot as plot_results
 
@@ -69,3 +70,22 @@ def test_slo_attained_counts_answered_requests_within_both_limits():
     assert slo_attained(samples, slo_ttft_ms=100, slo_itl_ms=20) == 2
     assert slo_attained(samples, slo_ttft_ms=1e9, slo_itl_ms=1e9) == 4
     assert slo_attained(samples, slo_ttft_ms=0, slo_itl_ms=1e9) == 0
+
+
+def test_stalls_are_answered_requests_over_ten_times_the_median_ttft():
+    fast = [Sample(ok=True, ttft_s=0.1) for _ in range(9)]
+    slow = Sample(ok=True, ttft_s=1.01)  # just over 10 x 0.1 s
+    edge = Sample(ok=True, ttft_s=1.0)  # at 10 x: not a stall
+    failed = Sample(ok=False, ttft_s=100.0)  # failed requests are not stalls
+    assert stalls([*fast, slow, edge, failed]) == 1
+    assert stalls([]) == stalls([failed]) == 0
+
+
+def test_the_table_shows_stalls_and_fallbacks():
+    row = RateResult(
+        "P/D", 1.0, 10.0, 10, 0, {"p50": 1, "p90": 2, "p99": 3, "mean": 1},
+        {"p50": 1, "p90": 2, "p99": 3, "mean": 1}, 10, 1.0, stalls=2,
+        fallbacks={"stall": 3.0, "prefill_failed": 1.0},
+    )  # fmt: skip
+    line = format_table([row], 500, 50).splitlines()[-1]
+    assert line.split()[-5:] == ["2", "prefill_failed", "1,", "stall", "3"]

@@ -391,7 +391,11 @@ class FakeEngine:
                     and i >= self.behavior.die_after_tokens
                 ):
                     raise RuntimeError("fake engine died mid-stream")
-                delta = {"delta": {"content": tok + " "}} if chat else {"text": tok + " "}
+                delta: dict[str, Any] = (
+                    {"delta": {"content": tok + " "}} if chat else {"text": tok + " "}
+                )
+                if body.get("return_token_ids") and not chat:  # as vLLM's completions give
+                    delta["token_ids"] = [int(tok[1:])]
                 yield f"data: {json.dumps({'choices': [{'index': 0, **delta}]})}\n\n"
                 if self.behavior.token_delay_s:
                     await asyncio.sleep(self.behavior.token_delay_s)

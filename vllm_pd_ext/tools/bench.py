@@ -5,6 +5,9 @@ prompts, streaming) runs against the colocated endpoint and the P/D endpoint, on
 other. Reports TTFT and ITL percentiles and goodput (requests per second that met both SLOs:
 TTFT <= ``slo_ttft_ms`` and mean inter-token latency <= ``slo_itl_ms``), as a table, JSON and a
 PNG of p99 ITL and goodput against request rate (the chart vLLM's disaggregation guide draws).
+Also per rate: stalls (answered requests whose TTFT was over ``STALL_FACTOR`` times the
+median's) and, where the endpoint is our proxy, its fallbacks by reason
+(``vllm_pd_fallbacks_total`` before and after).
 """
 
 from __future__ import annotations
@@ -19,6 +22,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+
+from vllm_pd_ext.util.prom import parse_metrics
+
+#: A request whose TTFT is over this many times its run's median TTFT counts as a stall.
+STALL_FACTOR = 10.0
+#: The proxy's fallback counter (by ``reason``).
+FALLBACKS = "vllm_pd_fallbacks_total"
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,9 @@ class RateResult:
     itl_ms: dict[str, float]
     slo_attained: int
     goodput_rps: float
+    stalls: int = 0
+    #: The proxy's fallbacks during the run, by reason (empty: none, or not our proxy).
+    fallbacks: dict[str, float] = field(default_factory=dict)
 
 
 def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
@@ -82,6 +95,30 @@ def slo_attained(samples: list[Sample], slo_ttft_ms: float, slo_itl_ms: float) -
         for s in samples
         if s.ok and s.ttft_s * 1e3 <= slo_ttft_ms and s.mean_itl_s * 1e3 <= slo_itl_ms
     )
+
+
+def stalls(samples: list[Sample]) -> int:
+    """Answered requests whose TTFT was over ``STALL_FACTOR`` times the median's."""
+    ttfts = [s.ttft_s for s in samples if s.ok]
+    if not ttfts:
+        return 0
+    limit = STALL_FACTOR * statistics.median(ttfts)
+    return sum(t > limit for t in ttfts)
+
+
+async def fallback_counts(client: httpx.AsyncClient, url: str) -> dict[str, float]:
+    """The proxy's fallbacks so far by reason; empty where ``url`` is not our proxy (or its
+    metrics cannot be read)."""
+    try:
+        resp = await client.get(f"{url}/metrics")
+    except httpx.HTTPError:
+        return {}
+    if resp.status_code != 200:
+        return {}
+    try:
+        return parse_metrics(resp.text).by_label(FALLBACKS, "reason")
+    except ValueError:  # not Prometheus text
+        return {}
 
 
 def build_requests(workload: Workload, rate: float) -> list[tuple[float, list[int]]]:
@@ -168,6 +205,7 @@ async def run_rate(
     async with httpx.AsyncClient(
         timeout=workload.timeout_s, limits=limits, trust_env=False
     ) as client:
+        before = await fallback_counts(client, url)
         start = time.perf_counter()
         done = 0
 
@@ -181,6 +219,8 @@ async def run_rate(
 
         samples = await asyncio.gather(*(fire(at, p) for at, p in plan))
         duration = time.perf_counter() - start
+        after = await fallback_counts(client, url)
+    fallbacks = {r: n - before.get(r, 0.0) for r, n in after.items() if n > before.get(r, 0.0)}
     good = [s for s in samples if s.ok]
     attained = slo_attained(samples, slo_ttft_ms, slo_itl_ms)
     return RateResult(
@@ -193,6 +233,8 @@ async def run_rate(
         itl_ms=percentiles([i for s in good for i in s.itls_s]),
         slo_attained=attained,
         goodput_rps=attained / duration if duration else 0.0,
+        stalls=stalls(samples),
+        fallbacks=fallbacks,
     )
 
 
@@ -211,7 +253,8 @@ async def run_bench(
 def format_table(results: list[RateResult], slo_ttft_ms: float, slo_itl_ms: float) -> str:
     head = (
         f"{'deployment':<11} {'rate':>5} {'ok':>4} {'fail':>4} {'TTFT p50':>9} "
-        f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'SLO met':>8} {'goodput':>8}"
+        f"{'TTFT p99':>9} {'ITL p50':>8} {'ITL p99':>8} {'SLO met':>8} {'goodput':>8} "
+        f"{'stalls':>6}  fallbacks"
     )
     lines = [f"SLO: TTFT <= {slo_ttft_ms:g} ms, mean ITL <= {slo_itl_ms:g} ms", head]
     for r in results:
@@ -219,7 +262,9 @@ def format_table(results: list[RateResult], slo_ttft_ms: float, slo_itl_ms: floa
         lines.append(
             f"{r.deployment:<11} {r.rate:>5g} {r.completed:>4} {r.failed:>4} "
             f"{r.ttft_ms['p50']:>7.1f}ms {r.ttft_ms['p99']:>7.1f}ms {r.itl_ms['p50']:>6.1f}ms "
-            f"{r.itl_ms['p99']:>6.1f}ms {r.slo_attained:>4}/{total:<3} {r.goodput_rps:>6.2f}/s"
+            f"{r.itl_ms['p99']:>6.1f}ms {r.slo_attained:>4}/{total:<3} {r.goodput_rps:>6.2f}/s "
+            f"{r.stalls:>6}  "
+            + (", ".join(f"{k} {v:g}" for k, v in sorted(r.fallbacks.items())) or "-")
         )
     return "\n".join(lines)
 

@@ -32,6 +32,16 @@ class Metrics:
             s.value for s in self.samples if s.name == name and want <= dict(s.labels).items()
         )
 
+    def by_label(self, name: str, label: str) -> dict[str, float]:
+        """Sums of samples named ``name`` by the value of their ``label``."""
+        out: dict[str, float] = {}
+        for s in self.samples:
+            if s.name == name:
+                value = dict(s.labels).get(label)
+                if value is not None:
+                    out[value] = out.get(value, 0.0) + s.value
+        return out
+
     def names(self) -> set[str]:
         return {s.name for s in self.samples}
 
