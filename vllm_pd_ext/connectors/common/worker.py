@@ -296,23 +296,33 @@ class TransferWorker:
         with self._lock:
             self._peers.pop(f"{remote.engine_id}@{remote.host}:{remote.port}", None)
 
-    def _grant(
-        self, grant_id: str, op: TransferOp, peer_id: str, blocks: Sequence[Sequence[int]]
-    ) -> None:
-        """Let transport ``peer_id`` ``op`` blocks ``blocks[g]`` of each KV cache group ``g``
-        (block 0, vLLM's null block, never) in every cache view, until :meth:`_revoke`."""
+    def _grant_spans(self, blocks: Sequence[Sequence[int]]) -> dict[str, np.ndarray] | None:
+        """Per region, the (offset, length) spans of blocks ``blocks[g]`` of each KV cache
+        group ``g`` (block 0, vLLM's null block, never) in every cache view; None when the
+        transport enforces no grants (nothing to compute)."""
         assert self.transport is not None and self.layout is not None
         if not self.transport.enforces_grants:
-            return
+            return None
         spans: dict[str, list[np.ndarray]] = {}
         for view in self.layout.views:
             ids = [b for b in (blocks[view.group] if view.group < len(blocks) else ()) if b]
             if ids:
                 rows = block_spans(view, view, [(b, b) for b in ids])
                 spans.setdefault(view.region, []).append(rows[:, [0, 2]])
-        self.transport.grant(
-            grant_id, op, peer_id, {region: np.concatenate(s) for region, s in spans.items()}
-        )
+        return {region: np.concatenate(s) for region, s in spans.items()}
+
+    def _grant(
+        self,
+        grant_id: str,
+        op: TransferOp,
+        peer_id: str,
+        spans: dict[str, np.ndarray] | None,
+    ) -> None:
+        """Let transport ``peer_id`` ``op`` the ``spans`` (from :meth:`_grant_spans`) until
+        :meth:`_revoke`; nothing when they are None."""
+        assert self.transport is not None
+        if spans is not None:
+            self.transport.grant(grant_id, op, peer_id, spans)
 
     def _revoke(self, grant_id: str) -> None:
         if self.transport is not None:
@@ -397,7 +407,7 @@ class TransferWorker:
                     _write_grant(str(spec.transfer_id)),
                     TransferOp.WRITE,
                     peer.peer_id,
-                    [[d for d, _ in group] for group in spec.pairs],
+                    self._grant_spans([[d for d, _ in group] for group in spec.pairs]),
                 )
                 post_json(
                     spec.remote.host,
@@ -563,6 +573,10 @@ class TransferWorker:
         read access to them; ``ValueError`` (400) if none is held, another peer claimed it
         or no grant can be made."""
         req, peer = str(body["req"]), body.get("engine_id")
+        # The spans are computed outside the lock (the worker thread takes it every step);
+        # only the claim and the registration happen under it.
+        blocks = self._held.get(req) if peer is not None else None
+        spans = self._grant_spans(blocks) if blocks is not None else None
         with self._lease_lock:
             holder = self._leases.claim(req, str(peer)) if peer is not None else None
             if holder is not None and holder != peer:
@@ -570,7 +584,10 @@ class TransferWorker:
             if not self._leases.renew(req):
                 raise ValueError(f"no blocks held for {req} (lease over or never granted)")
             if holder is not None:  # under the lock: a release revokes only after this
-                self._grant(_read_grant(req), TransferOp.READ, holder, self._held.get(req, ()))
+                held = self._held.get(req, ())
+                if held is not blocks:  # held (anew) since the spans were computed
+                    spans = self._grant_spans(held)
+                self._grant(_read_grant(req), TransferOp.READ, holder, spans)
 
     def wait_for_save(self) -> None:
         """Hand each push of this step to a transfer thread that completes it."""
