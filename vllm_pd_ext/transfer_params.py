@@ -395,7 +395,9 @@ class ReadSource(_Shape):
 @dataclass(frozen=True)
 class PdExtWriteDecode(_Signed):
     """The decode leg of our WRITE: offer blocks for ``transfer_id`` to the prefill side
-    channel at ``remote_host:remote_port``, which pushes into them."""
+    channel at ``remote_host:remote_port``, which pushes into them. It names no prompt (the
+    proxy builds it before any prefill runs): the prefill's "written" notice names the hash
+    of the prompt it computed, which the decode worker checks against its request's."""
 
     FLAGS = _LOAD
     transfer_id: str

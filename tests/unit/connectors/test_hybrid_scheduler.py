@@ -15,6 +15,7 @@ from tests.unit.connectors.sched_harness import (
     step,
 )
 from vllm_pd_ext.connectors.common.scheduler import prompt_hash
+from vllm_pd_ext.transfer_params import WRITE, PdExtWriteDecode, PrefillLeg
 
 CONNECTOR = "PdExtMambaStateConnector"
 
@@ -80,6 +81,23 @@ def test_decode_loads_n_minus_one_tokens_then_computes_the_last(model, prompt_to
     for _ in range(4):
         step(sched)
     assert_scheduler_empty(sched)
+
+
+@pytest.mark.parametrize("prompt_tokens", [48, 41])
+def test_write_sides_hash_the_same_n_minus_one_tokens(model, prompt_tokens):
+    """In WRITE mode the prefill's "written" notice names the hash of the N-1 tokens it
+    computed, and the decode side expects the hash of the N-1 tokens it loads: the same."""
+    sched = scheduler(model, "kv_producer")
+    leg = PrefillLeg(transfer_mode=WRITE, transfer_id="t-h").params()
+    req = make_request(prompt_tokens, leg, max_tokens=1)
+    prompt = list(req.prompt_token_ids)
+    sched.add_request(req)
+    (push,) = step(sched)[0].kv_connector_metadata.push
+    decode = scheduler(model, "kv_consumer")
+    params = PdExtWriteDecode.build("t-h", None, "127.0.0.1", 24567).signed(None)
+    decode.add_request(make_request(prompt_tokens, params, prompt=list(prompt)))
+    (spec,) = step(decode)[0].kv_connector_metadata.recv
+    assert push.prompt_hash == spec.prompt_hash == prompt_hash(prompt, prompt_tokens - 1)
 
 
 def test_decode_refuses_a_state_at_the_wrong_position(model):

@@ -99,6 +99,7 @@ def test_write_mode_prefill_pushes_in_the_last_prompt_step(producer_config):
     out, eng = step(sched)
     (push,) = out.kv_connector_metadata.push
     assert push.req_id == req.request_id and push.transfer_id == "t-1"
+    assert push.prompt_hash == prompt_hash(req.prompt_token_ids, PROMPT)  # named in "written"
     assert push.block_ids == (tuple(sched.kv_cache_manager.get_block_ids(req.request_id)[0][:3]),)
     assert eng[0].outputs[0].kv_transfer_params["transfer_mode"] == "write"
     out, _ = step(sched)
@@ -325,6 +326,7 @@ def test_write_mode_decode_plans_an_offer(producer_config, consumer_config):
     (spec,) = out.kv_connector_metadata.recv
     local = sched.kv_cache_manager.get_block_ids(req.request_id)[0][:3]
     assert spec.mode == "write" and spec.transfer_id == "t-9"
+    assert spec.prompt_hash == prompt_hash(req.prompt_token_ids, PROMPT)  # checked on "written"
     assert spec.local_block_ids == (tuple(local),)
     assert [r for _, r in spec.pairs[0]] == [0, 1, 2]  # offered in prompt order
     assert len(local) * BLOCK_SIZE >= PROMPT

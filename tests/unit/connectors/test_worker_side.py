@@ -4,7 +4,8 @@ A prefill and a decode ``TransferWorker`` live in this process, each with its ow
 (every test runs over Mooncake's engine and over our ``tcp`` backend) on 127.0.0.1 and its
 own caches shaped like vLLM's CPU backend (``[blocks, kv_heads, block_size, 2 * head_size]``
 per layer). The test plays the scheduler:
-it binds the metadata each step would carry and calls ``get_finished`` as the runner does.
+it binds the metadata each step would carry and calls ``get_finished`` as the runner does
+(one test runs vLLM's real Scheduler on both sides instead, and hands its metadata over).
 """
 
 from __future__ import annotations
@@ -16,6 +17,12 @@ import pytest
 import torch
 
 from tests.unit.connectors.conftest import requires_mooncake
+from tests.unit.connectors.sched_harness import (
+    make_request,
+    make_scheduler,
+    make_vllm_config,
+    step,
+)
 from tests.unit.slow_peers import closed_within, connect_from
 from vllm_pd_ext.connectors.common.config import TransferConfig
 from vllm_pd_ext.connectors.common.metadata import (
@@ -25,8 +32,10 @@ from vllm_pd_ext.connectors.common.metadata import (
     RemoteRef,
     SendSpec,
 )
+from vllm_pd_ext.connectors.common.scheduler import prompt_hash
 from vllm_pd_ext.connectors.common.side_channel import SideChannelError, post_json
 from vllm_pd_ext.connectors.common.worker import HANDSHAKE_VERSION, MAX_OFFERS, TransferWorker
+from vllm_pd_ext.transfer_params import WRITE, PdExtWriteDecode, PrefillLeg
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = requires_mooncake
@@ -43,15 +52,17 @@ class Clock:
         return self.now
 
 
-def caches(fill: bool, heads: int = HEADS, shape: str = "cpu") -> dict[str, torch.Tensor]:
+def caches(
+    fill: bool, heads: int = HEADS, shape: str = "cpu", num_blocks: int = NUM_BLOCKS
+) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(next(_seq))
     out = {}
     for i in range(LAYERS):
         dims: tuple[int, ...]
         if shape == "cpu":
-            dims = (NUM_BLOCKS, heads, BLOCK, 2 * HEAD)
+            dims = (num_blocks, heads, BLOCK, 2 * HEAD)
         else:  # [2, blocks, block_size, heads, head]: K and V apart
-            dims = (2, NUM_BLOCKS, BLOCK, heads, HEAD)
+            dims = (2, num_blocks, BLOCK, heads, HEAD)
         t = torch.randn(dims, generator=g) if fill else torch.zeros(dims)
         out[f"model.layers.{i}.self_attn.attn"] = t
     return out
@@ -64,6 +75,7 @@ def worker(
     backend: str = "mooncake",
     tp_size: int = 1,
     key: bytes | None = None,
+    num_blocks: int = NUM_BLOCKS,
     **cfg,
 ) -> TransferWorker:
     settings = {
@@ -84,7 +96,7 @@ def worker(
         side_host="127.0.0.1",
         side_port=port,
         kv_ip="127.0.0.1",
-        num_blocks=NUM_BLOCKS,
+        num_blocks=num_blocks,
         block_sizes=(BLOCK,),
         model={"layers": LAYERS},
         key=key,
@@ -144,6 +156,8 @@ def recv(d: TransferWorker, spec: RecvSpec) -> None:
 
 
 KEY, OTHER_KEY = bytes(range(32)), bytes(range(1, 33))
+#: The prompt hash the WRITE tests' prefill and decode requests share (unless one says not).
+PROMPT_HASH = prompt_hash(range(40), 40)
 
 
 @pytest.mark.parametrize(
@@ -213,17 +227,22 @@ def test_release_frees_prefill_blocks(pair):
     assert sending == {"p-req"}
 
 
-def write_offer(d, port, transfer_id, pairs):
+def write_offer(d, port, transfer_id, pairs, prompt=PROMPT_HASH):
+    """Offer decode blocks ``pairs`` (block, prompt position) for ``transfer_id``, for a
+    request whose prompt hashes to ``prompt``."""
     ref = RemoteRef("", "127.0.0.1", port, None)
     local = tuple(loc for loc, _ in pairs)
-    recv(d, RecvSpec("d-req", "write", ref, (pairs,), (local,), transfer_id=transfer_id))
+    spec = RecvSpec(
+        "d-req", "write", ref, (pairs,), (local,), transfer_id=transfer_id, prompt_hash=prompt
+    )
+    recv(d, spec)
 
 
 @pytest.mark.parametrize("pair", [{}, {"key": KEY}], indirect=True, ids=["no key", "fleet key"])
 @pytest.mark.parametrize("layerwise", [True, False])
 def test_write_mode_pushes_into_decode_blocks(pair, layerwise):
     p, pc, d, dc, port = pair
-    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2, 3),))]))
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2, 3),), PROMPT_HASH)]))
     if layerwise:  # the offer arrives before the prefill step saves its layers
         write_offer(d, port, "t-1", ((4, 0), (8, 1), (10, 2)))
         poll(lambda: "t-1" in p._targets, "the decode offer")
@@ -246,7 +265,7 @@ def test_write_mode_pushes_into_decode_blocks(pair, layerwise):
 
 def test_write_mode_prefill_that_lost_its_blocks_reports_failure(pair):
     p, _pc, d, _, port = pair
-    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-2", ((1, 2),))]))
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-2", ((1, 2),), PROMPT_HASH)]))
     write_offer(d, port, "t-2", ((4, 0), (8, 1)))
     p.wait_for_save()
     p.bind(PdTransferMetadata())
@@ -254,6 +273,90 @@ def test_write_mode_prefill_that_lost_its_blocks_reports_failure(pair):
     done = poll(lambda: d.get_finished(set())[1], "the failure")
     assert done == {"d-req"}
     assert d.get_block_ids_with_load_errors() == {4, 8}
+
+
+def test_kv_written_for_another_prompt_is_refused(pair, caplog):
+    """The prefill computed one prompt for a transfer, the decode request that offered its
+    blocks holds another: each such load is refused (its blocks reported as load errors, so
+    vLLM recomputes them), counted with the refused params (not as a transfer failure), and
+    logged once while refusals keep coming."""
+    p, pc, d, _dc, port = pair
+    caplog.set_level("WARNING", logger="vllm_pd_ext.connectors.common.worker")
+    other = prompt_hash(range(1, 41), 40)
+    for tid in ("t-a", "t-b"):
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", tid, ((1, 2),), PROMPT_HASH)]))
+        write_offer(d, port, tid, ((4, 0), (8, 1)), prompt=other)
+        for layer in pc:
+            p.save_kv_layer(layer)
+        p.wait_for_save()
+        p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), tid)]))
+        assert poll(lambda: d.get_finished(set())[1], "the refused load") == {"d-req"}
+        assert d.get_block_ids_with_load_errors() == {4, 8}
+        assert poll(lambda: p.get_finished({"p-req"})[0], "the push's end") == {"p-req"}
+    stats = d.stats.take().data
+    assert stats["params_refused"] == 2 and stats["failures"] == 0 and stats["bytes"] == []
+    refusals = [r for r in caplog.records if "refused the KV written" in r.getMessage()]
+    assert len(refusals) == 1, caplog.text
+    assert "computed for another prompt" in refusals[0].getMessage()
+    assert "t-a" not in d._written and "t-b" not in d._written
+
+
+#: Blocks of the real schedulers' KV cache (sched_harness), for workers that serve them.
+SCHED_BLOCKS = 64
+
+
+@pytest.mark.parametrize("same_prompt", [True, False], ids=["same prompt", "another prompt"])
+def test_write_params_replayed_with_another_prompt_recompute(tiny_qwen, backend, same_prompt):
+    """Real schedulers plan both sides and real workers move the KV. The prefill engine runs
+    prompt A for a transfer; the decode engine gets that transfer's WRITE params with prompt
+    A (it loads all but the last token) or with prompt B (the KV written is refused, and
+    vLLM's scheduler recomputes B's whole prompt)."""
+    n = 40
+    prompt_a = [7 + i % 50 for i in range(n)]
+    prompt_b = prompt_a if same_prompt else [60 + i % 50 for i in range(n)]
+    port = free_port()
+    p_sched = make_scheduler(make_vllm_config(tiny_qwen, "kv_producer"))
+    d_sched = make_scheduler(make_vllm_config(tiny_qwen, "kv_consumer"))
+    p = worker("kv_producer", port, backend=backend, num_blocks=SCHED_BLOCKS)
+    d = worker("kv_consumer", free_port(), backend=backend, num_blocks=SCHED_BLOCKS)
+    pc, dc = caches(True, num_blocks=SCHED_BLOCKS), caches(False, num_blocks=SCHED_BLOCKS)
+    p.register_kv_caches(pc)
+    d.register_kv_caches(dc)
+    try:
+        tid = "t-replayed"
+        leg = PrefillLeg(transfer_mode=WRITE, transfer_id=tid).params()
+        p_req = make_request(n, leg, max_tokens=1, prompt=list(prompt_a))
+        p_sched.add_request(p_req)
+        p_meta = step(p_sched)[0].kv_connector_metadata
+        params = PdExtWriteDecode.build(tid, None, "127.0.0.1", port).signed(None)
+        d_req = make_request(n, params, max_tokens=2, prompt=list(prompt_b))
+        d_sched.add_request(d_req)
+        d_meta = step(d_sched)[0].kv_connector_metadata
+        (spec,) = d_meta.recv
+        d.bind(d_meta)
+        d.start_load_kv()
+        p.bind(p_meta)
+        for layer in pc:
+            p.save_kv_layer(layer)
+        p.wait_for_save()
+        p.bind(step(p_sched)[0].kv_connector_metadata)  # the finished request keeps its blocks
+        loaded = poll(lambda: d.get_finished(set())[1], "the load")
+        assert loaded == {d_req.request_id}
+        errors = d.get_block_ids_with_load_errors()
+        step(d_sched, recving=loaded, invalid=errors)
+        out, _ = step(d_sched)
+        refused = d.stats.take().data["params_refused"]
+        if same_prompt:
+            assert errors == set() and refused == 0
+            ours, theirs = p_meta.push[0].block_ids[0], spec.local_block_ids[0]
+            assert_copied(pc, dc, list(zip(ours, theirs, strict=True)))
+            assert out.num_scheduled_tokens[d_req.request_id] == 1  # only the last token
+        else:
+            assert errors == set(spec.local_block_ids[0]) and refused == 1
+            assert out.num_scheduled_tokens[d_req.request_id] == n  # the whole prompt again
+    finally:
+        d.shutdown()
+        p.shutdown()
 
 
 @pytest.mark.parametrize("pair", [{"dcache": {"heads": 4}}], indirect=True)
@@ -324,7 +427,7 @@ def test_a_decode_worker_with_another_fleet_key_loads_nothing(pair, mode):
         ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
         recv(d, RecvSpec("d-req", "read", ref, (((5, 1), (9, 2)),), ((5, 9),)))
     else:
-        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),))]))
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),), PROMPT_HASH)]))
         write_offer(d, port, "t-1", ((5, 0), (9, 1)))
     done = poll(lambda: d.get_finished(set())[1], "the failed load")
     assert done == {"d-req"}
@@ -386,7 +489,7 @@ def test_write_cancelled_by_a_decode_that_timed_out_is_never_written(pair):
     done = poll(lambda: d.get_finished(set())[1], "the decode side's timeout")
     assert done == {"d-req"} and d.get_block_ids_with_load_errors() == {4, 8}
     # the prefill side gets there late: it must not touch the blocks the decode side freed
-    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-3", ((1, 2),))]))
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-3", ((1, 2),), PROMPT_HASH)]))
     for layer in pc:
         p.save_kv_layer(layer)
     p.wait_for_save()
@@ -406,7 +509,7 @@ def test_a_second_offer_for_a_transfer_is_refused_and_the_first_gets_the_push(pa
     tc = caches(False)
     thief.register_kv_caches(tc)
     try:
-        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-9", ((1, 2),))]))
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-9", ((1, 2),), PROMPT_HASH)]))
         write_offer(d, port, "t-9", ((4, 0), (8, 1)))
         poll(lambda: "t-9" in p._targets, "the real offer")
         write_offer(thief, port, "t-9", ((4, 0), (8, 1)))
@@ -461,7 +564,7 @@ def test_a_written_notice_from_another_peer_than_the_writer_is_ignored(pair, bac
 
     p, pc, d, dc, port = pair
     assert d.transport is not None
-    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2, 3),))]))
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2, 3),), PROMPT_HASH)]))
     write_offer(d, port, "t-1", ((4, 0), (8, 1), (10, 2)))
     poll(lambda: "t-1" in p._targets, "the decode offer")
     evil = third_peer(backend)
@@ -611,7 +714,7 @@ def test_the_prefill_writes_only_into_the_blocks_offered_to_it(pair):
 
     p, pc, d, dc, port = pair
     assert p.transport is not None and d.transport is not None and p.layout is not None
-    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),))]))
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),), PROMPT_HASH)]))
     write_offer(d, port, "t-1", ((4, 0), (8, 1)))
     poll(lambda: "t-1" in p._targets, "the decode offer")
     target = p._targets["t-1"]

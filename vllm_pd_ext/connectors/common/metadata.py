@@ -41,6 +41,9 @@ class RecvSpec:
     local_block_ids: tuple[tuple[int, ...], ...]
     transfer_id: str | None = None
     lease_s: float | None = None  # READ: how long the prefill side holds after a renewal
+    #: WRITE: the hash (``scheduler.prompt_hash``) of the prompt tokens this request loads; a
+    #: "written" notice that names another prompt's hash is refused.
+    prompt_hash: str | None = None
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,13 @@ class SendSpec:
 @dataclass(frozen=True)
 class PushSpec:
     """Prefill side, WRITE mode: this step computes the last prompt tokens of ``req_id``;
-    push each layer of ``block_ids`` as it is saved."""
+    push each layer of ``block_ids`` as it is saved, then name ``prompt_hash`` (the prompt
+    computed) in the "written" notice."""
 
     req_id: str
     transfer_id: str
     block_ids: tuple[tuple[int, ...], ...]
+    prompt_hash: str
 
 
 @dataclass

@@ -24,7 +24,10 @@ recomputed locally instead, and the refusal counted) when the params are malform
 incomplete, of another contract version, name too few blocks, or, for a READ, carry a prompt
 hash that differs from this request's prompt; with a fleet key (:mod:`vllm_pd_ext.fleet_key`)
 also when they carry no valid signature (a prefill signs the fields of its answer that a decode
-side acts on, the proxy a WRITE's) or arrive after they expired.
+side acts on, the proxy a WRITE's) or arrive after they expired. A WRITE's params name no
+prompt (the proxy signs them before any prefill runs): the worker side refuses its KV when the
+prefill's "written" notice names the hash of another prompt than this request's
+(``RecvSpec.prompt_hash``, ``PushSpec.prompt_hash``).
 """
 
 from __future__ import annotations
@@ -344,6 +347,8 @@ class TransferScheduler:
             local_block_ids=local,
             transfer_id=transfer_id_of(p),
             lease_s=answer.lease_s if answer is not None else None,
+            # WRITE: the prefill's "written" notice must name the prompt loaded here
+            prompt_hash=prompt_hash(request.prompt_token_ids or [], n) if mode == WRITE else None,
         )
 
     # ---- both ----
@@ -364,7 +369,9 @@ class TransferScheduler:
                 ids = self._blocks_for(
                     self.kv_cache_manager.get_block_ids(req_id), req.num_prompt_tokens
                 )
-                meta.push.append(PushSpec(req_id, str(transfer_id_of(req.kv_transfer_params)), ids))
+                tid = str(transfer_id_of(req.kv_transfer_params))
+                computed = prompt_hash(req.prompt_token_ids or [], req.num_prompt_tokens)
+                meta.push.append(PushSpec(req_id, tid, ids, computed))
                 self._pushed.add(req_id)
         now = time.monotonic()
         if self._waiting_remote and now - self._last_renew >= self.cfg.lease_s / 3:

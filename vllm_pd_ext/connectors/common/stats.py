@@ -11,7 +11,8 @@ The worker fills a :class:`PdTransferStats` (``get_kv_connector_stats``); vLLM s
   for want of a valid fleet-key tag;
 * ``vllm:pdext_kv_params_refused_total``: decode requests whose ``kv_transfer_params`` were
   refused on arrival (malformed, unsigned or tampered with, expired, another contract
-  version): each was computed locally instead (counted by the scheduler side);
+  version; counted by the scheduler side), or whose WRITE KV arrived computed for another
+  prompt (counted by the worker side): each was computed locally instead;
 * ``vllm:pdext_kv_ungranted_total``: peers' reads and writes of our KV memory refused because
   they reached beyond the blocks leased or offered to them (backends that enforce grants);
 * ``vllm:pdext_kv_blocks_held`` gauge: prefill-side blocks held for decode instances.
@@ -104,7 +105,8 @@ class StatsRecorder:
             self._data["unauthenticated"] += 1
 
     def params_refused(self) -> None:
-        """A decode request's ``kv_transfer_params`` refused: it is computed locally."""
+        """A decode request's ``kv_transfer_params`` refused, or the KV a WRITE wrote for it
+        (computed for another prompt): it is computed locally."""
         with self._lock:
             self._data["params_refused"] += 1
 
@@ -180,7 +182,8 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             self._counter_cls(
                 name="vllm:pdext_kv_params_refused",
                 documentation="Decode requests whose kv_transfer_params were refused on arrival "
-                "(malformed, unsigned, tampered with, expired): computed locally instead.",
+                "(malformed, unsigned, tampered with, expired) or whose WRITE KV was computed "
+                "for another prompt: computed locally instead.",
                 labelnames=labelnames,
             )
         )

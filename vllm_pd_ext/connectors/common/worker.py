@@ -11,10 +11,12 @@ the transfers:
   those blocks until they are freed.
 * WRITE, decode: the transfer thread grants the prefill transport write access to the blocks
   it offers (``POST /write_target``), waits for the prefill side's "written" notice, then
-  withdraws the grant (also on failure or timeout).
+  withdraws the grant (also on failure or timeout). The notice names the hash of the prompt
+  the prefill computed; KV computed for another prompt than the request's is refused
+  (:class:`KVRefused`).
 * WRITE, prefill: in the step that computes the last prompt tokens, each layer is written
   into the decode blocks as it is saved (if the offer is already there), the rest after the
-  step; then "written" is sent and the blocks are freed.
+  step; then "written" is sent, with the prompt's hash, and the blocks are freed.
 
 Every failure ends in the same place: the decode request is reported finished with its blocks
 in ``get_block_ids_with_load_errors()`` (or, for hybrid models whose block ids repeat across KV
@@ -65,6 +67,7 @@ from vllm_pd_ext.transport import (
     TransportError,
     backend_class,
 )
+from vllm_pd_ext.util.throttle import Throttle
 
 if TYPE_CHECKING:
     import torch
@@ -76,10 +79,18 @@ HANDSHAKE_VERSION = 1
 #: WRITE offers a prefill worker keeps at once (each waits for its prefill request, or for
 #: ``_prune_offers``); more are refused.
 MAX_OFFERS = 4096
+#: Refused loads are logged at most this often (a replay of params is at anyone's will).
+_REFUSAL_LOG_EVERY_S = 10.0
 
 
 class LoadFailed(RuntimeError):
     """One decode-side load did not complete; the request is recomputed or failed."""
+
+
+class KVRefused(LoadFailed):
+    """A WRITE's KV arrived computed for another prompt than the decode request's (its params
+    were replayed with another prompt, or another prefill request claimed the transfer): it
+    is never used, and the refusal is counted with the refused params."""
 
 
 @dataclass
@@ -162,12 +173,14 @@ class TransferWorker:
         # decode side
         self._loads: dict[str, Future] = {}
         self._load_blocks: dict[str, tuple[int, ...]] = {}
-        self._written: dict[str, tuple[bool, str]] = {}  # transfer id -> (ok, error)
+        #: transfer id -> (ok, error, the hash of the prompt the prefill computed)
+        self._written: dict[str, tuple[bool, str, str | None]] = {}
         #: WRITE transfers a load is waiting for: only their "written" notices are kept, so
         #: notices nobody asked for cannot fill ``_written``.
         self._awaiting: dict[str, str] = {}  # transfer id -> the prefill peer that must write
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
+        self._refusal_log = Throttle(_REFUSAL_LOG_EVERY_S)
         # prefill side
         self._leases = LeaseTable(cfg.lease_s, clock=clock)
         self._lease_lock = threading.Lock()  # the side channel renews from its own thread
@@ -426,6 +439,16 @@ class TransferWorker:
                     self.key,
                 )
                 nbytes = self._await_written(spec, deadline)
+        except KVRefused as e:
+            self.stats.params_refused()
+            if self._refusal_log.ready():
+                logger.warning(
+                    "request %s: refused the KV written for it, computing the prompt locally "
+                    "(or failing it, per kv_load_failure_policy): %s",
+                    spec.req_id,
+                    e,
+                )
+            raise
         except (TransportError, SideChannelError, LayoutMismatch, LoadFailed, OSError) as e:
             self.stats.failure()
             if isinstance(e, TransportError | SideChannelError):
@@ -463,9 +486,14 @@ class TransferWorker:
             with self._lock:
                 result = self._written.pop(transfer_id, None)
             if result is not None:
-                ok, error = result
+                ok, error, computed = result
                 if not ok:
                     raise LoadFailed(f"prefill side reported: {error}")
+                if spec.prompt_hash is None or computed != spec.prompt_hash:
+                    raise KVRefused(
+                        f"transfer {transfer_id} was computed for another prompt (hash "
+                        f"{str(computed)[:32]}, this request's {spec.prompt_hash})"
+                    )
                 return 0
             time.sleep(0.002)
         # Our blocks are freed once we report this load: first make sure the prefill side
@@ -634,7 +662,14 @@ class TransferWorker:
             with self._lock:
                 self._targets.pop(tid, None)
         self._notify(
-            target.peer_id, {"op": "written", "transfer_id": tid, "ok": ok, "error": error}
+            target.peer_id,
+            {
+                "op": "written",
+                "transfer_id": tid,
+                "ok": ok,
+                "error": error,
+                "prompt_hash": push.spec.prompt_hash,
+            },
         )
 
     # ---- completions ----
@@ -671,7 +706,12 @@ class TransferWorker:
                 with self._lock:
                     writer = self._awaiting.get(tid)
                     if writer is not None and writer == n.sender:
-                        self._written[tid] = (bool(body.get("ok")), str(body.get("error", "")))
+                        computed = body.get("prompt_hash")
+                        self._written[tid] = (
+                            bool(body.get("ok")),
+                            str(body.get("error", "")),
+                            computed if isinstance(computed, str) else None,
+                        )
                         continue
                 if writer is None:
                     logger.warning(
@@ -728,7 +768,8 @@ class TransferWorker:
             del self._loads[req_id]
             blocks = self._load_blocks.pop(req_id, ())
             if fut.exception() is not None:
-                logger.warning("%s", fut.exception())
+                if not isinstance(fut.exception(), KVRefused):  # logged (rate-limited) already
+                    logger.warning("%s", fut.exception())
                 if len(self.block_sizes) > 1:
                     # block ids repeat across groups: vLLM takes hybrid failures by request
                     self._failed_loads.add(req_id)
