@@ -136,12 +136,13 @@ def running_proxy(args: list[str], log: Path, ready_timeout: float = 60) -> Iter
     assert "Application shutdown complete" in log.read_text()
 
 
-def split_write(client, prefill, decode, side, prompt_ids, max_tokens):
+def split_write(client, prefill, decode, side, prompt_ids, max_tokens, prefill_ids=None):
     """Both legs at once, as the proxy's pdext-write protocol sends them (the decode leg's
-    params signed with ``FLEET_KEY``)."""
+    params signed with ``FLEET_KEY``); ``prefill_ids``: the prefill leg's prompt, when it is
+    to differ from the decode leg's."""
     tid = uuid.uuid4().hex
     p_body = {
-        **completion_body(prefill, prompt_ids, 1),
+        **completion_body(prefill, prompt_ids if prefill_ids is None else prefill_ids, 1),
         "stream": False,
         "kv_transfer_params": PrefillLeg(transfer_mode=WRITE, transfer_id=tid).params(),
     }

@@ -122,6 +122,29 @@ def test_decode_engine_refuses_forged_params(pair, tiny_qwen):
     assert prefill.metric(HELD) == 0
 
 
+def test_write_params_replayed_with_another_prompt_are_computed_locally(pair, tiny_qwen):
+    """A WRITE's signed decode params sent with another prompt than the one the prefill
+    engine computes for that transfer: the decode engine refuses the KV pushed into its
+    blocks (counted with the refused params), computes its own prompt and answers the
+    colocated output; no prompt token of that request counts as loaded externally."""
+    prefill, decode, side = pair
+    prompt_ids = make_prompt_ids(tiny_qwen, 120)
+    other = prompt_ids[60:] + prompt_ids[:60]  # as long, another prompt
+    with httpx.Client(timeout=httpx.Timeout(120.0, connect=5.0)) as client:
+        colocated, _ = stream_completion(client, decode, completion_body(decode, prompt_ids, 8))
+        refused = decode.metric(PARAMS_REFUSED)
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
+        ids = split_write(client, prefill, decode, side, prompt_ids, 8, prefill_ids=other)
+        assert ids == colocated
+        assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) == before
+    deadline = time.monotonic() + 20
+    while decode.metric(PARAMS_REFUSED) < refused + 1 and time.monotonic() < deadline:
+        time.sleep(0.2)  # polled: the counter arrives with a later engine step's stats
+    assert decode.metric(PARAMS_REFUSED) == refused + 1
+    wait_idle(prefill)  # the push ended and freed the prefill's blocks
+    assert prefill.metric(HELD) == 0
+
+
 def test_transfer_metrics_on_both_engines(pair, tiny_qwen):
     prefill, decode, side = pair
     reads = decode.metric("vllm:pdext_kv_transfer_seconds_count")
