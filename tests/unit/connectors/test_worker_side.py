@@ -345,7 +345,9 @@ def test_write_params_replayed_with_another_prompt_recompute(tiny_qwen, backend,
         errors = d.get_block_ids_with_load_errors()
         step(d_sched, recving=loaded, invalid=errors)
         out, _ = step(d_sched)
-        refused = d.stats.take().data["params_refused"]
+        taken = d.stats.take()
+        assert taken is not None
+        refused = taken.data["params_refused"]
         if same_prompt:
             assert errors == set() and refused == 0
             ours, theirs = p_meta.push[0].block_ids[0], spec.local_block_ids[0]
