@@ -4,12 +4,19 @@ Reads the served model's KV size (``kv-size`` on its ``config.json`` when the mo
 is readable here), the GPU link topology (``nvidia-smi topo -p2p r`` when present), then sends a
 few long prompts one at a time, each colocated on the decode instance and split across the pair,
 and reports prefill time, the transfer gap (prefill leg done -> first decode token), the
-connector's own transfer time and bytes when it exports them (NIXL does), and plain advice.
+connector's own transfer time and bytes when it exports them (NIXL does), where the decode side's
+prompt tokens came from (loaded over KV transfer, its own prefix cache, computed), and plain
+advice.
+
+The colocated and the split measurement of one prompt carry different ``cache_salt`` values
+(fresh for each run of the doctor), so neither finds the other's KV in a prefix cache: the
+split's decode side has only the transfer to load the prompt from.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import shutil
 import statistics
 import subprocess
@@ -22,7 +29,13 @@ import httpx
 
 from vllm_pd_ext.tools.kv_size import ConfigError, compute_kv_size, human_bytes, load_config
 from vllm_pd_ext.transfer_params import NixlPrefill
-from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE, parse_metrics
+from vllm_pd_ext.util.prom import (
+    EXTERNAL_KV,
+    LOCAL_CACHE_HIT,
+    LOCAL_COMPUTE,
+    PROMPT_TOKENS_BY_SOURCE,
+    parse_metrics,
+)
 
 #: Transfer histograms (seconds, bytes) the decode side exports: vLLM's NixlConnector, then
 #: our PdExtMoRIIOConnector / PdExtMambaStateConnector.
@@ -46,6 +59,10 @@ class Round:
     external_tokens: int
     connector_xfer_ms: float | None
     connector_bytes: float | None
+    #: The split's prompt tokens the decode side found in its own prefix cache, and computed
+    #: (None: the engine does not count them by source).
+    local_cache_hit_tokens: int | None = None
+    recomputed_tokens: int | None = None
 
     @property
     def pd_ttft_ms(self) -> float:
@@ -143,11 +160,22 @@ def _await_transfer_stats(client: httpx.Client, decode: str, before, timeout: fl
 
 
 def measure_round(
-    client: httpx.Client, prefill: str, decode: str, model: str, tokens: int, index: int
+    client: httpx.Client,
+    prefill: str,
+    decode: str,
+    model: str,
+    tokens: int,
+    index: int,
+    salt: str = "",
 ) -> Round:
+    """One prompt, colocated then split; ``salt`` (a run's own) keeps the two measurements
+    and earlier runs out of each other's prefix caches."""
     prompt = _prompt(tokens, index)
     body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0}
-    colocated = _stream_first_token(client, decode, body)
+    colocated = _stream_first_token(
+        client, decode, {**body, "cache_salt": f"{salt}-colocated-{index}"}
+    )
+    body["cache_salt"] = f"{salt}-split-{index}"
     before = _metrics(client, decode)
     start = time.perf_counter()
     resp = client.post(
@@ -168,6 +196,7 @@ def measure_round(
         ((t, b) for t, b in XFER_METRICS if delta(f"{t}_count")), XFER_METRICS[0]
     )
     xfer_count = delta(f"{xfer_time}_count")
+    by_source = PROMPT_TOKENS_BY_SOURCE in after.names()
     return Round(
         prompt_tokens=tokens,
         colocated_ttft_ms=colocated * 1e3,
@@ -176,6 +205,12 @@ def measure_round(
         external_tokens=int(delta(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)),
         connector_xfer_ms=delta(f"{xfer_time}_sum") * 1e3 if xfer_count else None,
         connector_bytes=delta(f"{xfer_bytes}_sum") if xfer_count else None,
+        local_cache_hit_tokens=(
+            int(delta(PROMPT_TOKENS_BY_SOURCE, **LOCAL_CACHE_HIT)) if by_source else None
+        ),
+        recomputed_tokens=int(delta(PROMPT_TOKENS_BY_SOURCE, **LOCAL_COMPUTE))
+        if by_source
+        else None,
     )
 
 
@@ -187,7 +222,13 @@ def advise(report: Report, link_gbps: float | None) -> list[str]:
     gap = statistics.mean(r.decode_first_token_ms for r in rounds)
     colocated = statistics.mean(r.colocated_ttft_ms for r in rounds)
     pd = statistics.mean(r.pd_ttft_ms for r in rounds)
-    missing = [r for r in rounds if r.external_tokens < r.prompt_tokens - 1]
+    # the decode side computes the prompt's last token itself; more than that is a recompute
+    missing = [
+        r
+        for r in rounds
+        if (r.recomputed_tokens > 1 if r.recomputed_tokens is not None else False)
+        or r.external_tokens + (r.local_cache_hit_tokens or 0) < r.prompt_tokens - 1
+    ]
     if missing:
         advice.append(
             f"{len(missing)} of {len(rounds)} prompts were NOT loaded over KV transfer (the "
@@ -255,9 +296,10 @@ def run_doctor(
             kv_note=note,
             topology=gpu_topology(),
         )
-        measure_round(client, prefill, decode, model, min(tokens, 64), 999)  # warm-up
+        salt = f"vllm-pd-doctor-{secrets.token_hex(8)}"
+        measure_round(client, prefill, decode, model, min(tokens, 64), 999, salt)  # warm-up
         for i in range(prompts):
-            report.rounds.append(measure_round(client, prefill, decode, model, tokens, i))
+            report.rounds.append(measure_round(client, prefill, decode, model, tokens, i, salt))
     report.advice = advise(report, link_gbps)
     return report
 
@@ -270,7 +312,7 @@ def format_report(report: Report) -> str:
         f"GPU topology: {report.topology}",
         "",
         f"{'prompt':>7} {'colocated':>10} {'prefill':>9} {'gap+1st':>9} {'P/D TTFT':>9} "
-        f"{'KV tokens':>9} {'xfer ms':>8} {'MB':>8}",
+        f"{'KV tokens':>9} {'cached':>7} {'computed':>8} {'xfer ms':>8} {'MB':>8}",
     ]
     for r in report.rounds:
         xfer = f"{r.connector_xfer_ms:8.1f}" if r.connector_xfer_ms is not None else f"{'-':>8}"
@@ -278,10 +320,14 @@ def format_report(report: Report) -> str:
         lines.append(
             f"{r.prompt_tokens:>7} {r.colocated_ttft_ms:>8.1f}ms {r.prefill_leg_ms:>7.1f}ms "
             f"{r.decode_first_token_ms:>7.1f}ms {r.pd_ttft_ms:>7.1f}ms {r.external_tokens:>9} "
-            f"{xfer} {mb}"
+            f"{_count(r.local_cache_hit_tokens):>7} {_count(r.recomputed_tokens):>8} {xfer} {mb}"
         )
     lines += ["", "advice:"] + [f"  - {a}" for a in report.advice]
     return "\n".join(lines)
+
+
+def _count(n: int | None) -> str:
+    return "-" if n is None else str(n)
 
 
 def doctor_main(

@@ -6,10 +6,13 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-#: vLLM's counter of prompt tokens by where they came from, and its label for those loaded
-#: by a KV connector (the decode side of a split).
+#: vLLM's counter of prompt tokens by where they came from, and its labels for those loaded
+#: by a KV connector (the decode side of a split), found in the engine's own prefix cache,
+#: and computed.
 PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 EXTERNAL_KV = {"source": "external_kv_transfer"}
+LOCAL_CACHE_HIT = {"source": "local_cache_hit"}
+LOCAL_COMPUTE = {"source": "local_compute"}
 
 
 @dataclass(frozen=True)
