@@ -2,10 +2,25 @@
 
 from __future__ import annotations
 
+import functools
 import uuid
 from typing import Any
 
-from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser
+from pydantic import create_model
+
+from vllm_pd_ext.render_server.parsers.reasoning import ThinkReasoningParser, ThinkState
+from vllm_pd_ext.render_server.parsers.state import ParserState, StateLimits, check_state
+
+
+@functools.cache
+def chat_state(reasoning: bool, tools: type[ParserState] | None) -> type[ParserState]:
+    """The shape of :class:`ChatParser`'s streaming state: the reasoning keys
+    (:class:`ThinkState`) with a reasoning parser, and ``tools``, the tool parser's own
+    state, with a tool parser."""
+    base = ThinkState if reasoning else ParserState
+    if tools is None:
+        return base
+    return create_model("ChatState", __base__=base, tools=(tools, ...))
 
 
 class ChatParser:
@@ -57,6 +72,18 @@ class ChatParser:
             if self.forced and not calls and (content is None or not content.strip()):
                 content = None
         return reasoning, content, calls
+
+    @property
+    def state_model(self) -> type[ParserState]:
+        """The shape of this parser's streaming state (it depends on the parsers configured
+        and on the request: reasoning may be off, ``tool_choice`` picks the tool parser)."""
+        tools = self.tools.state_model if self.tools is not None else None
+        return chat_state(self.reasoning is not None, tools)
+
+    def check_state(self, state: Any, limits: StateLimits) -> None:
+        """Check a carried streaming state against :attr:`state_model` within ``limits``
+        (derender runs it before :meth:`parse_delta`; raises ``pydantic.ValidationError``)."""
+        check_state(self.state_model, state, limits)
 
     def initial_state(self, prompt_token_ids: list[int]) -> dict[str, Any]:
         """The streaming state before the first output token."""

@@ -8,17 +8,52 @@ the final chunk. Each call does O(new text) work; the state holds only the tool-
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
 
+from pydantic import model_validator
+
 from vllm_pd_ext.render_server.parsers.hermes import _overlap
+from vllm_pd_ext.render_server.parsers.state import ParserState, Text
+
+
+class BufferedState(ParserState):
+    """The streaming state of a :class:`BufferedToolParser` (see :func:`buffered_state`)."""
+
+    #: the tool-call section (``in_calls``), else a partial marker held back
+    buf: Text
+    in_calls: bool
+    #: the content so far had non-whitespace (llama3_json: a later ``{`` is content)
+    seen: bool
+
+
+@functools.cache
+def buffered_state(markers: tuple[str, ...]) -> type[ParserState]:
+    """:class:`BufferedState` for a parser whose calls start at one of ``markers``: outside
+    the calls ``buf`` holds at most a partial marker."""
+    held = max(map(len, markers)) - 1
+
+    class MarkerState(BufferedState):
+        @model_validator(mode="after")
+        def _partial_marker_outside_calls(self) -> MarkerState:
+            if not self.in_calls and len(self.buf) > held:
+                raise ValueError(f"buf outside the calls holds at most {held} characters")
+            return self
+
+    return MarkerState
 
 
 class BufferedToolParser:
     """Base: ``markers`` start the tool-call section; subclasses implement :meth:`extract`."""
 
     markers: tuple[str, ...] = ()
+
+    @property
+    def state_model(self) -> type[ParserState]:
+        """The shape of this parser's streaming state."""
+        return buffered_state(self.markers)
 
     def extract(self, text: str, content: str | None) -> tuple[list[dict[str, str]], str | None]:
         raise NotImplementedError

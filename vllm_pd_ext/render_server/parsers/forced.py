@@ -18,11 +18,65 @@ When render constrained the output with the JSON schema from the tools (see
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import Annotated, Any, ClassVar, Literal
+
+from pydantic import Field, model_validator
+
+from vllm_pd_ext.render_server.parsers.state import Index, Length, ParserState, Text
 
 # parse states inside one element object of the array (vLLM's names)
 _EXPECT_KEY, _EXPECT_COLON, _EXPECT_VALUE = 0, 1, 2
 _IN_STRING_VALUE, _IN_CONTAINER_VALUE, _IN_SCALAR_VALUE, _AFTER_VALUE = 3, 4, 5, 6
+
+
+class NamedState(ParserState):
+    """The streaming state of :class:`NamedToolParser`."""
+
+    #: the call's name went out with the first arguments
+    sent: bool
+
+
+class RequiredElement(ParserState):
+    """The array element :class:`RequiredToolParser` is reading."""
+
+    #: the element's ``name`` value, once read (None: not read, or not a string)
+    name: Text | None
+    #: argument text held until the call is announced
+    args: Text
+    #: where the ``parameters`` value is: not started, being read, or read
+    args_state: Literal["none", "open", "closed"]
+    #: the call went out (name and the start of its arguments)
+    announced: bool
+
+
+class RequiredState(ParserState):
+    """The streaming state of :class:`RequiredToolParser` (its scanner's registers)."""
+
+    #: nesting of ``{}`` and ``[]``; element objects sit at 2
+    depth: Length
+    in_string: bool
+    escaped: bool
+    #: the element scanner's state (``_EXPECT_KEY`` ... ``_AFTER_VALUE``)
+    expect: Annotated[int, Field(ge=_EXPECT_KEY, le=_AFTER_VALUE)]
+    #: the key whose value is being read
+    key: Text | None
+    #: raw text of the key or name string being read (a name's starts with its quote)
+    strbuf: Text | None
+    #: the scan stopped (end of the array or not an array)
+    done: bool
+    #: an element ended without becoming a call: vLLM stops there
+    blocked: bool
+    #: the array index of the current element (-1: none yet)
+    index: Index
+    cur: RequiredElement | None
+
+    @model_validator(mode="after")
+    def _name_is_a_string(self) -> RequiredState:
+        reading_name = self.expect == _IN_STRING_VALUE and self.key == "name"
+        if reading_name and self.strbuf is not None and not self.strbuf.startswith('"'):
+            # the name is parsed as JSON once it closes: it must be a JSON string
+            raise ValueError("strbuf of a name being read starts with its quote")
+        return self
 
 
 def _reject_constant(value: str) -> Any:
@@ -31,6 +85,8 @@ def _reject_constant(value: str) -> Any:
 
 class NamedToolParser:
     """``tool_choice`` names one function: the output is its arguments."""
+
+    state_model: ClassVar[type[ParserState]] = NamedState
 
     def __init__(self, name: str) -> None:
         self.name = name
@@ -78,6 +134,8 @@ def _definitions(content: str) -> list[dict[str, Any]] | None:
 
 class RequiredToolParser:
     """``tool_choice`` "required": a JSON array of ``{"name": ..., "parameters": ...}``."""
+
+    state_model: ClassVar[type[ParserState]] = RequiredState
 
     def extract(self, text: str, content: str | None) -> tuple[list[dict[str, str]], str | None]:
         items = _definitions(content or "")

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any
+from typing import Any, ClassVar
+
+from pydantic import model_validator
+
+from vllm_pd_ext.render_server.parsers.state import Count, ParserState, Text
 
 START = "<tool_call>"
 END = "</tool_call>"
@@ -27,12 +31,32 @@ def _call(raw: str) -> dict[str, str] | None:
         return None
 
 
+class HermesState(ParserState):
+    """The streaming state of :class:`HermesToolParser`."""
+
+    #: the call being read (``in_call``), else a partial ``<tool_call>`` held back
+    buf: Text
+    in_call: bool
+    #: the next call's index: the calls emitted so far
+    index: Count
+    #: a call was read: later text is not content
+    called: bool
+
+    @model_validator(mode="after")
+    def _partial_tag_outside_calls(self) -> HermesState:
+        if not self.in_call and len(self.buf) >= len(START):
+            raise ValueError(f"buf outside a call holds at most {len(START) - 1} characters")
+        return self
+
+
 class HermesToolParser:
     """Batch extraction as vLLM's ``hermes`` parser; streaming emits each call when it closes.
 
-    Streaming state: ``{"buf": text held back, "in_call": bool, "index": next call index,
-    "called": bool}``. ``buf`` holds at most a partial tag or the call being read.
+    Streaming state: :class:`HermesState`. ``buf`` holds at most a partial tag or the call
+    being read.
     """
+
+    state_model: ClassVar[type[ParserState]] = HermesState
 
     def extract(self, text: str, content: str | None) -> tuple[list[dict[str, str]], str | None]:
         """``(tool_calls, content)`` of a complete output (content: text before the first call)."""

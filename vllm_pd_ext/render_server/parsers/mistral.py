@@ -32,11 +32,12 @@ import json
 import re
 import secrets
 import string
-from typing import Any
+from typing import Any, ClassVar, Literal
 
 from vllm_pd_ext.render_server.errors import RenderError
 from vllm_pd_ext.render_server.parsers.buffered import BufferedToolParser
 from vllm_pd_ext.render_server.parsers.hermes import _overlap
+from vllm_pd_ext.render_server.parsers.state import Count, ParserState, Text, TokenText
 
 TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
@@ -115,14 +116,31 @@ def _sections(text: str) -> list[tuple[str, str]]:
         rest = rest[nxt + len(TOOL_CALLS) :]
 
 
+class MistralState(ParserState):
+    """The streaming state of :class:`MistralToolParser`."""
+
+    #: what the next text is: content before the calls, a call's name, or its arguments
+    mode: Literal["content", "name", "args"]
+    #: content held back: a partial ``[TOOL_CALLS]``, or whitespace that may precede a call
+    held: Text
+    #: the content so far had non-whitespace
+    nonws: bool
+    #: the name and argument text of the call being read
+    name: Text
+    args: Text
+    #: the next call's index: the calls emitted so far
+    index: Count
+    #: a partial special-token text held back at the chunk's end (absent when empty)
+    drop_held: TokenText = ""
+
+
 class MistralToolParser:
     """v11+ ``[TOOL_CALLS]name[ARGS]{...}`` calls; batch and streaming agree on the calls.
 
-    Streaming state: ``{"mode": "content" | "name" | "args", "held": content held back,
-    "nonws": content so far had non-whitespace, "name": name text, "args": argument text,
-    "index": next call index}``.
+    Streaming state: :class:`MistralState`.
     """
 
+    state_model: ClassVar[type[ParserState]] = MistralState
     handles_required_and_named = True
     #: vLLM runs it (dropping special-token text, cutting calls) even without tools
     parses_without_tools = True

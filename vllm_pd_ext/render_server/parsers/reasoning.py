@@ -4,7 +4,24 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import Field
+
 from vllm_pd_ext.render_server.errors import RenderError
+from vllm_pd_ext.render_server.parsers.state import ParserState
+
+START = "<think>"
+END = "</think>"
+
+
+class ThinkState(ParserState):
+    """The reasoning keys of :class:`ChatParser`'s streaming state with a reasoning parser."""
+
+    #: the reasoning is over (by the prompt, or ``</think>`` came): the rest is content
+    reasoning_ended: bool
+    #: ``<think>`` came (set from the first chunk on)
+    seen_start: bool = False
+    #: text markers only: a partial marker held back at the chunk's end
+    pending: str = Field(default="", max_length=max(len(START), len(END)) - 1)
 
 
 class ThinkReasoningParser:
@@ -18,8 +35,8 @@ class ThinkReasoningParser:
     raises :class:`RenderError` (vLLM's ``deepseek_r1`` refuses it).
     """
 
-    start = "<think>"
-    end = "</think>"
+    start = START
+    end = END
 
     def __init__(self, tok: Any, *, text_markers: bool = False) -> None:
         self.start_id = tok.token_id(self.start)
