@@ -14,14 +14,17 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import ValidationError
+
 from vllm_pd_ext.render_server.detokenizer import (
     DetokState,
     detokenize,
     seed_state,
     token_strings,
 )
-from vllm_pd_ext.render_server.errors import RenderError
+from vllm_pd_ext.render_server.errors import RenderError, validation_message
 from vllm_pd_ext.render_server.parsers import ChatParser, make_parser
+from vllm_pd_ext.render_server.parsers.state import StateLimits
 from vllm_pd_ext.render_server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -76,6 +79,8 @@ class Derenderer:
         self.settings = settings
         self.tok = tok
         self.max_model_len = max_model_len
+        #: what a carried stream state may hold: one output of max_model_len tokens
+        self.limits = StateLimits.for_model(max_model_len, tok.max_chars_per_token)
         self.has_parser = bool(settings.reasoning_parser or settings.tool_call_parser)
         if settings.uses_vllm_parsers:  # fail at startup if vLLM's parser cannot serve tok
             from vllm_pd_ext.render_server.parsers.vllm_registry import parser_class
@@ -320,6 +325,7 @@ class Derenderer:
                 read_offset=seed.read_offset,
             )
         _check_window(state)
+        _check_state_bounds(state, self.limits)
         return state, DetokState(list(state.prev_tokens), state.prefix_offset, state.read_offset)
 
     def chat_stream(self, req: DerenderChatStreamRequest) -> dict[str, Any]:
@@ -367,13 +373,20 @@ class Derenderer:
                         pstate, text, delta_ids, finished=finish_reason is not None
                     )
                 else:
+                    _check_parser_state(parser, pstate, self.limits)
                     delta, pstate = _parse_carried(parser, pstate, text, delta_ids, finish_reason)
                 update["parser_state"] = pstate
                 tools_streamed = state.tools_streamed
                 ids = list(state.last_tool_call_ids)
                 for tc in delta.get("tool_calls") or []:
                     tools_streamed = True
-                    if tc["index"] >= len(ids):
+                    if tc["index"] > len(ids):  # calls are numbered from 0 without gaps
+                        raise RenderError(
+                            f"invalid stream_state.parser_state: tool call {tc['index']} "
+                            f"follows only {len(ids)} calls in stream_state.last_tool_call_ids",
+                            param="stream_state.parser_state",
+                        )
+                    if tc["index"] == len(ids):
                         ids.append(tc.get("id") or parser.new_tool_call_id())
                         tc["id"] = ids[tc["index"]]
                         tc["type"] = "function"
@@ -582,6 +595,20 @@ def _check_chat_request(chat_request: ChatCompletionRequest | None) -> None:
         check_tool_usage({"tools": chat_request.tools, "tool_choice": chat_request.tool_choice})
 
 
+def _check_parser_state(parser: ChatParser, pstate: Any, limits: StateLimits) -> None:
+    """The parser state a client carried, against the configured parser's declared shape
+    (``parsers/state.py``): any mismatch -- a key missing or unknown, a type, a bound -- is a
+    400 naming ``stream_state.parser_state``, before the parser reads the state."""
+    try:
+        parser.check_state(pstate, limits)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False, include_input=False, include_context=False)
+        message, _ = validation_message(errors, prefix="stream_state.parser_state")
+        raise RenderError(
+            f"invalid stream_state.parser_state: {message}", param="stream_state.parser_state"
+        ) from None
+
+
 def _parse_carried(
     parser: ChatParser,
     pstate: dict[str, Any],
@@ -589,8 +616,9 @@ def _parse_carried(
     token_ids: list[int],
     finish_reason: str | None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """``parse_delta`` over a parser state the client carried: a state of the wrong shape
-    (forged, or from another parser's configuration) is the client's mistake, a 400."""
+    """``parse_delta`` over a checked parser state the client carried. A state of the
+    declared shape whose values still do not fit together (vLLM's parsers replaying chosen
+    text may raise too) is the client's mistake, a 400, never a 500."""
     try:
         return parser.parse_delta(pstate, text, token_ids, finished=finish_reason is not None)
     except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
@@ -605,3 +633,25 @@ def _check_window(state: DerenderStreamState) -> None:
         raise RenderError(
             "invalid stream_state: offsets do not fit prev_tokens", param="stream_state"
         )
+
+
+def _check_state_bounds(state: DerenderStreamState, limits: StateLimits) -> None:
+    """The bounds of the stream state's lists that depend on the model (the rest are in
+    ``DerenderStreamState``): a window entry is one token's text, and the replay ids and
+    tool-call ids are at most one per output token."""
+    longest = limits.max_token_text
+    for i, token in enumerate(state.prev_tokens):
+        if len(token) > longest:
+            raise RenderError(
+                f"invalid stream_state: prev_tokens[{i}] is longer than any token "
+                f"({longest} characters)",
+                param="stream_state.prev_tokens",
+            )
+    for name in ("output_token_ids", "last_tool_call_ids"):
+        count = len(getattr(state, name))
+        if count > limits.max_tokens:
+            raise RenderError(
+                f"invalid stream_state: {name} has {count} entries, more than the longest "
+                f"output's {limits.max_tokens} tokens",
+                param=f"stream_state.{name}",
+            )

@@ -16,6 +16,11 @@ from vllm_pd_ext.transfer_params import STEERING_FIELDS
 #: A token id: non-negative and small enough for the Rust tokenizer (u32).
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 
+#: The longest tool-call id a stream state may carry: ours are 30 characters
+#: (``chatcmpl-tool-`` and 16 hex), vLLM's 46 (a uuid's 32 hex), Mistral's 9; vLLM's kimi_k2
+#: ids are ``functions.<name>:<index>``, under 90 with OpenAI's 64-character function names.
+MAX_TOOL_CALL_ID_CHARS = 256
+
 
 class _Open(BaseModel):
     """Accepts unknown fields, as vLLM's OpenAI models do."""
@@ -225,13 +230,28 @@ class DerenderStreamState(_Open):
     prefix_offset: int = Field(default=0, ge=0)
     read_offset: int = Field(default=0, ge=0)
     role_sent: bool = False
-    logprob_context_token_ids: list[int] = Field(default_factory=list, max_length=4)
+    logprob_context_token_ids: list[TokenId] = Field(default_factory=list, max_length=4)
     logprob_text_offset: int = Field(default=0, ge=0)
-    output_token_ids: list[int] = Field(default_factory=list)
-    output_chunk_lens: list[int] = Field(default_factory=list)
+    output_token_ids: list[TokenId] = Field(default_factory=list)
+    output_chunk_lens: list[Annotated[int, Field(gt=0)]] = Field(default_factory=list)
     tools_streamed: bool = False
-    last_tool_call_ids: list[str] = Field(default_factory=list)
+    last_tool_call_ids: list[Annotated[str, Field(max_length=MAX_TOOL_CALL_ID_CHARS)]] = Field(
+        default_factory=list
+    )
+    #: checked against the configured parser's declared shape by derender (its bounds
+    #: depend on the model: ``parsers/state.py``)
     parser_state: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chunk_lens_cover_the_ids(self) -> DerenderStreamState:
+        # vLLM's check: the replay chunks are the replay ids, cut up
+        total = sum(self.output_chunk_lens)
+        if total != len(self.output_token_ids):
+            raise ValueError(
+                f"output_chunk_lens must sum to len(output_token_ids) (got sum={total}, "
+                f"len(output_token_ids)={len(self.output_token_ids)})"
+            )
+        return self
 
 
 class DerenderChatRequest(_Open):

@@ -7,7 +7,9 @@ render`` composes them, and that parser then does all reasoning and tool-call pa
 vLLM's parsers keep their streaming state in Python objects, so streaming here works as vLLM's
 own render server does: every chunk builds a fresh parser and replays the earlier chunks through
 it (O(output so far) per chunk, not the O(1) of the built-in parsers). The stream state carries
-each earlier chunk's text and token ids.
+each earlier chunk's text and token ids (:class:`ReplayState`), checked like the built-in
+parsers' states; vLLM's parsers then run their own code, regular expressions included, over
+that text, which a client may choose.
 """
 
 from __future__ import annotations
@@ -15,9 +17,18 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
-from pydantic import ValidationError
+from pydantic import ValidationError, ValidationInfo, model_validator
 
 from vllm_pd_ext.render_server.errors import RenderError, SchemaError, validation_message
+from vllm_pd_ext.render_server.parsers.state import (
+    Items,
+    ParserState,
+    StateLimits,
+    Text,
+    check_state,
+    limits_of,
+)
+from vllm_pd_ext.render_server.protocol import TokenId
 
 if TYPE_CHECKING:
     from vllm_pd_ext.render_server.protocol import ChatCompletionRequest
@@ -133,6 +144,27 @@ def _delta_dict(delta: Any) -> dict[str, Any]:
     return out
 
 
+class ReplayState(ParserState):
+    """The streaming state of :class:`VllmChatParser`: each earlier chunk with tokens, as
+    the engine sent it (its text and its ids), at most one output's worth in all."""
+
+    texts: Items[Text]
+    token_ids: Items[Items[TokenId]]
+
+    @model_validator(mode="after")
+    def _one_output(self, info: ValidationInfo) -> ReplayState:
+        limits = limits_of(info)
+        if len(self.texts) != len(self.token_ids):
+            raise ValueError("texts and token_ids list different chunks")
+        if not all(self.token_ids):
+            raise ValueError("a replayed chunk has no token ids")
+        if sum(map(len, self.token_ids)) > limits.max_tokens:
+            raise ValueError(f"more than {limits.max_tokens} token ids (the longest output)")
+        if sum(map(len, self.texts)) > limits.max_text:
+            raise ValueError(f"more than {limits.max_text} characters (the longest output)")
+        return self
+
+
 class VllmChatParser:
     """vLLM's composed parser behind the :class:`ChatParser` interface (batch and streaming)."""
 
@@ -177,6 +209,11 @@ class VllmChatParser:
         )
         return reasoning, content, [{"name": c.name, "arguments": c.arguments} for c in calls or []]
 
+    def check_state(self, state: Any, limits: StateLimits) -> None:
+        """Check a carried streaming state against :class:`ReplayState` within ``limits``
+        (derender runs it before :meth:`parse_delta`; raises ``pydantic.ValidationError``)."""
+        check_state(ReplayState, state, limits)
+
     def initial_state(self, prompt_token_ids: list[int]) -> dict[str, Any]:
         """The streaming state before the first output token: no chunks to replay."""
         if self._prompt_ids is None:
@@ -187,10 +224,8 @@ class VllmChatParser:
         self, state: dict[str, Any], text: str, token_ids: list[int], *, finished: bool
     ) -> tuple[dict[str, Any], dict[str, Any]]:
         """The delta for one chunk: replays the earlier chunks through a fresh vLLM parser."""
-        texts = [str(t) for t in state.get("texts") or []]
-        ids = [list(i) for i in state.get("token_ids") or []]
-        if len(texts) != len(ids):
-            raise RenderError("invalid stream_state: parser replay is inconsistent")
+        texts = list(state["texts"])
+        ids = [list(i) for i in state["token_ids"]]
         parser = self._new()
         for old_text, old_ids in zip(texts, ids, strict=True):
             parser.parse_delta(
