@@ -93,3 +93,25 @@ def test_streaming_equals_batch(name, size):
             (c["name"], c["arguments"]) for c in want_calls
         ], text
         assert content == (want_content or ""), text
+
+
+DEEP = "[" * 100_000  # deeper than Python's recursion limit: the JSON decoder gives up
+
+NESTED_OUTPUTS = {
+    "hermes": f"<tool_call>{DEEP}</tool_call>",
+    "llama3_json": f'{{"name": "f", "parameters": {DEEP}',
+    "deepseek_v3": DS_CALLS_BEGIN + _ds_call("f", DEEP) + DS_END,
+}
+
+
+@pytest.mark.parametrize("name", list(NESTED_OUTPUTS))
+def test_deeply_nested_brackets_are_text_not_an_error(name):
+    """Output nested past the recursion limit (a caller of derender chooses the tokens) is
+    parsed, batch and streamed, without an exception (the render server's 500): text, or a
+    call whose arguments are that text where the parser passes arguments through unparsed."""
+    parser = ChatParser(None, TOOL_PARSERS[name](None))
+    text = NESTED_OUTPUTS[name]
+    _, content, calls = parser.parse(text, [], None)
+    assert content or calls
+    delta, _ = parser.parse_delta(parser.initial_state([]), text, [], finished=True)
+    assert delta.get("content") or delta.get("tool_calls")

@@ -128,7 +128,7 @@ class Llama3JsonToolParser(BufferedToolParser):
                 calls.append(
                     {"name": obj["name"], "arguments": json.dumps(args, ensure_ascii=False)}
                 )
-            except (ValueError, KeyError, TypeError):
+            except (ValueError, KeyError, TypeError, RecursionError):
                 return [], content
         if calls:
             return calls, None

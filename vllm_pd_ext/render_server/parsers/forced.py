@@ -115,7 +115,7 @@ def _definitions(content: str) -> list[dict[str, Any]] | None:
     """``TypeAdapter(list[FunctionDefinition]).validate_json(content)``, or None on error."""
     try:
         items = json.loads(content, parse_constant=_reject_constant)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(items, list):
         return None
@@ -214,7 +214,7 @@ class RequiredToolParser:
                                 try:
                                     name = json.loads((strbuf or "") + '"')
                                     cur["name"] = name if isinstance(name, str) else None
-                                except ValueError:
+                                except (ValueError, RecursionError):
                                     cur["name"] = None
                                 strbuf = None
                             elif key == "parameters":

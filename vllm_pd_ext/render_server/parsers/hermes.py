@@ -27,7 +27,7 @@ def _call(raw: str) -> dict[str, str] | None:
     try:
         obj = json.loads(raw)
         return {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}
-    except (ValueError, KeyError, TypeError):
+    except (ValueError, KeyError, TypeError, RecursionError):
         return None
 
 
@@ -72,7 +72,7 @@ class HermesToolParser:
                         "arguments": json.dumps(obj["arguments"], ensure_ascii=False),
                     }
                 )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):
             return [], content
         before = text[: text.find(START)]
         if before.strip() == "":

@@ -68,7 +68,7 @@ def _first_json(raw: str) -> str:
         return "{}"
     try:
         _, end = _DECODER.raw_decode(stripped)
-    except ValueError:
+    except (ValueError, RecursionError):
         return stripped
     return stripped[:end]
 
@@ -288,11 +288,11 @@ class MistralLegacyToolParser(BufferedToolParser):
         body = next((s.strip() for s in segments if s.strip()), "")
         try:
             parsed, _ = _DECODER.raw_decode(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             array = first_array(body)
             try:
                 parsed = json.loads(array) if array is not None else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 parsed = None
         calls = _legacy_calls(parsed)
         if not calls:
