@@ -83,6 +83,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         "prefill": args.prefill,
         "decode": args.decode,
         "connector": args.connector,
+        "pdext_backend": args.pdext_backend,
         "mode": args.mode,
         "render": args.render,
         "device": args.device,
@@ -277,8 +278,14 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--connector",
         default=None,
-        help="KV connector: nixl (vLLM's NixlConnector) or pdext (our PdExtMoRIIOConnector "
-        "over Mooncake, read mode) (default nixl)",
+        help="KV connector: pdext (our PdExtMoRIIOConnector, read mode) or nixl (vLLM's "
+        "NixlConnector) (default nixl)",
+    )
+    up.add_argument(
+        "--pdext-backend",
+        default=None,
+        help="transport of --connector pdext: tcp (our own data path) or mooncake (the "
+        "Mooncake transfer engine over TCP) (default mooncake)",
     )
     up.add_argument(
         "--mode",

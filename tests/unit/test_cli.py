@@ -71,13 +71,14 @@ def test_up_token_mode_with_pdext_builds_render_tier_and_proxy_config(tmp_path, 
 def test_up_engine_kv_configs_per_connector():
     from vllm_pd_ext.tools.launcher import kv_transfer_config
 
-    p = kv_transfer_config("pdext", "prefill", "cpu", 5555)
-    d = kv_transfer_config("pdext", "decode", "cpu", 5556)
+    p = kv_transfer_config("pdext", "prefill", "cpu", 5555, "mooncake")
+    d = kv_transfer_config("pdext", "decode", "cpu", 5556, "mooncake")
     assert p["kv_connector"] == d["kv_connector"] == "PdExtMoRIIOConnector"
     assert (p["kv_role"], d["kv_role"]) == ("kv_producer", "kv_consumer")
     assert p["kv_connector_extra_config"]["side_channel_port"] == 5555
     assert p["kv_connector_extra_config"]["backend"] == "mooncake"
-    nixl = kv_transfer_config("nixl", "prefill", "cpu", 1)
+    assert p["kv_connector_extra_config"]["backend_settings"]["protocol"] == "tcp"
+    nixl = kv_transfer_config("nixl", "prefill", "cpu", 1, "tcp")
     assert (nixl["kv_connector"], nixl["kv_role"]) == ("NixlConnector", "kv_both")
     assert nixl["kv_buffer_device"] == "cpu" and nixl["kv_load_failure_policy"] == "recompute"
 
@@ -99,10 +100,40 @@ def test_up_flags_reach_the_config(tmp_path, monkeypatch):
     )
 
 
+def test_up_pdext_backend_reaches_every_engines_connector_config(built_stack):
+    """Each engine's --kv-transfer-config names the backend, with its settings; both
+    backends' stacks speak pdext-read to the proxy, the prefill's side channel as bootstrap."""
+    from vllm_pd_ext.tools.launcher import PDEXT_BACKENDS
+
+    for backend, settings in PDEXT_BACKENDS.items():
+        stack = built_stack(connector="pdext", pdext_backend=backend)
+        for part in stack.parts[:-1]:
+            kv = part.kv_transfer_config
+            assert kv is not None and kv["kv_connector"] == "PdExtMoRIIOConnector"
+            assert kv["kv_connector_extra_config"]["backend"] == backend
+            assert kv["kv_connector_extra_config"]["backend_settings"] == settings
+        config = stack.proxy_config()
+        assert config["protocol"] == "pdext-read"
+        assert config["instances"][0]["bootstrap_addr"] == f"127.0.0.1:{stack.parts[0].side_port}"
+
+
+def test_up_refuses_an_unknown_connector_or_backend_naming_the_choices():
+    from pydantic import ValidationError
+
+    from vllm_pd_ext.tools.launcher import PDEXT_BACKENDS, PROTOCOLS, UpConfig
+
+    with pytest.raises(ValidationError, match=f"choose one of {', '.join(PROTOCOLS)}"):
+        UpConfig(connector="mooncake")
+    with pytest.raises(ValidationError, match=f"choose one of {', '.join(PDEXT_BACKENDS)}"):
+        UpConfig(pdext_backend="mori")
+
+
 def test_up_tiered_cache_wraps_the_pd_connector_in_multiconnector():
     from vllm_pd_ext.tools.launcher import kv_transfer_config, with_tiered_cache
 
-    kv = with_tiered_cache(kv_transfer_config("nixl", "decode", "cpu", 1), {"cpu_capacity_gb": 1})
+    kv = with_tiered_cache(
+        kv_transfer_config("nixl", "decode", "cpu", 1, "tcp"), {"cpu_capacity_gb": 1}
+    )
     assert kv["kv_connector"] == "MultiConnector"
     first, second = kv["kv_connector_extra_config"]["connectors"]
     assert first["kv_connector"] == "NixlConnector"

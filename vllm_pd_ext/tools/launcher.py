@@ -6,8 +6,9 @@ Starts N prefill and M decode ``vllm serve`` instances with the chosen connector
 healthy; prints the endpoint; restarts a part that dies (a bounded number of times); and on
 Ctrl-C (SIGINT) or SIGTERM stops everything it started, proxy first.
 
-Connectors: ``nixl`` (vLLM's NixlConnector, proxy protocol ``nixl-pull``) and ``pdext`` (our
-PdExtMoRIIOConnector over the Mooncake transfer engine, read mode, protocol ``pdext-read``).
+Connectors: ``pdext`` (our PdExtMoRIIOConnector, read mode, proxy protocol ``pdext-read``)
+over one of our transport's backends (``PDEXT_BACKENDS``), and ``nixl`` (vLLM's NixlConnector,
+protocol ``nixl-pull``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.util.busy_threads import summary
@@ -45,10 +46,20 @@ logger = logging.getLogger(__name__)
 
 #: The proxy's P/D protocol per connector name.
 PROTOCOLS: dict[str, str] = {"nixl": "nixl-pull", "pdext": "pdext-read"}
+#: Our connector's transport backends that ``up`` runs, with their settings on one host:
+#: ``tcp``, our own data path (sockets; with the fleet key it serves only key holders), and
+#: ``mooncake``, the Mooncake transfer engine over its TCP transport (RDMA on GPU hosts).
+PDEXT_BACKENDS: dict[str, dict[str, Any]] = {
+    "tcp": {"host": "127.0.0.1"},
+    "mooncake": {"protocol": "tcp", "host": "127.0.0.1"},
+}
 
 
-def kv_transfer_config(connector: str, role: str, device: str, side_port: int) -> dict:
-    """``--kv-transfer-config`` of one engine; ``side_port`` is its KV side channel."""
+def kv_transfer_config(
+    connector: str, role: str, device: str, side_port: int, pdext_backend: str
+) -> dict:
+    """``--kv-transfer-config`` of one engine; ``side_port`` is its KV side channel,
+    ``pdext_backend`` the transport backend of our connector (``nixl`` ignores it)."""
     if connector == "nixl":
         kv: dict[str, Any] = {
             "kv_connector": "NixlConnector",
@@ -64,8 +75,8 @@ def kv_transfer_config(connector: str, role: str, device: str, side_port: int) -
         "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
-            "backend": "mooncake",
-            "backend_settings": {"protocol": "tcp", "host": "127.0.0.1"},
+            "backend": pdext_backend,
+            "backend_settings": dict(PDEXT_BACKENDS[pdext_backend]),
             "side_channel_host": "127.0.0.1",
             "side_channel_port": side_port,
         },
@@ -92,6 +103,12 @@ def with_tiered_cache(kv: dict, flexkv: dict[str, Any]) -> dict:
     }
 
 
+def _one_of(what: str, value: str, names: dict[str, Any]) -> str:
+    if value not in names:
+        raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(names)}")
+    return value
+
+
 class UpConfig(BaseModel):
     """What ``vllm-pd up`` brings up. Unknown keys are errors."""
 
@@ -100,8 +117,12 @@ class UpConfig(BaseModel):
     model: str = Field("tiny-llama", description="tiny-llama, tiny-qwen, or a model dir/name")
     prefill: int = Field(1, ge=0, le=64)
     decode: int = Field(1, ge=1, le=64)
-    connector: Literal["nixl", "pdext"] = Field(
-        "nixl", description="nixl: vLLM's NixlConnector; pdext: our PdExtMoRIIOConnector"
+    connector: str = Field(
+        "nixl",
+        description="one of PROTOCOLS: pdext, our PdExtMoRIIOConnector; nixl, vLLM's NixlConnector",
+    )
+    pdext_backend: str = Field(
+        "mooncake", description="one of PDEXT_BACKENDS: the transport of connector pdext"
     )
     mode: Literal["text", "token"] = Field(
         "text",
@@ -134,6 +155,23 @@ class UpConfig(BaseModel):
     )
     max_restarts: int = Field(3, ge=0)
 
+    @field_validator("connector")
+    @classmethod
+    def _connector(cls, value: str) -> str:
+        return _one_of("connector", value, PROTOCOLS)
+
+    @field_validator("pdext_backend")
+    @classmethod
+    def _pdext_backend(cls, value: str) -> str:
+        return _one_of("pdext_backend", value, PDEXT_BACKENDS)
+
+    @property
+    def connector_label(self) -> str:
+        """The connector as ``up`` names it to the user: ``pdext over tcp``, ``nixl``."""
+        if self.connector == "pdext":
+            return f"pdext over {self.pdext_backend}"
+        return self.connector
+
     @model_validator(mode="after")
     def _gpus(self) -> UpConfig:
         if self.flexkv is not None:
@@ -159,6 +197,7 @@ class Part:
     healthy: bool = False
     started_at: float = field(default_factory=time.monotonic)
     side_port: int | None = None  # engines: the KV side channel
+    kv_transfer_config: dict[str, Any] | None = None  # engines: their --kv-transfer-config
     calm: bool = False  # lower the priority of its idle pollers once healthy
     calmed: bool = False  # done for the running process
 
@@ -217,7 +256,7 @@ class Stack:
     def _engine_part(self, role: str, index: int, port: int, slot: int) -> Part:
         cfg = self.config
         side_port = free_port()
-        kv = kv_transfer_config(cfg.connector, role, cfg.device, side_port)
+        kv = kv_transfer_config(cfg.connector, role, cfg.device, side_port, cfg.pdext_backend)
         if cfg.flexkv is not None:
             kv = with_tiered_cache(kv, cfg.flexkv)
         env = {
@@ -256,6 +295,7 @@ class Stack:
 
         part = Part(name=name, url=f"http://127.0.0.1:{port}", start=start)
         part.side_port = side_port
+        part.kv_transfer_config = kv
         part.calm = cfg.device == "cpu" and cfg.calm_idle_pollers
         return part
 
@@ -352,11 +392,21 @@ class Stack:
         engines = len(self.parts) - 1 - renders
         what = f"{engines} engine(s)" + (f" and {renders} render server(s)" if renders else "")
         self._say(
-            f"starting {what} ({self.config.mode} mode, connector {self.config.connector}); "
-            f"logs in {self.config.log_dir}"
+            f"starting {what} ({self.config.mode} mode, connector "
+            f"{self.config.connector_label}); logs in {self.config.log_dir}"
         )
         if self.config.connector == "pdext":
-            self._say(f"fleet key {self.key_source}: KV transfer params are signed and checked")
+            from vllm_pd_ext.transport.registry import backend_class
+
+            backend = self.config.pdext_backend
+            data = (
+                f"the {backend} data server serves only key holders"
+                if backend_class(backend).fleet_key_scope == "all"
+                else f"the {backend} data plane does not check it (it listens on 127.0.0.1)"
+            )
+            self._say(
+                f"fleet key {self.key_source}: KV transfer params are signed and checked; {data}"
+            )
         else:
             self._say(f"fleet key {self.key_source} (vLLM's NixlConnector does not use it)")
 
@@ -497,7 +547,7 @@ class Stack:
         )
         return (
             f"ready: OpenAI-compatible endpoint {url} (model {model!r}, {self.config.mode} "
-            f"mode, connector {self.config.connector})\n{engines}\n"
+            f"mode, connector {self.config.connector_label})\n{engines}\n"
             f"  try: curl -s {url}/completions -H 'Content-Type: application/json' "
             f"-d '{sample}'\n"
             f"   or: curl -s {url}/chat/completions -H 'Content-Type: application/json' "
