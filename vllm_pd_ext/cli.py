@@ -166,11 +166,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     )
     stack.build()
     try:
-        stack.start_engines()
-        if not stack.wait_ready(stack.parts[:-1]):
-            return 1
-        stack.start_proxy()
-        if not stack.wait_ready(stack.parts[-1:]):
+        if not stack.start():
             return 1
         decode = next(p.url for p in stack.parts if p.name.startswith("decode"))
         note = (

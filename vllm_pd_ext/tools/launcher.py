@@ -415,6 +415,16 @@ class Stack:
         proxy.handle = proxy.start()
         proxy.started_at = time.monotonic()
 
+    def start(self) -> bool:
+        """Start the engines (and render servers), wait until they are healthy, then the
+        proxy, and wait for it to see them all; False if a part died, time ran out or the
+        stack was asked to stop. The caller stops the stack (:meth:`stop_all`) either way."""
+        self.start_engines()
+        if not self.wait_ready(self.parts[:-1]):
+            return False
+        self.start_proxy()
+        return self.wait_ready(self.parts[-1:])
+
     def _check(self, part: Part) -> bool:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             resp = httpx.get(f"{part.url}/health", timeout=2.0)
@@ -569,12 +579,7 @@ def run_up(config: UpConfig) -> int:
         sig: signal.signal(sig, stack.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)
     }
     try:
-        stack.start_engines()
-        ready = stack.wait_ready(stack.parts[:-1])
-        if ready:
-            stack.start_proxy()
-            ready = stack.wait_ready(stack.parts[-1:])
-        if not ready:
+        if not stack.start():
             return 0 if stack._stop.is_set() else 1
         stack.warm_up()
         print(stack.endpoint_banner(), flush=True)

@@ -54,6 +54,19 @@ def group_pids(pgid: int) -> list[int]:
     return pids
 
 
+def group_cpu_s(pgid: int) -> float:
+    """CPU seconds (user + system, every thread, ended ones included) that the processes now
+    in group ``pgid`` have used so far; 0.0 where there is no ``/proc``."""
+    if not PROC.is_dir():
+        return 0.0
+    ticks = 0
+    for pid in group_pids(pgid):
+        fields = _stat_fields(PROC / str(pid) / "stat")
+        if fields is not None:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def _cpu_ticks(pids: Iterable[int]) -> dict[tuple[int, int], int]:
     """(pid, tid) -> user + system clock ticks so far, for every thread of ``pids``."""
     ticks = {}

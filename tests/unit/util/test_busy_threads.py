@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from vllm_pd_ext.util.busy_threads import LOWEST_PRIORITY, busy_threads, calm_idle_pollers
+from vllm_pd_ext.util.busy_threads import (
+    LOWEST_PRIORITY,
+    busy_threads,
+    calm_idle_pollers,
+    group_cpu_s,
+)
 
 # A process with one thread polling without pause, one waiting, and a child process polling;
 # it prints the thread ids, then runs until killed.
@@ -72,3 +77,33 @@ def test_calming_lowers_the_pollers_priority_only(group):
     assert _nice(pid, ids["spinner"]) == LOWEST_PRIORITY
     assert _nice(pid, ids["waiter"]) == 0
     assert _nice(pid, pid) == 0
+
+
+def _own_cpu_s(pid: int) -> float:
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_group_cpu_adds_up_every_process_of_the_group_and_grows_while_it_polls(group):
+    pid, ids = group
+    parts = _own_cpu_s(pid) + _own_cpu_s(ids["child"])  # read first: the total is later
+    total = group_cpu_s(pid)
+    assert total >= parts
+    deadline = time.monotonic() + 30
+    while group_cpu_s(pid) < total + 0.5:
+        assert time.monotonic() < deadline, (total, group_cpu_s(pid))
+        time.sleep(0.1)
+
+
+def test_group_cpu_of_a_sleeping_group_stays_near_zero():
+    proc = subprocess.Popen(["sleep", "30"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not Path(f"/proc/{proc.pid}/stat").exists():
+            assert time.monotonic() < deadline
+        assert group_cpu_s(proc.pid) < 0.1
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert group_cpu_s(proc.pid) == 0.0  # nobody left in the group
