@@ -58,7 +58,7 @@ import numpy as np
 import psutil
 
 from vllm_pd_ext.tools.launcher import PDEXT_BACKENDS, Part, Stack, UpConfig
-from vllm_pd_ext.util.busy_threads import group_cpu_s, group_pids
+from vllm_pd_ext.util.busy_threads import BusyThread, busy_threads, group_cpu_s, group_pids
 from vllm_pd_ext.util.config_file import read_mapping
 from vllm_pd_ext.util.prom import Metrics, parse_metrics
 from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
@@ -68,6 +68,8 @@ REPO = Path(__file__).resolve().parent.parent
 BACKENDS = tuple(PDEXT_BACKENDS)
 #: A request slower than this many times its backend's median TTFT is a stall.
 STALL_FACTOR = 10
+#: A part this busy (share of a core) when idle gets its busiest threads recorded.
+BUSY_SHARE = 0.2
 DECISIONS = "vllm_pd_decisions_total"
 FALLBACKS = "vllm_pd_fallbacks_total"
 GAP = "vllm_pd_transfer_gap_seconds"
@@ -216,6 +218,15 @@ def cpu_share(parts: list[Part], seconds: float) -> dict[str, float]:
     return {name: round(100 * (after[name] - before[name]) / took, 1) for name in before}
 
 
+def thread_line(thread: BusyThread) -> str:
+    """``name (pid/tid): share`` of a thread found busy."""
+    try:
+        comm = Path(f"/proc/{thread.pid}/task/{thread.tid}/comm").read_text().strip()
+    except OSError:
+        comm = "?"
+    return f"{comm} ({thread.pid}/{thread.tid}): {thread.share:.0%} of a core"
+
+
 def stopped_cleanly(groups: list[int], timeout: float = 30.0) -> list[str]:
     """What is left of the stack's process groups, and any ``vllm serve``, once stopped."""
     deadline = time.monotonic() + timeout
@@ -289,7 +300,12 @@ def run_stack(
         parts = [*engines, proxy]
         record["cpu_pct_of_a_core_first_2s"] = cpu_share(parts, 2.0)
         time.sleep(max(0.0, args.settle_s - 2.0))  # the rest of the settling time
-        record["idle_cpu_pct_of_a_core"] = cpu_share(parts, args.idle_s)
+        record["idle_cpu_pct_of_a_core"] = idle = cpu_share(parts, args.idle_s)
+        record["busy_threads_when_idle"] = {
+            p.name: [thread_line(t) for t in busy_threads(p.proc.pid, 1.0, BUSY_SHARE)]
+            for p in parts
+            if idle[p.name] >= 100 * BUSY_SHARE
+        }
         gap_n = after.total(f"{GAP}_count") - warm.total(f"{GAP}_count")
         gap_s = after.total(f"{GAP}_sum") - warm.total(f"{GAP}_sum")
         record.update(
@@ -349,12 +365,17 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
             "stalls": sum(t > STALL_FACTOR * median for t in ttft),
             "fallbacks": fallbacks,
             "split": sum(r["decisions"].get("split/split", 0) for r in mine),
+            "idle_cpu_pct_of_a_core_max": {
+                name: max(r["idle_cpu_pct_of_a_core"][name] for r in mine) for name in parts
+            },
             "cpu_pct_of_a_core_first_2s": {
-                name: float(np.median([r["cpu_pct_of_a_core_first_2s"][name] for r in mine]))
+                name: round(
+                    float(np.median([r["cpu_pct_of_a_core_first_2s"][name] for r in mine])), 1
+                )
                 for name in parts
             },
             "idle_cpu_pct_of_a_core": {
-                name: float(np.median([r["idle_cpu_pct_of_a_core"][name] for r in mine]))
+                name: round(float(np.median([r["idle_cpu_pct_of_a_core"][name] for r in mine])), 1)
                 for name in parts
             },
         }
@@ -381,16 +402,20 @@ def print_table(result: dict[str, Any]) -> None:
         f"{m['loadavg_at_start'][0]:.2f} -> {m['loadavg_at_end'][0]:.2f}"
     )
     head = f"{'backend':<10}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'gap ms':>9}{'stalls':>8}"
-    print(head + f"{'fallbacks':>11}  idle CPU % of a core")
+    print(head + f"{'fallbacks':>11}  idle CPU, % of a core (median of rounds, max)")
     for backend in BACKENDS:
         s = result["summary"][backend]
         t = s["ttft_ms"]
-        idle = ", ".join(f"{k} {v}" for k, v in s["idle_cpu_pct_of_a_core"].items())
+        top = s["idle_cpu_pct_of_a_core_max"]
+        idle = ", ".join(f"{k} {v} (max {top[k]})" for k, v in s["idle_cpu_pct_of_a_core"].items())
         print(
             f"{backend:<10}{t['p50']:>9}{t['p90']:>9}{t['p99']:>9}"
             f"{s['transfer_gap_mean_ms']:>9}{s['stalls']:>8}{sum(s['fallbacks'].values()):>11g}  "
             f"{idle}"
         )
+    for r in result["every_round"]:
+        for name, threads in r["busy_threads_when_idle"].items():
+            print(f"busy when idle: round {r['round'] + 1} {r['backend']} {name}: {threads}")
     first, second = BACKENDS
     ratio = result["summary"][f"{first}_vs_{second}_ttft"]
     print(
