@@ -275,13 +275,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--connector",
         default=None,
         help="KV connector: pdext (our PdExtMoRIIOConnector, read mode) or nixl (vLLM's "
-        "NixlConnector) (default nixl)",
+        "NixlConnector) (default pdext)",
     )
     up.add_argument(
         "--pdext-backend",
         default=None,
         help="transport of --connector pdext: tcp (our own data path) or mooncake (the "
-        "Mooncake transfer engine over TCP) (default mooncake)",
+        "Mooncake transfer engine over TCP) (default tcp)",
     )
     up.add_argument(
         "--mode",

@@ -1,4 +1,5 @@
-"""`vllm-pd up`: one command brings up engines and proxy; Ctrl-C leaves no process behind."""
+"""`vllm-pd up`: one command brings up engines and proxy (by default our connector over the
+tcp backend, or vLLM's NixlConnector with one flag); Ctrl-C leaves no process behind."""
 
 from __future__ import annotations
 
@@ -13,14 +14,23 @@ import httpx
 import psutil
 import pytest
 
-from tests.conftest import requires_nixl_pair
+from tests.conftest import requires_nixl_pair, requires_vllm
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
 from vllm_pd_ext.util.vllm_process import free_port
 
-pytestmark = [pytest.mark.integration, requires_nixl_pair]
+pytestmark = [pytest.mark.integration, requires_vllm]
 
 
-def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_llama, tmp_path):
+@pytest.mark.parametrize(
+    ("flags", "connector"),
+    [
+        pytest.param([], "pdext over tcp", id="default"),
+        pytest.param(["--connector", "nixl"], "nixl", id="nixl", marks=requires_nixl_pair),
+    ],
+)
+def test_up_serves_split_requests_and_sigint_stops_everything(
+    model_cache, tiny_llama, tmp_path, flags, connector
+):
     port = free_port()
     out_path = tmp_path / "up.out"
     env = {**os.environ, "VLLM_PD_EXT_CACHE": str(model_cache)}
@@ -38,6 +48,7 @@ def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_
                 "--min-split-prompt-tokens",
                 "32",
                 "--no-cost-model",
+                *flags,
             ],
             stdout=out,
             stderr=subprocess.STDOUT,
@@ -51,6 +62,7 @@ def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_
             assert time.monotonic() < deadline, out_path.read_text()
             time.sleep(1)
         banner = out_path.read_text()
+        assert f"text mode, connector {connector})" in banner, banner
         found = re.search(r"decode-0: (http://\S+)", banner)
         assert found, banner
         decode_url = found.group(1)
@@ -76,9 +88,11 @@ def test_up_serves_split_requests_and_sigint_stops_everything(model_cache, tiny_
         # the warm-up request before the banner, then ours
         assert 'vllm_pd_decisions_total{decision="split",reason="split"} 2.0' in metrics
         assert "warm-up request (long enough to split) served in" in banner
-        # NIXL's progress thread polls without pause in each idle engine: up calmed it
         for engine in ("prefill-0", "decode-0"):
-            assert f"{engine}: lowered the CPU priority of 1 thread(s)" in banner, banner
+            if connector == "nixl":  # NIXL's progress thread polls without pause: up calmed it
+                assert f"{engine}: lowered the CPU priority of 1 thread(s)" in banner, banner
+            else:  # our connector has no thread that polls while the engine is idle
+                assert f"{engine}: lowered the CPU priority" not in banner, banner
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]

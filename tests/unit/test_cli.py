@@ -117,6 +117,25 @@ def test_up_pdext_backend_reaches_every_engines_connector_config(built_stack):
         assert config["instances"][0]["bootstrap_addr"] == f"127.0.0.1:{stack.parts[0].side_port}"
 
 
+def test_up_defaults_to_our_connector_over_tcp_and_its_help_says_so(built_stack, capsys):
+    from vllm_pd_ext import cli
+    from vllm_pd_ext.tools.launcher import UpConfig
+
+    defaults = UpConfig()
+    assert (defaults.connector, defaults.pdext_backend) == ("pdext", "tcp")
+    stack = built_stack()
+    assert stack.proxy_config()["protocol"] == "pdext-read"
+    for part in stack.parts[:-1]:
+        assert part.kv_transfer_config is not None
+        assert part.kv_transfer_config["kv_connector"] == "PdExtMoRIIOConnector"
+        assert part.kv_transfer_config["kv_connector_extra_config"]["backend"] == "tcp"
+    with pytest.raises(SystemExit):
+        cli.main(["up", "--help"])
+    usage = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert f"(default {defaults.connector})" in usage
+    assert f"(default {defaults.pdext_backend})" in usage
+
+
 def test_up_refuses_an_unknown_connector_or_backend_naming_the_choices():
     from pydantic import ValidationError
 

@@ -118,11 +118,14 @@ class UpConfig(BaseModel):
     prefill: int = Field(1, ge=0, le=64)
     decode: int = Field(1, ge=1, le=64)
     connector: str = Field(
-        "nixl",
+        "pdext",
         description="one of PROTOCOLS: pdext, our PdExtMoRIIOConnector; nixl, vLLM's NixlConnector",
     )
     pdext_backend: str = Field(
-        "mooncake", description="one of PDEXT_BACKENDS: the transport of connector pdext"
+        "tcp",
+        description="one of PDEXT_BACKENDS: the transport of connector pdext (tcp: within "
+        "noise of mooncake end to end in benchmarks/pd_backends.py, with nothing to install "
+        "and every connection checked against the fleet key)",
     )
     mode: Literal["text", "token"] = Field(
         "text",
