@@ -3,6 +3,7 @@ tcp backend, or vLLM's NixlConnector with one flag); Ctrl-C leaves no process be
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -94,6 +95,17 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
             else:  # our connector has no thread that polls while the engine is idle
                 assert f"{engine}: lowered the CPU priority" not in banner, banner
 
+        if connector != "nixl":
+            # doctor on the stack as up leaves it (prefix caching on): its colocated run must not
+            # warm the decode's cache for its split one (it did: "NOT loaded", falsely)
+            found = re.search(r"prefill-0: (http://\S+)", banner)
+            assert found, banner
+            report = _doctor(found.group(1), decode_url)
+            assert not any("NOT loaded" in a for a in report["advice"]), report["advice"]
+            for r in report["rounds"]:
+                assert r["external_tokens"] >= r["prompt_tokens"] - 1, r
+                assert r["local_cache_hit_tokens"] == 0 and r["recomputed_tokens"] <= 1, r
+
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]
         assert "stopped everything it started" in out_path.read_text()
@@ -102,3 +114,13 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # its children get SIGTERM (PDEATHSIG)
+
+
+def _doctor(prefill_url: str, decode_url: str) -> dict:
+    """`vllm-pd doctor --json` against the stack's pair; its parsed report."""
+    pair = ["--prefill", prefill_url, "--decode", decode_url]
+    argv = [sys.executable, "-m", "vllm_pd_ext.cli", "doctor", *pair, "--prompt-tokens", "300"]
+    argv += ["--prompts", "2", "--json"]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
