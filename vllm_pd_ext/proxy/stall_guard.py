@@ -93,16 +93,21 @@ class StallGuard:
         if pair is None:
             pair = self._pairs[key] = _Pair()
             if len(self._pairs) > MAX_PAIRS:
-                self._pairs.popitem(last=False)
+                (old_p, old_d), old = self._pairs.popitem(last=False)
+                if old.open_until != 0.0:
+                    self.metrics.breaker_open.labels(old_p, old_d).set(0)
         self._pairs.move_to_end(key)
         pair.stalls += 1
         cfg = self.config
+        now = time.monotonic()
+        if pair.open_until != 0.0 and now < pair.open_until:
+            return  # split before the breaker opened: it stays open as long as it was
         probing = pair.open_until != 0.0
         if probing or pair.stalls >= cfg.breaker_stalls:
             pair.open_s = (
                 min(2 * pair.open_s, cfg.breaker_max_open_s) if probing else cfg.breaker_open_s
             )
-            pair.open_until = time.monotonic() + pair.open_s
+            pair.open_until = now + pair.open_s
             self.metrics.breaker_open.labels(prefill.label, decode.label).set(1)
             logger.warning(
                 "no splits from %s to %s for %.0f s: %d stalls in a row",

@@ -65,3 +65,12 @@ def test_after_the_open_time_one_probe_passes_and_its_outcome_decides():
     guard.served(P, D)  # the probe came through: closed
     assert guard.allows(P, D) and guard.allows(P, D) and _breaker(metrics) == 0
     assert not guard.stalls
+
+
+def test_a_stall_of_a_split_made_before_the_breaker_opened_does_not_extend_it():
+    guard, _, _ = _guard(breaker_stalls=1, breaker_open_s=600, breaker_max_open_s=6000)
+    guard.stalled(P, D, "r1")  # opens it for 600 s
+    until = guard._pairs[("p", "d")].open_until
+    guard.stalled(P, D, "r2")  # in flight before it opened: not a probe
+    pair = guard._pairs[("p", "d")]
+    assert (pair.open_until, pair.open_s) == (until, 600)
