@@ -89,3 +89,11 @@ def test_the_table_shows_stalls_and_fallbacks():
     )  # fmt: skip
     line = format_table([row], 500, 50).splitlines()[-1]
     assert line.split()[-5:] == ["2", "prefill_failed", "1,", "stall", "3"]
+
+
+def test_the_table_says_when_fallbacks_are_unknown():
+    row = RateResult(
+        "P/D", 1.0, 10.0, 10, 0, {"p50": 1, "p90": 2, "p99": 3, "mean": 1},
+        {"p50": 1, "p90": 2, "p99": 3, "mean": 1}, 10, 1.0, fallbacks=None,
+    )  # fmt: skip
+    assert format_table([row], 500, 50).splitlines()[-1].endswith("n/a (metrics unreadable)")

@@ -108,10 +108,11 @@ class StallGuardConfig(_Strict):
 
     enabled: bool = True
     floor_s: float = Field(
-        1.0,
+        2.0,
         gt=0,
-        description="least time from the prefill leg's end to the decode leg's first token "
-        "(set it above the transfer time of your longest prompts)",
+        description="least time from the prefill leg's end to the decode leg's first token, "
+        "the decode's queueing included (set it above the transfer time of your longest "
+        "prompts)",
     )
     factor: float = Field(
         4.0,

@@ -113,6 +113,7 @@ class DecodeLeg:
                     opening = self.send_body(call, inst, body, call.ctx.request_id, sink)
                 if guarded:
                     assert call.prefill_done is not None
+                    guard.probing(call.prefill_instance, inst)
                     left = guard.budget_s(call.ctx.est_prompt_tokens) - (
                         time.perf_counter() - call.prefill_done
                     )
@@ -159,8 +160,8 @@ async def _first_bytes(
     opening: Awaitable[UpstreamResponse], timeout: float
 ) -> UpstreamResponse | None:
     """``opening``'s response once it has answered and, if 200, its body's first bytes have
-    come, all within ``timeout`` seconds; None past that (what was opened is closed, so the
-    engine aborts the request)."""
+    come, all within ``timeout`` seconds; None past that, or when a 200 body ended or broke
+    before any byte (what was opened is closed, so the engine aborts the request)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     task = asyncio.ensure_future(opening)
@@ -180,7 +181,7 @@ async def _first_bytes(
     except BaseException:
         resp.close()
         raise
-    if not arrived:
+    if not arrived or not resp.has_body_bytes:
         resp.close()
         return None
     return resp

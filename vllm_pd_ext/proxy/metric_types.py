@@ -90,6 +90,10 @@ class _Family(Generic[_Child]):
             child = self._children[key] = self._new_child()
         return child
 
+    def remove(self, *values: str) -> None:
+        """Drop the child of these label values (its series leaves the exposition)."""
+        self._children.pop(tuple(str(v) for v in values), None)
+
     def describe(self) -> list[Metric]:
         return [self._family()]
 

@@ -1,4 +1,6 @@
-"""Reading a client request: bounded body, minimal validation, routing facts.
+"""Checking a client request: its body (read within the client limits by the front door:
+``app.py``, ``front_protocol.py``, ``client_limits.py``) parsed, minimal validation, routing
+facts.
 
 The engines validate the full OpenAI schema and their 400s pass through unchanged; here we
 check only what the proxy itself relies on, so a malformed body never becomes a 500.

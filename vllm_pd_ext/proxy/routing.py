@@ -66,11 +66,13 @@ class Router:
             return self._no_decode(ctx, decode, decode_pool)
         healthy = [p for p in self.fleet.healthy("prefill") if p is not decode]
         guard = self.guard
-        prefill_pool = [p for p in healthy if guard.allows(p, decode)] if guard.stalls else healthy
-        if healthy and not prefill_pool:
-            decision = Decision(False, "breaker_open", {"healthy_prefill": len(healthy)})
-        else:
-            decision = self.decider.decide(ctx, prefill_pool, decode)
+        prefill_pool = healthy
+        if guard.stalls:
+            guarded = ctx.stream and guard.config.enabled
+            prefill_pool = [p for p in healthy if guard.allows(p, decode, guarded)]
+        decision = self.decider.decide(ctx, prefill_pool, decode)
+        if decision.reason == "no_prefill" and healthy:  # there are some: the guard stopped them
+            decision = Decision(False, "breaker_open", decision.inputs)
         metrics = self.metrics
         metrics.child(metrics.decisions, decision.label, decision.reason).inc()
         return Route(decode, decode_pool, prefill_pool, decision)

@@ -1,6 +1,7 @@
 """Serving one request, stage by stage; this module only puts the stages in order.
 
-    [refuse from the head when admission is full (app.py)] -> read and parse (request.py)
+    [refused from its head when admission is full (app.py)] -> body read within the client
+      limits (app.py, front_protocol.py, client_limits.py) -> parse and check (request.py)
       -> admit (admission.py) -> [render (token_mode.py)]
       -> route and decide (routing.py, decision.py) -> [prefill leg (prefill.py)]
       -> decode leg (decode.py) -> relay the answer (relay.py) [derender per event]

@@ -10,10 +10,17 @@ token) have not arrived by then, and so the client has seen nothing yet, the leg
 (the engine aborts the request and frees its blocks) and the request is served colocated;
 counted in ``vllm_pd_fallbacks_total{reason="stall"}`` and logged.
 
+A guarded leg whose answer ends, or breaks, before any body byte counts as a stall too (the
+client has seen nothing yet: served colocated). The deadline counts the decode's own queueing,
+so ``floor_s`` is set with room for it; once splits are measured the expected transfer gap
+(prefill done -> first token) includes that queueing.
+
 A prefill-decode pair that stalls ``breaker_stalls`` times in a row gets no splits for
 ``breaker_open_s`` (decision reason ``breaker_open``; ``vllm_pd_breaker_open{prefill,decode}``
-is 1 meanwhile, and one WARNING line says so). Then one split probes it: a first token in time
-closes the breaker, another stall opens it for twice as long, up to ``breaker_max_open_s``.
+is 1 meanwhile, and one WARNING line says so). Then one guarded split (a stream) probes it: a
+first token in time closes the breaker, another stall opens it for twice as long, up to
+``breaker_max_open_s``. Stall lines are logged at most every ``LOG_EVERY_S`` (the counter
+counts every one).
 """
 
 from __future__ import annotations
@@ -21,17 +28,21 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_pd_ext.proxy.config import StallGuardConfig
 from vllm_pd_ext.proxy.decision import Decider
 from vllm_pd_ext.proxy.fleet import Instance
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
+from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
 #: Pairs with a stall on record, at most (the oldest forgotten first).
 MAX_PAIRS = 4096
+#: Seconds between two stall lines in the log.
+LOG_EVERY_S = 10.0
 
 
 @dataclass(slots=True)
@@ -39,17 +50,25 @@ class _Pair:
     stalls: int = 0  # in a row
     open_until: float = 0.0  # monotonic; 0: closed
     open_s: float = 0.0  # how long it was last opened for
-    probe_at: float = 0.0  # when the last probe was let through
+    probe_at: float = -1e18  # when the last probe was sent (monotonic)
 
 
 class StallGuard:
     """Deadlines for guarded decode legs, and the per-pair breakers. Event loop only."""
 
-    def __init__(self, config: StallGuardConfig, decider: Decider, metrics: ProxyMetrics):
+    def __init__(
+        self,
+        config: StallGuardConfig,
+        decider: Decider,
+        metrics: ProxyMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.config = config
         self.decider = decider
         self.metrics = metrics
+        self._clock = clock
         self._pairs: OrderedDict[tuple[str, str], _Pair] = OrderedDict()
+        self._log = Throttle(LOG_EVERY_S, clock)
 
     @property
     def stalls(self) -> bool:
@@ -64,28 +83,38 @@ class StallGuard:
             return cfg.floor_s
         return max(cfg.floor_s, cfg.factor * expected)
 
-    def allows(self, prefill: Instance, decode: Instance) -> bool:
+    def allows(self, prefill: Instance, decode: Instance, guarded: bool) -> bool:
         """May a request split across this pair now? False while its breaker is open; once
-        the open time is over, True for one probe per ``breaker_open_s``."""
+        the open time is over, True for a ``guarded`` one (a stream) while no probe was sent
+        in the last ``breaker_open_s``. Changes nothing (``probing`` records a probe sent)."""
         pair = self._pairs.get((prefill.label, decode.label))
         if pair is None or pair.open_until == 0.0:
             return True
-        now = time.monotonic()
-        if now < pair.open_until or now < pair.probe_at + self.config.breaker_open_s:
-            return False
-        pair.probe_at = now
-        return True
+        now = self._clock()
+        return (
+            guarded and now >= pair.open_until and now >= pair.probe_at + self.config.breaker_open_s
+        )
+
+    def probing(self, prefill: Instance | None, decode: Instance) -> None:
+        """A guarded leg is being sent across this pair (a probe, if its breaker is open)."""
+        if prefill is None:
+            return
+        pair = self._pairs.get((prefill.label, decode.label))
+        if pair is not None and pair.open_until != 0.0:
+            pair.probe_at = self._clock()
 
     def stalled(self, prefill: Instance | None, decode: Instance, request_id: str) -> None:
         """A guarded leg missed its deadline on this pair."""
         self.metrics.fallbacks.labels("stall").inc()
-        logger.warning(
-            "request %s: no first token from %s within the stall guard's deadline after the "
-            "prefill on %s; serving it colocated",
-            request_id,
-            decode.label,
-            prefill.label if prefill is not None else "?",
-        )
+        if self._log.ready():
+            logger.warning(
+                "request %s: no first token from %s within the stall guard's deadline after "
+                "the prefill on %s; serving it colocated (vllm_pd_fallbacks_total "
+                '{reason="stall"} counts each)',
+                request_id,
+                decode.label,
+                prefill.label if prefill is not None else "?",
+            )
         if prefill is None:
             return
         key = (prefill.label, decode.label)
@@ -93,13 +122,12 @@ class StallGuard:
         if pair is None:
             pair = self._pairs[key] = _Pair()
             if len(self._pairs) > MAX_PAIRS:
-                (old_p, old_d), old = self._pairs.popitem(last=False)
-                if old.open_until != 0.0:
-                    self.metrics.breaker_open.labels(old_p, old_d).set(0)
+                (old_p, old_d), _ = self._pairs.popitem(last=False)
+                self.metrics.breaker_open.remove(old_p, old_d)
         self._pairs.move_to_end(key)
         pair.stalls += 1
         cfg = self.config
-        now = time.monotonic()
+        now = self._clock()
         if pair.open_until != 0.0 and now < pair.open_until:
             return  # split before the breaker opened: it stays open as long as it was
         probing = pair.open_until != 0.0
@@ -124,5 +152,5 @@ class StallGuard:
             return
         pair = self._pairs.pop((prefill.label, decode.label), None)
         if pair is not None and pair.open_until != 0.0:
-            self.metrics.breaker_open.labels(prefill.label, decode.label).set(0)
+            self.metrics.breaker_open.remove(prefill.label, decode.label)
             logger.warning("splits from %s to %s again", prefill.label, decode.label)

@@ -391,6 +391,11 @@ class UpstreamResponse:
             else:
                 await conn.wait(read_s, deadline)
 
+    @property
+    def has_body_bytes(self) -> bool:
+        """Are body bytes waiting to be read (none read or sunk yet)?"""
+        return bool(self._conn.chunks)
+
     async def arrived(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the body's first bytes (or its end, or an
         error, which ``read``/``chunks`` then raise): True when any came. Call it before a

@@ -68,8 +68,9 @@ class RateResult:
     slo_attained: int
     goodput_rps: float
     stalls: int = 0
-    #: The proxy's fallbacks during the run, by reason (empty: none, or not our proxy).
-    fallbacks: dict[str, float] = field(default_factory=dict)
+    #: The proxy's fallbacks during the run, by reason (empty: none, or not our proxy; None:
+    #: its metrics could not be read).
+    fallbacks: dict[str, float] | None = field(default_factory=dict)
 
 
 def percentiles(values: list[float], scale: float = 1e3) -> dict[str, float]:
@@ -106,19 +107,20 @@ def stalls(samples: list[Sample]) -> int:
     return sum(t > limit for t in ttfts)
 
 
-async def fallback_counts(client: httpx.AsyncClient, url: str) -> dict[str, float]:
-    """The proxy's fallbacks so far by reason; empty where ``url`` is not our proxy (or its
-    metrics cannot be read)."""
+async def fallback_counts(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
+    """The proxy's fallbacks so far by reason (empty: an endpoint without them, e.g. an
+    engine); None when its ``/metrics`` cannot be read (unreachable, a token needed, not
+    Prometheus text)."""
     try:
         resp = await client.get(f"{url}/metrics")
     except httpx.HTTPError:
-        return {}
+        return None
     if resp.status_code != 200:
-        return {}
+        return None
     try:
         return parse_metrics(resp.text).by_label(FALLBACKS, "reason")
-    except ValueError:  # not Prometheus text
-        return {}
+    except ValueError:
+        return None
 
 
 def build_requests(workload: Workload, rate: float) -> list[tuple[float, list[int]]]:
@@ -220,7 +222,9 @@ async def run_rate(
         samples = await asyncio.gather(*(fire(at, p) for at, p in plan))
         duration = time.perf_counter() - start
         after = await fallback_counts(client, url)
-    fallbacks = {r: n - before.get(r, 0.0) for r, n in after.items() if n > before.get(r, 0.0)}
+    fallbacks = None
+    if before is not None and after is not None:
+        fallbacks = {r: n - before.get(r, 0.0) for r, n in after.items() if n > before.get(r, 0.0)}
     good = [s for s in samples if s.ok]
     attained = slo_attained(samples, slo_ttft_ms, slo_itl_ms)
     return RateResult(
@@ -263,10 +267,15 @@ def format_table(results: list[RateResult], slo_ttft_ms: float, slo_itl_ms: floa
             f"{r.deployment:<11} {r.rate:>5g} {r.completed:>4} {r.failed:>4} "
             f"{r.ttft_ms['p50']:>7.1f}ms {r.ttft_ms['p99']:>7.1f}ms {r.itl_ms['p50']:>6.1f}ms "
             f"{r.itl_ms['p99']:>6.1f}ms {r.slo_attained:>4}/{total:<3} {r.goodput_rps:>6.2f}/s "
-            f"{r.stalls:>6}  "
-            + (", ".join(f"{k} {v:g}" for k, v in sorted(r.fallbacks.items())) or "-")
+            f"{r.stalls:>6}  " + _fallbacks_cell(r.fallbacks)
         )
     return "\n".join(lines)
+
+
+def _fallbacks_cell(fallbacks: dict[str, float] | None) -> str:
+    if fallbacks is None:
+        return "n/a (metrics unreadable)"
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(fallbacks.items())) or "-"
 
 
 def plot(results: list[RateResult], path: Path, title: str) -> None:

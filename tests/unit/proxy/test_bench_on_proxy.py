@@ -25,3 +25,12 @@ def test_bench_reports_the_proxys_stall_fallbacks_by_reason(engines):
             assert result.fallbacks == {"stall": 4.0}
     colocated = asyncio.run(run_rate(engines["d2"].url, "m", "colocated", 20.0, workload, 1, 1))
     assert colocated.fallbacks == {}  # an engine, not our proxy: nothing to read
+
+
+def test_bench_says_when_the_proxys_metrics_cannot_be_read(engines):
+    """With a metrics token set, /metrics answers 401 to the bench: its fallbacks are
+    unknown, not none."""
+    workload = Workload(rates=(20.0,), requests_per_rate=2, long_fraction=0.0, output_tokens=2)
+    with proxy(engines, metrics_token="scrape") as (base, _):
+        result = asyncio.run(run_rate(base, "m", "P/D", 20.0, workload, 1e6, 1e6))
+    assert result.completed == 2 and result.fallbacks is None

@@ -3,13 +3,11 @@ them end to end against fake engines)."""
 
 from __future__ import annotations
 
-import time
 from types import SimpleNamespace
 from typing import Any
 
 from prometheus_client import generate_latest
 
-from tests.unit.proxy.helpers import wait_until
 from vllm_pd_ext.proxy.config import DecisionConfig, StallGuardConfig
 from vllm_pd_ext.proxy.decision import Decider
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
@@ -20,10 +18,21 @@ P: Any = SimpleNamespace(label="p")  # what the guard reads of an instance: its 
 D: Any = SimpleNamespace(label="d")
 
 
-def _guard(**config) -> tuple[StallGuard, Decider, ProxyMetrics]:
+class Clock:
+    """A monotonic clock the test moves by hand."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _guard(clock: Clock | None = None, **config) -> tuple[StallGuard, Decider, ProxyMetrics]:
     decider = Decider(DecisionConfig(cost_min_samples=2))
     metrics = ProxyMetrics()
-    return StallGuard(StallGuardConfig(**config), decider, metrics), decider, metrics
+    guard = StallGuard(StallGuardConfig(**config), decider, metrics, clock or Clock())
+    return guard, decider, metrics
 
 
 def _breaker(metrics: ProxyMetrics) -> float:
@@ -46,31 +55,53 @@ def test_stalls_in_a_row_open_the_breaker_one_served_leg_clears_the_record():
     guard.stalled(P, D, "r1")
     guard.served(P, D)  # not in a row any more
     guard.stalled(P, D, "r2")
-    assert guard.allows(P, D) and _breaker(metrics) == 0
+    assert guard.allows(P, D, True) and _breaker(metrics) == 0
     guard.stalled(P, D, "r3")
-    assert not guard.allows(P, D) and _breaker(metrics) == 1
-    assert guard.allows(D, P)  # another pair (the other way round) is not affected
+    assert not guard.allows(P, D, True) and _breaker(metrics) == 1
+    assert guard.allows(D, P, True)  # another pair (the other way round) is not affected
 
 
-def test_after_the_open_time_one_probe_passes_and_its_outcome_decides():
-    guard, _, metrics = _guard(breaker_stalls=1, breaker_open_s=0.05, breaker_max_open_s=600)
+def test_after_the_open_time_one_guarded_probe_passes_and_its_outcome_decides():
+    clock = Clock()
+    guard, _, metrics = _guard(clock, breaker_stalls=1, breaker_open_s=30, breaker_max_open_s=600)
     guard.stalled(P, D, "r1")
-    assert not guard.allows(P, D)
-    wait_until(lambda: guard.allows(P, D), timeout=10)  # the probe
-    assert not guard.allows(P, D)  # one probe per open time
+    clock.now += 29.9
+    assert not guard.allows(P, D, True)
+    clock.now += 0.2
+    assert guard.allows(P, D, True) and guard.allows(P, D, True)  # asking spends nothing
+    assert not guard.allows(P, D, False)  # an unguarded split would probe blind
+    guard.probing(P, D)  # the probe is sent
+    assert not guard.allows(P, D, True)  # one probe per open time
     guard.stalled(P, D, "probe")  # it stalled: open again, twice as long
-    pair = guard._pairs[("p", "d")]
-    assert pair.open_s == 0.1 and pair.open_until > time.monotonic() - 0.1
-    wait_until(lambda: guard.allows(P, D), timeout=10)
-    guard.served(P, D)  # the probe came through: closed
-    assert guard.allows(P, D) and guard.allows(P, D) and _breaker(metrics) == 0
-    assert not guard.stalls
+    clock.now += 59.9
+    assert not guard.allows(P, D, True)
+    clock.now += 0.2
+    assert guard.allows(P, D, True)
+    guard.probing(P, D)
+    guard.served(P, D)  # the probe came through: closed, and its series gone
+    assert guard.allows(P, D, False) and not guard.stalls
+    assert "vllm_pd_breaker_open{" not in generate_latest(metrics.registry).decode()
 
 
 def test_a_stall_of_a_split_made_before_the_breaker_opened_does_not_extend_it():
-    guard, _, _ = _guard(breaker_stalls=1, breaker_open_s=600, breaker_max_open_s=6000)
+    clock = Clock()
+    guard, _, _ = _guard(clock, breaker_stalls=1, breaker_open_s=600, breaker_max_open_s=6000)
     guard.stalled(P, D, "r1")  # opens it for 600 s
-    until = guard._pairs[("p", "d")].open_until
+    clock.now += 10
     guard.stalled(P, D, "r2")  # in flight before it opened: not a probe
-    pair = guard._pairs[("p", "d")]
-    assert (pair.open_until, pair.open_s) == (until, 600)
+    clock.now += 591
+    assert guard.allows(P, D, True)  # open 600 s from the first stall, no longer
+
+
+def test_stall_lines_are_rate_limited_and_every_stall_counted(caplog):
+    clock = Clock()
+    guard, _, metrics = _guard(clock, breaker_stalls=100)
+    with caplog.at_level("WARNING"):
+        for i in range(5):
+            guard.stalled(P, D, f"r{i}")
+        clock.now += 11
+        guard.stalled(P, D, "r5")
+    lines = [r for r in caplog.records if "stall guard" in r.getMessage()]
+    assert len(lines) == 2
+    text = generate_latest(metrics.registry).decode()
+    assert parse_metrics(text).total("vllm_pd_fallbacks_total", reason="stall") == 6
