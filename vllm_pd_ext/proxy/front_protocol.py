@@ -36,6 +36,9 @@ from vllm_pd_ext.proxy.errors import ProxyError, error_body
 
 logger = logging.getLogger(__name__)
 
+#: How long the rest of a request refused from its head (its answer already written) may
+#: take to arrive and be dropped before the connection is closed.
+REFUSED_BODY_S = 2.0
 #: The routes ``FastCycle`` serves, as the request line spells them.
 FAST_PATHS = (b"/v1/completions", b"/v1/chat/completions")
 
@@ -548,6 +551,7 @@ def front_protocol(
                     refused = head_check(path, self.headers) if head_check is not None else None
                     if refused is not None:  # answered now; the body is dropped as it comes
                         fast.write_error(refused)
+                        self._read_within(min(body_s, REFUSED_BODY_S))
                     return
             url, headers, expect = self.url, self.headers, self.expect_100_continue
             super().on_message_begin()  # uvicorn's scope, around the headers parsed

@@ -303,6 +303,17 @@ def test_a_request_without_the_api_key_is_answered_401_before_its_body(fast_path
         assert app.body_budget.used == 0
 
 
+def test_a_connection_refused_from_its_head_is_closed_soon_when_its_body_does_not_come():
+    """Fast path: the answer (401) is out at once; a body that then never comes holds the
+    connection for REFUSED_BODY_S (2 s), not for the body timeout (30 s here)."""
+    with proxy(True, NOWHERE, api_key="sekret", client_body_timeout_s=30) as (_, port):
+        conn = Conn(port)
+        conn.send(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        conn.sock.settimeout(10)
+        assert conn.response()[0] == 401
+        assert closed_unanswered(conn)  # its own bound is 10 s: far below the body timeout
+
+
 @PATHS
 def test_a_stalled_head_pipelined_behind_a_served_request_gets_no_408_in_its_place(
     fast_path, engines
