@@ -175,17 +175,6 @@ def scrape(client: httpx.Client, url: str) -> Metrics:
     return parse_metrics(resp.text)
 
 
-def by_label(metrics: Metrics, name: str, *labels: str) -> dict[str, float]:
-    """``name``'s samples keyed by their ``labels`` values joined with '/'."""
-    out: dict[str, float] = {}
-    for s in metrics.samples:
-        if s.name == name:
-            values = dict(s.labels)
-            key = "/".join(values.get(label, "") for label in labels)
-            out[key] = out.get(key, 0.0) + s.value
-    return out
-
-
 def delta(after: dict[str, float], before: dict[str, float]) -> dict[str, float]:
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v - before.get(k, 0.0)}
 
@@ -266,7 +255,7 @@ def run_stack(
         model = stack.served_name
         with httpx.Client(timeout=httpx.Timeout(180.0, connect=5.0)) as client:
             warm = scrape(client, proxy.url)
-            if by_label(warm, DECISIONS, "decision").get("split", 0) < 1:
+            if warm.by_label(DECISIONS, "decision").get("split", 0) < 1:
                 raise RunError(f"{backend}: the warm-up request was not split")
             ttft, served, mismatched = [], [], 0
             last = warm
@@ -282,12 +271,10 @@ def run_stack(
                 ids, first = stream(client, proxy.url, body)
                 now = scrape(client, proxy.url)
                 how = delta(
-                    by_label(now, DECISIONS, "decision", "reason"),
-                    by_label(last, DECISIONS, "decision", "reason"),
+                    now.by_label(DECISIONS, "decision", "reason"),
+                    last.by_label(DECISIONS, "decision", "reason"),
                 )
-                fell = delta(
-                    by_label(now, FALLBACKS, "reason"), by_label(last, FALLBACKS, "reason")
-                )
+                fell = delta(now.by_label(FALLBACKS, "reason"), last.by_label(FALLBACKS, "reason"))
                 last = now
                 ttft.append(round(first * 1e3, 2))
                 served.append(
@@ -315,11 +302,11 @@ def run_stack(
             transfer_gap_mean_ms=round(gap_s / gap_n * 1e3, 2) if gap_n else None,
             transfer_gaps=int(gap_n),
             decisions=delta(
-                by_label(after, DECISIONS, "decision", "reason"),
-                by_label(warm, DECISIONS, "decision", "reason"),
+                after.by_label(DECISIONS, "decision", "reason"),
+                warm.by_label(DECISIONS, "decision", "reason"),
             ),
             fallbacks=delta(
-                by_label(after, FALLBACKS, "reason"), by_label(warm, FALLBACKS, "reason")
+                after.by_label(FALLBACKS, "reason"), warm.by_label(FALLBACKS, "reason")
             ),
         )
     finally:

@@ -35,14 +35,16 @@ class Metrics:
             s.value for s in self.samples if s.name == name and want <= dict(s.labels).items()
         )
 
-    def by_label(self, name: str, label: str) -> dict[str, float]:
-        """Sums of samples named ``name`` by the value of their ``label``."""
+    def by_label(self, name: str, *labels: str) -> dict[str, float]:
+        """Sums of samples named ``name`` by the values of their ``labels`` (joined with
+        '/'); samples lacking one of them are left out."""
         out: dict[str, float] = {}
         for s in self.samples:
             if s.name == name:
-                value = dict(s.labels).get(label)
-                if value is not None:
-                    out[value] = out.get(value, 0.0) + s.value
+                have = dict(s.labels)
+                if all(label in have for label in labels):
+                    key = "/".join(have[label] for label in labels)
+                    out[key] = out.get(key, 0.0) + s.value
         return out
 
     def names(self) -> set[str]:
