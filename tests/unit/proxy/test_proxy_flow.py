@@ -282,10 +282,11 @@ def test_decode_error_before_first_byte_retries_other_decode(engines):
         assert metric(base, "vllm_pd_retries_total", leg="decode") == 1
 
 
-def _stream_events(base: str, max_tokens: int) -> list[str]:
-    """The ``data:`` lines of a streamed completion of the short prompt."""
-    body = {"model": "m", "prompt": SHORT, "max_tokens": max_tokens, "stream": True}
+def _stream_events(base: str, max_tokens: int, prompt: str = SHORT) -> list[str]:
+    """The ``data:`` lines of a streamed completion (of the short prompt: colocated)."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "stream": True}
     with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json=body) as r:
+        assert r.status_code == 200
         return [line for line in r.iter_lines() if line.startswith("data: ")]
 
 
@@ -584,14 +585,6 @@ def test_engine_load_figures_are_dropped_once_metrics_stop_answering(engines):
     engines["d1"].running = 0
 
 
-def _stream_long(base: str, max_tokens: int = 5) -> list[str]:
-    """The ``data:`` lines of a streamed completion of the long prompt (a split)."""
-    body = {"model": "m", "prompt": LONG, "max_tokens": max_tokens, "stream": True}
-    with httpx.stream("POST", f"{base}/v1/completions", timeout=60, json=body) as r:
-        assert r.status_code == 200
-        return [line for line in r.iter_lines() if line.startswith("data: ")]
-
-
 def test_a_stalled_split_stream_is_served_colocated_before_the_client_sees_a_byte(engines):
     """The decode engine answers the split leg's head, then sends no token (a stalled KV
     transfer): past the guard's deadline the leg is closed (the engine sees the disconnect)
@@ -599,12 +592,12 @@ def test_a_stalled_split_stream_is_served_colocated_before_the_client_sees_a_byt
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
     colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
     with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
-        expected = _stream_long(base)
+        expected = _stream_events(base, 5, LONG)
     engines["d1"].requests.clear()
     engines["d1"].behavior.kv_stall_s = 600.0  # far past any client timeout here
     guard = {"floor_s": 0.5, "breaker_stalls": 5}
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
-        assert _stream_long(base) == expected
+        assert _stream_events(base, 5, LONG) == expected
         wait_until(lambda: engines["d1"].disconnects == 1)
         split_leg, colocated_leg = (r["body"] for r in engines["d1"].requests)
         assert split_leg["kv_transfer_params"]["do_remote_prefill"] is True
@@ -624,10 +617,10 @@ def test_a_pair_that_keeps_stalling_gets_no_splits_while_its_breaker_is_open(eng
     p1, d1 = engines["p1"].url, engines["d1"].url
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
         for _ in range(2):
-            assert _stream_long(base)[-1] == "data: [DONE]"
+            assert _stream_events(base, 5, LONG)[-1] == "data: [DONE]"
         assert metric(base, "vllm_pd_breaker_open", prefill=p1, decode=d1) == 1
         prefill_legs = len(engines["p1"].requests)
-        assert _stream_long(base)[-1] == "data: [DONE]"
+        assert _stream_events(base, 5, LONG)[-1] == "data: [DONE]"
         assert len(engines["p1"].requests) == prefill_legs  # no split tried
         assert metric(base, "vllm_pd_decisions_total", reason="breaker_open") == 1
         assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 2
