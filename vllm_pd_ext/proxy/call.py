@@ -44,6 +44,7 @@ class Call:
         "ctx",
         "decision",
         "engines",
+        "kv_first",
         "label",
         "outcome",
         "params",
@@ -78,6 +79,9 @@ class Call:
         self.prefill_done: float | None = None
         #: The prefill instance that computed the KV the decode leg loads.
         self.prefill_instance: Instance | None = None
+        #: The decode leg's first step only loads the KV and answers one token (a guarded
+        #: non-streamed split; the answer comes in a second step).
+        self.kv_first = False
         #: Token mode: every engine the request was sent to (aborted if the client leaves).
         self.engines: list[Instance] = []
         self.outcome: str | None = None

@@ -103,10 +103,23 @@ class DecisionConfig(_Strict):
 
 
 class StallGuardConfig(_Strict):
-    """A split streamed request's first token must arrive within a deadline after its prefill
-    leg, else it is served colocated (``stall_guard.py``)."""
+    """A split request's first token must arrive within a deadline after its prefill leg, else
+    it is served colocated (``stall_guard.py``)."""
 
     enabled: bool = True
+    non_streamed: bool = Field(
+        True,
+        description="guard non-streamed splits too: their decode leg first asks for one token "
+        "(the KV load, under the deadline), then for the whole answer from the same instance, "
+        "whose prefix cache then holds the prompt (one more engine step; prefix caching must "
+        "be on in decode instances, as it is by default)",
+    )
+    stalled_on: Literal["prefill", "decode"] = Field(
+        "prefill",
+        description="where a stalled request is served colocated: the prefill instance that "
+        "just computed its prompt (its prefix cache holds it; the decode that stalled may be "
+        "wedged), or the decode instance; the others are tried after it",
+    )
     floor_s: float = Field(
         2.0,
         gt=0,

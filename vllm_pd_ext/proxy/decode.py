@@ -23,10 +23,10 @@ from vllm_pd_ext.proxy.client_channel import ClientGone
 from vllm_pd_ext.proxy.decision import Decision
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough
 from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
-from vllm_pd_ext.proxy.legs import decode_body
+from vllm_pd_ext.proxy.legs import decode_body, one_token_body
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.protocols import PDProtocol
-from vllm_pd_ext.proxy.relay import Opened, StreamRelay
+from vllm_pd_ext.proxy.relay import Opened, StreamRelay, record_transfer
 from vllm_pd_ext.proxy.routing import Route, Router
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse, discard
 
@@ -55,8 +55,27 @@ class DecodeLeg:
     ) -> UpstreamResponse:
         """Send the decode leg to ``inst``; the response with its body unread. ``sink``:
         the body's sink from the moment a 200 head arrives."""
+        body = self._body(call, inst, params, first=True)
+        return await self.send_body(call, inst, body, call.ctx.request_id, sink)
+
+    def _body(
+        self, call: Call, inst: Instance, params: dict[str, Any] | None, first: bool
+    ) -> dict[str, Any] | bytes:
+        """The decode leg's body for ``inst``. The ``first`` attempt of a guarded
+        non-streamed split sends the one-token leg (its answer is the first token:
+        ``stall_guard.py``), if ``inst`` keeps prompts in its prefix cache for the second
+        step (``call.kv_first`` says which was sent)."""
         ctx = call.ctx
-        return await self.send_body(call, inst, decode_body(ctx, params), ctx.request_id, sink)
+        call.kv_first = (
+            first
+            and params is not None
+            and not ctx.stream
+            and self.router.guard.guards(False, inst)
+        )
+        if call.kv_first:
+            assert params is not None
+            return one_token_body(ctx, params)
+        return decode_body(ctx, params)
 
     async def send_body(
         self,
@@ -67,7 +86,7 @@ class DecodeLeg:
         sink: Callable[[bytes], bool] | None = None,
     ) -> UpstreamResponse:
         """Send ``body`` to ``inst`` on the request's engine route as ``request_id``."""
-        if call.ctx.tokens is not None:
+        if call.ctx.tokens is not None and inst not in call.engines:
             call.engines.append(inst)
         return await inst.client.send(
             "POST",
@@ -84,32 +103,36 @@ class DecodeLeg:
         route: Route,
         pending: asyncio.Task | None,
         stream: StreamRelay | None,
+        first: Instance | None = None,
     ) -> Opened:
-        """The first decode instance to answer 200. Raises ``ProxyError`` (a 4xx passed
-        through; 502 when every instance tried failed) or ``ClientGone``."""
+        """The first decode instance to answer 200 (``first``, else the route's decode
+        instance, first). Raises ``ProxyError`` (a 4xx passed through; 502 when every
+        instance tried failed) or ``ClientGone``."""
         errors: list[str] = []
-        candidates = self.router.candidates(call.ctx, route.decode_pool, "decode", route.decode)
+        candidates = self.router.candidates(
+            call.ctx, route.decode_pool, "decode", first or route.decode
+        )
         guard = self.router.guard
-        stalled = False
+        stalled: Instance | None = None  # the prefill instance of a stalled split
         for attempt, inst in enumerate(candidates):
             if attempt and call.params is not None and self.protocol.binds_decode:
                 call.colocate()
                 self.metrics.fallbacks.labels("decode_retry").inc()
-            # the first attempt of a split stream: its first token must beat the deadline
-            guarded = (
-                attempt == 0
-                and stream is not None
-                and call.params is not None
-                and call.prefill_done is not None
-                and guard.config.enabled
-            )
             with Lease(inst) as lease:
                 if attempt == 0 and pending is not None:
-                    opening: Any = pending
+                    opening: Any = pending  # its body was chosen when it was sent
                 else:
+                    body = self._body(call, inst, call.params, first=attempt == 0)
+                # the first attempt of a split: its first token must beat the deadline
+                guarded = (
+                    attempt == 0
+                    and call.params is not None
+                    and call.prefill_done is not None
+                    and (guard.guards(True, inst) if stream is not None else call.kv_first)
+                )
+                if attempt or pending is None:
                     # a guarded leg's first bytes wait for the guard, not for the client
                     sink = stream.direct_sink() if stream is not None and not guarded else None
-                    body = decode_body(call.ctx, call.params)
                     opening = self.send_body(call, inst, body, call.ctx.request_id, sink)
                 if guarded:
                     assert call.prefill_done is not None
@@ -120,6 +143,9 @@ class DecodeLeg:
                     opening = _first_bytes(opening, left)
                 try:
                     resp = await call.watch.race(opening, "decode_wait")
+                    if resp is not None and call.kv_first and resp.status == 200:
+                        # the first step's one token is in: the rest comes from D's cache
+                        resp = await call.watch.race(self._rest(call, inst, resp), "decode")
                 except UpstreamError as exc:
                     self.fleet.upstream_failed(inst, exc)
                     errors.append(f"{inst.label}: {exc.kind}")
@@ -130,10 +156,10 @@ class DecodeLeg:
                         raise ClientGone("decode_stream") from None
                     raise
                 if resp is None:  # a guarded leg past its deadline: closed, and aborted
-                    guard.stalled(call.prefill_instance, inst, call.ctx.request_id)
+                    stalled = call.prefill_instance
+                    guard.stalled(stalled, inst, call.ctx.request_id)
                     call.colocate()
                     call.decide(Decision(False, "stall"))
-                    stalled = True
                     break
                 if resp.status >= 500:
                     resp.close()
@@ -147,13 +173,32 @@ class DecodeLeg:
                     finally:
                         resp.close()
                     raise passthrough(resp.status, raw)
-                if guarded:
+                if guarded and stream is not None:
                     guard.served(call.prefill_instance, inst)
                 call.hold(lease)
                 return Opened(resp, inst)
-        if stalled:  # served colocated now, from the route's decode instance on
-            return await self.open(call, route, None, stream)
-        raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
+        else:
+            raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
+        # a stall: served colocated now, on the instance the guard's config names first
+        on_prefill = (
+            stalled is not None and guard.config.stalled_on == "prefill" and stalled.healthy
+        )
+        return await self.open(call, route, None, stream, stalled if on_prefill else None)
+
+    async def _rest(self, call: Call, inst: Instance, probe: UpstreamResponse) -> UpstreamResponse:
+        """After a guarded non-streamed split's first step answered 200 on ``inst``: its
+        answer read and dropped, the transfer counted, then the client's request sent there
+        colocated (the prompt's KV now in ``inst``'s prefix cache); its response, body
+        unread. Raises ``UpstreamError``."""
+        try:
+            await probe.read()
+        finally:
+            probe.close()
+        guard = self.router.guard
+        guard.served(call.prefill_instance, inst)
+        record_transfer(self.metrics, self.router.decider, call, time.perf_counter())
+        call.params = None  # the KV is in: what follows is colocated there
+        return await self.send_body(call, inst, decode_body(call.ctx, None), call.ctx.request_id)
 
 
 async def _first_bytes(

@@ -30,19 +30,23 @@ LOAD_METRICS = (
     "vllm:num_requests_waiting",
     "vllm:kv_cache_usage_perc",
 )
+#: vLLM's cache settings as labels of a gauge set to 1; the fleet reads whether prefix
+#: caching is on.
+CACHE_INFO = "vllm:cache_config_info"
 
 #: Health rounds without a readable ``/metrics`` after which an instance's engine figures
 #: (running, waiting, KV usage) are dropped.
 STALE_AFTER_ROUNDS = 3
 
-_LOAD_NEEDLES = tuple(b"\n" + name.encode() for name in LOAD_METRICS)
+_NEEDLES = tuple(b"\n" + name.encode() for name in (*LOAD_METRICS, CACHE_INFO))
 
 
 def _load_lines(raw: bytes) -> str:
-    """The lines of ``raw`` (Prometheus text) that hold a ``LOAD_METRICS`` sample."""
+    """The lines of ``raw`` (Prometheus text) that hold a ``LOAD_METRICS`` or ``CACHE_INFO``
+    sample."""
     text = b"\n" + raw
     found: list[bytes] = []
-    for needle in _LOAD_NEEDLES:
+    for needle in _NEEDLES:
         at = text.find(needle)
         while at >= 0:
             end = text.find(b"\n", at + 1)
@@ -67,6 +71,8 @@ class Instance:
     running: float = 0.0
     waiting: float = 0.0
     kv_usage: float = 0.0
+    #: Does the engine's prefix cache keep prompts (None: it has not said, in ``/metrics``)?
+    prefix_caching: bool | None = None
     last_error: str = ""
     #: When the engine figures were last read (monotonic; 0: never).
     metrics_at: float = field(default=0.0, repr=False)
@@ -290,5 +296,8 @@ class Fleet:
         inst.running = m.total("vllm:num_requests_running")
         inst.waiting = m.total("vllm:num_requests_waiting")
         inst.kv_usage = m.total("vllm:kv_cache_usage_perc")
+        caching = m.by_label(CACHE_INFO, "enable_prefix_caching")
+        if caching:
+            inst.prefix_caching = "True" in caching
         inst.metrics_at = time.monotonic()
         return True

@@ -69,11 +69,7 @@ class Relay:
         """The first token reached the client at ``now``."""
         metrics = self.metrics
         metrics.child(metrics.ttft, call.ctx.route, call.label).observe(now - call.start)
-        prefill_done = call.prefill_done
-        if prefill_done is not None:
-            gap = now - prefill_done
-            metrics.transfer_gap.observe(gap)
-            self.decider.observe(call.ctx.est_prompt_tokens, prefill_done - call.start, gap)
+        record_transfer(metrics, self.decider, call, now)
 
     # -- a whole answer ----------------------------------------------------------------
 
@@ -274,6 +270,16 @@ class StreamRelay:
         if ready is not None:
             writer.write(ready)
         return True
+
+
+def record_transfer(metrics: ProxyMetrics, decider: Decider, call: Call, now: float) -> None:
+    """A split's decode leg had its first token at ``now``: the transfer gap, for the
+    metric and the cost model."""
+    prefill_done = call.prefill_done
+    if prefill_done is not None:
+        gap = now - prefill_done
+        metrics.transfer_gap.observe(gap)
+        decider.observe(call.ctx.est_prompt_tokens, prefill_done - call.start, gap)
 
 
 def patch_payload(data: dict[str, Any], cached: int | None) -> dict[str, Any]:

@@ -68,7 +68,7 @@ class Router:
         guard = self.guard
         prefill_pool = healthy
         if guard.stalls:
-            guarded = ctx.stream and guard.config.enabled
+            guarded = guard.guards(ctx.stream, decode)
             prefill_pool = [p for p in healthy if guard.allows(p, decode, guarded)]
         decision = self.decider.decide(ctx, prefill_pool, decode)
         if decision.reason == "no_prefill" and healthy:  # there are some: the guard stopped them

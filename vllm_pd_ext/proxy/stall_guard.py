@@ -3,12 +3,20 @@
 A split pays the KV transfer before its first token. When the transfer stalls (a connector
 waiting for blocks whose lease expired, a peer that stopped answering), the decode engine
 waits, and the client with it, far longer than a colocated prefill would have taken. So a
-guarded decode leg (a split, streamed) gets a deadline from the prefill leg's end:
-``factor`` times the transfer the cost model expects for its prompt once it has measured
-enough splits, and never less than ``floor_s``. If the leg's first body bytes (its first
-token) have not arrived by then, and so the client has seen nothing yet, the leg is closed
-(the engine aborts the request and frees its blocks) and the request is served colocated;
-counted in ``vllm_pd_fallbacks_total{reason="stall"}`` and logged.
+guarded decode leg (a split) gets a deadline from the prefill leg's end: ``factor`` times the
+transfer the cost model expects for its prompt once it has measured enough splits, and never
+less than ``floor_s``. If the leg's first body bytes (its first token) have not arrived by
+then, and so the client has seen nothing yet, the leg is closed (the engine aborts the request
+and frees its blocks) and the request is served colocated, on the prefill instance that just
+computed its prompt (``stalled_on``); counted in ``vllm_pd_fallbacks_total{reason="stall"}``
+and logged.
+
+A non-streamed answer shows nothing until it is whole, so with ``non_streamed`` on (default) a
+non-streamed split's decode leg is sent in two steps: first the one-token leg with the KV
+transfer params (its answer is its first token, under the deadline), then the client's request
+as it came, colocated on the same instance, whose prefix cache now holds the prompt's loaded
+blocks: the answer is the engine's own, at the cost of one more engine step and the prompt's
+last partial block.
 
 A guarded leg whose answer ends, or breaks, before any body byte counts as a stall too (the
 client has seen nothing yet: served colocated). The deadline counts the decode's own queueing,
@@ -17,7 +25,7 @@ so ``floor_s`` is set with room for it; once splits are measured the expected tr
 
 A prefill-decode pair that stalls ``breaker_stalls`` times in a row gets no splits for
 ``breaker_open_s`` (decision reason ``breaker_open``; ``vllm_pd_breaker_open{prefill,decode}``
-is 1 meanwhile, and one WARNING line says so). Then one guarded split (a stream) probes it: a
+is 1 meanwhile, and one WARNING line says so). Then one guarded split probes it: a
 first token in time closes the breaker, another stall opens it for twice as long, up to
 ``breaker_max_open_s``. Stall lines are logged at most every ``LOG_EVERY_S`` (the counter
 counts every one).
@@ -75,6 +83,13 @@ class StallGuard:
         """Is any pair's stall on record (else every pair may split)?"""
         return bool(self._pairs)
 
+    def guards(self, stream: bool, decode: Instance) -> bool:
+        """Is a split of this kind to ``decode`` guarded? A stream is; a non-streamed answer
+        when ``non_streamed`` is on and ``decode`` keeps prompts in its prefix cache (its
+        second step is answered from there)."""
+        cfg = self.config
+        return cfg.enabled and (stream or (cfg.non_streamed and decode.prefix_caching is True))
+
     def budget_s(self, prompt_tokens: int) -> float:
         """Seconds from the prefill leg's end to the decode leg's first token."""
         cfg = self.config
@@ -85,7 +100,7 @@ class StallGuard:
 
     def allows(self, prefill: Instance, decode: Instance, guarded: bool) -> bool:
         """May a request split across this pair now? False while its breaker is open; once
-        the open time is over, True for a ``guarded`` one (a stream) while no probe was sent
+        the open time is over, True for a ``guarded`` one while no probe was sent
         in the last ``breaker_open_s``. Changes nothing (``probing`` records a probe sent)."""
         pair = self._pairs.get((prefill.label, decode.label))
         if pair is None or pair.open_until == 0.0:

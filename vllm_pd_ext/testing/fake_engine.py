@@ -62,10 +62,16 @@ MODELS = json.dumps(
 ).encode()
 
 
-def metrics_text(running: float = 0, waiting: float = 0, kv_usage: float = 0) -> str:
-    """``/metrics``: the gauges of vLLM's that routers scrape, in Prometheus text."""
+def metrics_text(
+    running: float = 0, waiting: float = 0, kv_usage: float = 0, prefix_caching: bool = True
+) -> str:
+    """``/metrics``: the gauges of vLLM's that routers scrape, in Prometheus text (the cache
+    settings gauge as vLLM writes it, a few of its labels)."""
     labels = f'{{engine="0",model_name="{MODEL}"}}'
     return (
+        "# TYPE vllm:cache_config_info gauge\n"
+        f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",'
+        f'enable_prefix_caching="{prefix_caching}",engine="0"}} 1.0\n'
         "# TYPE vllm:num_requests_running gauge\n"
         f"vllm:num_requests_running{labels} {running}\n"
         "# TYPE vllm:num_requests_waiting gauge\n"
@@ -90,9 +96,11 @@ class Behavior:
     connector: str | None = None  # "moriio-read", "moriio-write", "pdext-read", "pdext-write"
     metrics_status: int = 200  # answer /metrics with this status
     not_json: bool = False  # answer a completion with 200 and a body that is not JSON
-    #: a streamed leg that loads remote KV sends its head, then nothing for this long before
-    #: its first token (a stalled KV transfer; a disconnect meanwhile counts in ``disconnects``)
+    #: a leg that loads remote KV waits this long before its first token (a stalled KV
+    #: transfer): a streamed one after its head, a whole one before its answer; a disconnect
+    #: meanwhile counts in ``disconnects`` (and ends the request, as vLLM aborts it)
     kv_stall_s: float = 0.0
+    prefix_caching: bool = True  # what /metrics says of it (vLLM's default: on)
 
 
 @dataclass
@@ -126,7 +134,9 @@ class FakeEngine:
         async def metrics() -> Response:
             if self.behavior.metrics_status != 200:
                 return Response(status_code=self.behavior.metrics_status)
-            text = metrics_text(self.running, 0, len(self.held_blocks) / 100)
+            text = metrics_text(
+                self.running, 0, len(self.held_blocks) / 100, self.behavior.prefix_caching
+            )
             return Response(text, media_type="text/plain")
 
         @app.get("/v1/models")
@@ -262,6 +272,8 @@ class FakeEngine:
                     self._stream(request, tokens, chat, body, usage, stall),
                     media_type="text/event-stream",
                 )
+            if b.kv_stall_s and loads_remote(params) and await self._stalled(request, b.kv_stall_s):
+                return Response(status_code=499)  # nobody reads it: the client is gone
             choice = (
                 {
                     "index": 0,
@@ -371,6 +383,16 @@ class FakeEngine:
             remote_block_ids=[[1, 2, 3, 4]],
             transfer_mode=mode,
         ).params()
+
+    async def _stalled(self, request: Request, stall_s: float) -> bool:
+        """Wait ``stall_s`` before a whole answer; True (counted) if the client left first."""
+        deadline = time.monotonic() + stall_s
+        while time.monotonic() < deadline:
+            if await request.is_disconnected():
+                self.disconnects += 1
+                return True
+            await asyncio.sleep(0.02)
+        return False
 
     async def _stream(
         self,

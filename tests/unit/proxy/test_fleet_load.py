@@ -35,3 +35,23 @@ def test_load_comes_from_the_three_gauges_only():
     first = b'vllm:num_requests_running{engine="0"} 1.0\nvllm:num_requests_running{engine="1"} 4.0'
     Fleet._read_load(inst, first)
     assert inst.running == 5.0
+
+
+def test_prefix_caching_comes_from_vllms_cache_config_info():
+    """vLLM writes its CacheConfig as the labels of ``vllm:cache_config_info`` (a gauge set
+    to 1): the fleet reads ``enable_prefix_caching`` from it, and says nothing without it."""
+    inst = Instance(
+        InstanceConfig(url="http://e:1"), client=Upstream("http://e:1", max_connections=1)
+    )
+    Fleet._read_load(inst, METRICS.encode())
+    assert inst.prefix_caching is None
+    for value, expected in (("False", False), ("True", True)):
+        info = (
+            "# TYPE vllm:cache_config_info gauge\n"
+            'vllm:cache_config_info{block_size="16",cache_dtype="auto",calculate_kv_scales='
+            f'"False",enable_prefix_caching="{value}",engine="0",gpu_memory_utilization="0.9",'
+            'prefix_caching_hash_algo="sha256"} 1.0\n'
+        )
+        Fleet._read_load(inst, (METRICS + info).encode())
+        assert inst.prefix_caching is expected
+        assert inst.running == 3.0

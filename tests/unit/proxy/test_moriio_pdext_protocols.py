@@ -74,7 +74,8 @@ def test_moriio_write_sends_both_legs_with_each_others_coordinates(engines):
         resp = httpx.post(f"{base}/v1/completions", json=BODY, timeout=60)
     assert resp.status_code == 200, resp.text
     (p_body,) = sent(engines["p1"])
-    (d_body,) = sent(engines["d1"])
+    d_body, rest = sent(engines["d1"])  # the KV's one token, then the answer (cached)
+    assert d_body["max_tokens"] == 1 and rest == BODY
     p_params, d_params = p_body["kv_transfer_params"], d_body["kv_transfer_params"]
     tid = p_params["transfer_id"]
     assert d_params["transfer_id"] == tid and len(tid) == 32
@@ -141,7 +142,8 @@ def test_pdext_read_is_the_nixl_pull_flow(engines):
     assert resp.status_code == 200, resp.text
     assert "kv_transfer_params" not in resp.json()
     (p_body,) = sent(engines["p1"])
-    (d_body,) = sent(engines["d1"])
+    d_body, rest = sent(engines["d1"])  # the KV's one token, then the answer (cached)
+    assert d_body["max_tokens"] == 1 and rest == BODY
     assert p_body["kv_transfer_params"] == {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -200,7 +202,7 @@ def test_pdext_write_decode_params_are_signed_with_the_proxys_fleet_key(engines,
     with proxy(engines, protocol="pdext-write", instances=coordinated_fleet(engines)) as (base, _):
         assert httpx.post(f"{base}/v1/completions", json=BODY, timeout=60).status_code == 200
     (p_body,) = sent(engines["p1"])
-    (d_body,) = sent(engines["d1"])
+    d_body, _ = sent(engines["d1"])
     assert fleet_key.SIGNATURE not in p_body["kv_transfer_params"]
     params = d_body["kv_transfer_params"]
     assert fleet_key.verify(bytes.fromhex(key), params, PdExtWriteDecode.signed_fields())
@@ -215,7 +217,8 @@ def test_pdext_write_prefill_failure_aborts_decode_then_retries_then_colocates(e
     with proxy(engines, protocol="pdext-write", instances=instances) as (base, _):
         resp = httpx.post(f"{base}/v1/completions", json=BODY, timeout=60)
         assert resp.status_code == 200, resp.text
-        first, second = sent(engines["d1"])
+        first, second, rest = sent(engines["d1"])
+        assert rest == BODY  # after the KV's one token (second), the answer from D's cache
         assert first["kv_transfer_params"]["remote_port"] == engines["p1"].port
         assert second["kv_transfer_params"]["remote_port"] == engines["p2"].port
         assert (
@@ -229,11 +232,11 @@ def test_pdext_write_prefill_failure_aborts_decode_then_retries_then_colocates(e
         engines["p2"].behavior.status = 503  # every prefill fails: colocated on d1
         resp = httpx.post(f"{base}/v1/completions", json=BODY, timeout=60)
         assert resp.status_code == 200
-        later = sent(engines["d1"])[2:]  # a closed leg may be recorded after the colocated one
+        later = sent(engines["d1"])[3:]  # a closed leg may be recorded after the colocated one
         assert len([b for b in later if "kv_transfer_params" not in b]) == 1
 
         def split_legs() -> list[str]:
-            legs = sent(engines["d1"])[2:]
+            legs = sent(engines["d1"])[3:]
             return [
                 b["kv_transfer_params"]["transfer_id"] for b in legs if "kv_transfer_params" in b
             ]

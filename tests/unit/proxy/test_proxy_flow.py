@@ -32,17 +32,18 @@ def test_split_non_streaming_legs_and_response(engines):
     assert "kv_transfer_params" not in data
     assert data["usage"]["prompt_tokens_details"]["cached_tokens"] == 3  # from the prefill side
     (p_req,) = engines["p1"].requests
-    (d_req,) = engines["d1"].requests
+    d_req, rest = engines["d1"].requests  # the KV's one token, then the answer (cached)
     p_body, d_body = p_req["body"], d_req["body"]
     assert p_body["max_tokens"] == 1 and p_body["stream"] is False
     assert "min_tokens" not in p_body and "stream_options" not in p_body
     assert p_body["kv_transfer_params"]["do_remote_decode"] is True
-    assert d_body["max_tokens"] == 5 and d_body["min_tokens"] == 2
-    assert d_body["stream_options"] == {"include_usage": True}
+    assert d_body == {**p_body, "kv_transfer_params": d_body["kv_transfer_params"]}
     assert d_body["kv_transfer_params"]["remote_engine_id"] == "p1"
-    # the engines see the proxy's own id for both legs; the client gets its own id back
+    assert rest["body"] == body
+    # the engines see the proxy's own id for every leg; the client gets its own id back
     engine_id = p_req["headers"]["x-request-id"]
-    assert d_req["headers"]["x-request-id"] == engine_id and engine_id.startswith("pdx-")
+    assert engine_id.startswith("pdx-")
+    assert d_req["headers"]["x-request-id"] == rest["headers"]["x-request-id"] == engine_id
     assert resp.headers["x-request-id"] == "req-42"
     assert engines["p1"].held_blocks == {}  # the decode side pulled them
 
@@ -585,26 +586,104 @@ def test_engine_load_figures_are_dropped_once_metrics_stop_answering(engines):
     engines["d1"].running = 0
 
 
-def test_a_stalled_split_stream_is_served_colocated_before_the_client_sees_a_byte(engines):
+@pytest.mark.parametrize("stalled_on", ["prefill", "decode"])
+def test_a_stalled_split_stream_is_served_colocated_before_the_client_sees_a_byte(
+    engines, stalled_on
+):
     """The decode engine answers the split leg's head, then sends no token (a stalled KV
     transfer): past the guard's deadline the leg is closed (the engine sees the disconnect)
-    and the request served colocated, whole, as a colocated request is; counted."""
+    and the request served colocated, whole, as a colocated request is, on the instance
+    ``stalled_on`` names (the prefill instance by default: its cache holds the prompt);
+    counted."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
     colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
     with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
         expected = _stream_events(base, 5, LONG)
     engines["d1"].requests.clear()
     engines["d1"].behavior.kv_stall_s = 600.0  # far past any client timeout here
-    guard = {"floor_s": 0.5, "breaker_stalls": 5}
+    guard = {"floor_s": 0.5, "breaker_stalls": 5, "stalled_on": stalled_on}
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
         assert _stream_events(base, 5, LONG) == expected
         wait_until(lambda: engines["d1"].disconnects == 1)
-        split_leg, colocated_leg = (r["body"] for r in engines["d1"].requests)
-        assert split_leg["kv_transfer_params"]["do_remote_prefill"] is True
-        assert "kv_transfer_params" not in colocated_leg
+        d1_legs = [r["body"] for r in engines["d1"].requests]
+        prefill_leg, *p1_legs = (r["body"] for r in engines["p1"].requests)
+        assert prefill_leg["kv_transfer_params"]["do_remote_decode"] is True
+        assert d1_legs[0]["kv_transfer_params"]["do_remote_prefill"] is True
+        (colocated_leg,) = p1_legs if stalled_on == "prefill" else d1_legs[1:]
+        assert len(d1_legs) == (1 if stalled_on == "prefill" else 2)
+        assert "kv_transfer_params" not in colocated_leg and colocated_leg["stream"] is True
         assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
         assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
         assert metric(base, "vllm_pd_transfer_gap_seconds_count") == 0  # no sample of a stall
+        assert metric(base, "vllm_pd_in_flight") == 0
+
+
+def _whole(base: str, body: dict) -> dict:
+    resp = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+    assert resp.status_code == 200, resp.text
+    return resp.json()
+
+
+def test_a_non_streamed_split_loads_its_kv_under_the_guard_then_answers_from_the_decode(engines):
+    """A non-streamed split's decode leg is two steps on the same decode instance: the
+    one-token leg with the KV params (its answer is the first token, so the guard can time
+    it), then the client's request as it came, colocated (the prompt's KV is in that
+    instance's prefix cache now). The answer is the colocated one; the transfer is measured."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    body = {"model": "m", "prompt": LONG, "max_tokens": 5, "min_tokens": 3}
+    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
+    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
+        expected = _whole(base, body)["choices"]
+    engines["d1"].requests.clear()
+    with proxy(engines, instances=one_pair) as (base, _):
+        assert _whole(base, body)["choices"] == expected
+        first, rest = (r["body"] for r in engines["d1"].requests)
+        assert first["kv_transfer_params"]["do_remote_prefill"] is True
+        assert first["max_tokens"] == 1 and first["stream"] is False
+        assert "min_tokens" not in first
+        assert rest == body  # the client's request, as it came
+        assert metric(base, "vllm_pd_requests_total", decision="split", outcome="ok") == 1
+        assert metric(base, "vllm_pd_transfer_gap_seconds_count") == 1
+        assert metric(base, "vllm_pd_in_flight") == 0
+
+
+@pytest.mark.parametrize("why", ["guard off for them", "decode without prefix caching"])
+def test_non_streamed_splits_unguarded_send_one_decode_leg(engines, why):
+    """With ``non_streamed: false``, or to a decode instance whose ``/metrics`` says its
+    prefix cache is off (a second step would compute the whole prompt again), a non-streamed
+    split is one decode leg, unguarded."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    body = {"model": "m", "prompt": LONG, "max_tokens": 5}
+    guard = {"non_streamed": why != "guard off for them"}
+    engines["d1"].behavior.prefix_caching = why != "decode without prefix caching"
+    with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
+        _whole(base, body)
+        (leg,) = (r["body"] for r in engines["d1"].requests)
+        assert leg["kv_transfer_params"]["do_remote_prefill"] is True
+        assert leg["max_tokens"] == 5
+
+
+def test_a_stalled_non_streamed_split_is_served_colocated_on_its_prefill_instance(engines):
+    """The decode engine never answers the one-token leg (a stalled KV transfer): past the
+    guard's deadline the leg is closed (the engine sees the disconnect) and the request is
+    served colocated on the prefill instance, with the colocated answer; counted."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    body = {"model": "m", "prompt": LONG, "max_tokens": 5}
+    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
+    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
+        expected = _whole(base, body)["choices"]
+    engines["d1"].requests.clear()
+    engines["d1"].behavior.kv_stall_s = 600.0
+    guard = {"floor_s": 0.5, "breaker_stalls": 5}
+    with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
+        assert _whole(base, body)["choices"] == expected
+        wait_until(lambda: engines["d1"].disconnects == 1)
+        (stalled,) = (r["body"] for r in engines["d1"].requests)
+        assert stalled["kv_transfer_params"]["do_remote_prefill"] is True
+        prefill_leg, colocated_leg = (r["body"] for r in engines["p1"].requests)
+        assert prefill_leg["max_tokens"] == 1 and colocated_leg == body
+        assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
+        assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
         assert metric(base, "vllm_pd_in_flight") == 0
 
 

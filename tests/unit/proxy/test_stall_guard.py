@@ -105,3 +105,20 @@ def test_stall_lines_are_rate_limited_and_every_stall_counted(caplog):
     assert len(lines) == 2
     text = generate_latest(metrics.registry).decode()
     assert parse_metrics(text).total("vllm_pd_fallbacks_total", reason="stall") == 6
+
+
+def test_streams_are_guarded_whole_answers_only_to_decodes_that_cache_prompts():
+    """A non-streamed split is guarded through its one-token first step, which pays only
+    where the decode instance answers the second step from its prefix cache."""
+    instances: list[Any] = [
+        SimpleNamespace(label="d", prefix_caching=value) for value in (True, False, None)
+    ]
+    caching, not_caching, unknown = instances
+    guard, _, _ = _guard()
+    assert guard.guards(True, not_caching) and guard.guards(True, unknown)
+    assert guard.guards(False, caching)
+    assert not guard.guards(False, not_caching) and not guard.guards(False, unknown)
+    guard, _, _ = _guard(non_streamed=False)
+    assert guard.guards(True, caching) and not guard.guards(False, caching)
+    guard, _, _ = _guard(enabled=False)
+    assert not guard.guards(True, caching) and not guard.guards(False, caching)

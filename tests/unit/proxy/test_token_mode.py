@@ -70,8 +70,10 @@ def test_completion_split_runs_both_legs_on_generate(engines, render_url, tokeni
     assert pre["sampling_params"]["max_tokens"] == 1
     assert pre["stream"] is False
     assert pre["kv_transfer_params"] == NixlPrefill().params()
-    (dec,) = [r for n in ("d1", "d2") for r in sent(engines[n])]
-    assert dec["sampling_params"]["max_tokens"] == 6
+    # the KV's one token, then the answer from the decode instance's cache
+    dec, rest = [r for n in ("d1", "d2") for r in sent(engines[n])]
+    assert dec["sampling_params"]["max_tokens"] == 1
+    assert rest["sampling_params"]["max_tokens"] == 6 and not rest.get("kv_transfer_params")
     assert dec["kv_transfer_params"]["do_remote_prefill"] is True
     assert dec["kv_transfer_params"]["remote_request_id"].startswith("generate-tokens-")
     assert sum(e.pulls for e in engines.values()) == 1  # the decode side pulled P's blocks
