@@ -17,6 +17,13 @@ import pytest
 
 from tests.conftest import requires_nixl_pair, requires_vllm
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
+from vllm_pd_ext.util.prom import (
+    EXTERNAL_KV,
+    LOCAL_CACHE_HIT,
+    LOCAL_COMPUTE,
+    PROMPT_TOKENS_BY_SOURCE,
+    parse_metrics,
+)
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, requires_vllm]
@@ -96,6 +103,7 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
                 assert f"{engine}: lowered the CPU priority" not in banner, banner
 
         if connector != "nixl":
+            _non_streamed_split_answers_from_the_decodes_cache(port, decode_url, body, tiny_llama)
             # doctor on the stack as up leaves it (prefix caching on): its colocated run must not
             # warm the decode's cache for its split one (it did: "NOT loaded", falsely)
             found = re.search(r"prefill-0: (http://\S+)", banner)
@@ -114,6 +122,36 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)  # its children get SIGTERM (PDEATHSIG)
+
+
+def _non_streamed_split_answers_from_the_decodes_cache(
+    port: int, decode_url: str, body: dict, tiny_llama
+) -> None:
+    """A non-streamed split on a real pair (prefix caching on, as up leaves it): the decode
+    engine loads the prompt's KV in a one-token first step, then answers the request from its
+    prefix cache, computing at most the prompt's last partial block; the answer is greedy
+    colocated's."""
+    prompt = make_prompt_ids(tiny_llama, 200)
+    alone = {**body, "prompt": prompt, "cache_salt": "colocated"}
+    expected = httpx.post(f"{decode_url}/v1/completions", json=alone, timeout=120).json()
+    before = parse_metrics(httpx.get(f"{decode_url}/metrics").text)
+    (block,) = before.by_label("vllm:cache_config_info", "block_size")
+    split = {**alone, "cache_salt": "split"}  # nothing of it in either engine's cache
+    resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=split, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
+    after = parse_metrics(httpx.get(f"{decode_url}/metrics").text)
+
+    def moved(source: dict) -> float:
+        return after.total(PROMPT_TOKENS_BY_SOURCE, **source) - before.total(
+            PROMPT_TOKENS_BY_SOURCE, **source
+        )
+
+    assert moved(EXTERNAL_KV) >= 199  # the first step: the KV over the connector
+    assert moved(LOCAL_CACHE_HIT) >= 200 - int(block)  # the second: from the prefix cache
+    assert moved(LOCAL_COMPUTE) <= int(block) + 1
+    proxy_metrics = parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
+    assert proxy_metrics.total("vllm_pd_fallbacks_total") == 0
 
 
 def _doctor(prefill_url: str, decode_url: str) -> dict:
