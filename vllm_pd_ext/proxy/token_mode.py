@@ -5,8 +5,10 @@ With a render tier configured (``ProxyConfig.render``: our ``vllm-pd render`` or
 (``/v1/chat/completions/render`` or ``/v1/completions/render``), which answers a ready-to-send
 GenerateRequest; both legs then go to the engines' ``POST /inference/v1/generate`` (``vllm serve
 --enable-scale-out`` or ``--tokens-only``). The decode leg's tokens come back through derender:
-one ``/derender`` call for a whole answer, or one streaming derender call per engine event with
-the ``stream_state`` carried from call to call. The client sees normal OpenAI responses.
+one ``/derender`` call for a whole answer, or streaming derender calls with the ``stream_state``
+carried from call to call: one per engine event, except that token events which arrived
+together (while the previous call was in flight) go as one (``coalesce``), so a slow call
+does not queue a call per token behind it. The client sees normal OpenAI responses.
 
 Everything here runs on the proxy's event loop; the render servers are plain upstreams with
 the same pooled client and error kinds as the engines.
@@ -257,6 +259,76 @@ class RenderTier:
         return out
 
 
+#: The keys of a generate stream choice that coalesce: token ids and logprobs are appended,
+#: the later chunk's finish and stop reasons win. A choice with any other key set (routed
+#: experts, a sampling mask, weight versions) stays on its own.
+_COALESCING = frozenset({"index", "token_ids", "logprobs", "finish_reason", "stop_reason"})
+
+
+def _token_chunk(event: bytes) -> dict[str, Any] | None:
+    """The generate stream chunk of an SSE event; None for anything else."""
+    if not event.startswith(b"data: {"):
+        return None
+    try:
+        chunk = json.loads(event[6:])
+    except ValueError:
+        return None
+    return chunk if isinstance(chunk, dict) and "choices" in chunk else None
+
+
+def _merged(first: dict[str, Any], then: dict[str, Any]) -> bool:
+    """Append ``then``'s tokens to ``first`` (both token-mode chunks of one unfinished
+    choice, ``then`` with nothing but tokens at the top); False, both unchanged, when they
+    do not coalesce."""
+    if set(then) - {"request_id", "choices", "output_mode", "usage", "prompt_token_ids"}:
+        return False
+    if then.get("usage") is not None or then.get("prompt_token_ids") is not None:
+        return False
+    modes = {first.get("output_mode", "tokens"), then.get("output_mode", "tokens")}
+    if modes != {"tokens"} or first.get("request_id") != then.get("request_id"):
+        return False
+    choices = first.get("choices"), then.get("choices")
+    if not all(isinstance(c, list) and len(c) == 1 and isinstance(c[0], dict) for c in choices):
+        return False
+    a, b = choices[0][0], choices[1][0]  # type: ignore[index]
+    if a.get("finish_reason") is not None or a.get("index") != b.get("index"):
+        return False
+    if {k for c in (a, b) for k, v in c.items() if v is not None} - _COALESCING:
+        return False
+    ids_a, ids_b = a.get("token_ids") or [], b.get("token_ids") or []
+    logprobs_a, logprobs_b = a.get("logprobs"), b.get("logprobs")
+    if not (isinstance(ids_a, list) and isinstance(ids_b, list)):
+        return False
+    if (logprobs_a is None) != (logprobs_b is None):
+        return False
+    if logprobs_a is not None:
+        content_a = logprobs_a.get("content") if isinstance(logprobs_a, dict) else None
+        content_b = logprobs_b.get("content") if isinstance(logprobs_b, dict) else None
+        if not (isinstance(content_a, list) and isinstance(content_b, list)):
+            return False
+        logprobs_a["content"] = content_a + content_b
+    a["token_ids"] = ids_a + ids_b
+    a["finish_reason"] = b.get("finish_reason")
+    a["stop_reason"] = b.get("stop_reason")
+    return True
+
+
+def coalesce(events: list[bytes]) -> list[bytes | dict[str, Any]]:
+    """``events`` (SSE events without their blank line) with runs of token chunks of one
+    choice merged: each run as one parsed chunk; every other event as it came."""
+    out: list[bytes | dict[str, Any]] = []
+    for event in events:
+        chunk = _token_chunk(event)
+        if chunk is None:
+            out.append(event)
+            continue
+        last = out[-1] if out else None
+        if isinstance(last, dict) and _merged(last, chunk):
+            continue
+        out.append(chunk)
+    return out
+
+
 @dataclass
 class DerenderStream:
     """One streamed answer's derender side: engine SSE events in, OpenAI SSE events out.
@@ -275,20 +347,19 @@ class DerenderStream:
 
     async def feed(self, events: bytes) -> bytes:
         """Complete SSE events (each ending in a blank line) as the client's events."""
+        if self.failed:
+            return events
         out: list[bytes] = []
-        for event in events[:-2].split(b"\n\n"):
-            out.append(await self._one(event) + b"\n\n")
-        return b"".join(out)
+        for event in coalesce(events[:-2].split(b"\n\n")):
+            if isinstance(event, bytes):  # an error event or [DONE]: as the engine wrote it
+                out.append(event)
+            elif self.failed:  # after a failed call: the engine's tokens as they came
+                out.append(b"data: " + json.dumps(event, separators=(",", ":")).encode())
+            else:
+                out.append(await self._one(event))
+        return b"\n\n".join(out) + b"\n\n"
 
-    async def _one(self, event: bytes) -> bytes:
-        if self.failed or not event.startswith(b"data: {"):
-            return event
-        try:
-            chunk = json.loads(event[6:])
-        except ValueError:
-            return event
-        if not isinstance(chunk, dict) or "choices" not in chunk:
-            return event  # an error event: the client gets it as the engine wrote it
+    async def _one(self, chunk: dict[str, Any]) -> bytes:
         chunk["request_id"] = self.tokens.response_id
         req: dict[str, Any] = {
             "stream": True,

@@ -3,6 +3,7 @@ token ids to fake engines' ``/inference/v1/generate``; answers come back through
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ import httpx
 import pytest
 
 from tests.unit.proxy.helpers import LONG, SHORT, metric, proxy, sent, wait_until
+from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier, TokenRequest, coalesce
 from vllm_pd_ext.render_server.app import create_app as create_render_app
 from vllm_pd_ext.render_server.settings import RenderSettings
 from vllm_pd_ext.testing.fake_engine import GEN_BASE, GEN_SPAN, ServerThread
@@ -308,3 +310,89 @@ def test_client_disconnect_mid_stream_aborts_on_the_engine(engines, render_url):
     (sent_to,) = [r for r in decode.requests if "token_ids" in r["body"]]
     assert decode.aborted == ["generate-tokens-" + sent_to["headers"]["x-request-id"]]
     wait_until(lambda: decode.disconnects == 1)  # and its stream was closed
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_token_events_that_arrive_together_are_derendered_in_one_call(render_url, tokenizer, route):
+    """Engine events that arrived while a derender call was in flight go to the render
+    server as one chunk: one call instead of one per token, the same text for the client,
+    and what is not a token chunk ([DONE]) passes through in its place."""
+    body: dict = {"model": MODEL, "max_tokens": 6, "stream": True}
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": SHORT}]
+    else:
+        body["prompt"] = SHORT
+    path = "/v1/chat/completions/render" if route == "chat" else "/v1/completions/render"
+    rendered = httpx.post(render_url + path, json=body, timeout=30).json()
+    tokens = TokenRequest.from_render(rendered[0] if isinstance(rendered, list) else rendered, True)
+    ids = [450, 4996, 17354, 1701, 29916, 432]
+    events = [
+        "data: "
+        + json.dumps(
+            {
+                "request_id": "generate-tokens-x",
+                "choices": [
+                    {"index": 0, "token_ids": [i], "finish_reason": "length" if n == 5 else None}
+                ],
+            }
+        )
+        + "\n\n"
+        for n, i in enumerate(ids)
+    ] + ["data: [DONE]\n\n"]
+
+    async def derender(burst: bool) -> tuple[list[str], int]:
+        tier = RenderTier((render_url,), timeout_s=30, connect_s=3, max_connections=4)
+        calls = 0
+        call = tier.call
+
+        async def counted(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            return await call(*args, **kwargs)
+
+        tier.call = counted  # type: ignore[method-assign]
+        stream = DerenderStream(tier, route, body, tokens, "r1")
+        pieces = ["".join(events)] if burst else events
+        out = b"".join([await stream.feed(p.encode()) for p in pieces])
+        await tier.close()
+        return out.decode().split("\n\n")[:-1], calls
+
+    one_by_one, calls = asyncio.run(derender(burst=False))
+    together, burst_calls = asyncio.run(derender(burst=True))
+    assert (calls, burst_calls) == (6, 1)
+    assert together[-1] == one_by_one[-1] == "data: [DONE]"
+
+    def text(lines: list[str]) -> str:
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+        if route == "chat":
+            return "".join(
+                c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"]
+            )
+        return "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+
+    assert text(together) == text(one_by_one) == tokenizer.decode(ids)
+    finish = [json.loads(x[6:])["choices"][0]["finish_reason"] for x in together[:-1]]
+    assert finish[-1] == "length"
+
+
+def test_only_runs_of_plain_token_chunks_of_one_choice_coalesce():
+    def event(choice: dict, **top) -> bytes:
+        return b"data: " + json.dumps({"request_id": "g", "choices": [choice], **top}).encode()
+
+    tok = {"index": 0, "token_ids": [1], "finish_reason": None}
+    done = {"index": 0, "token_ids": [2], "finish_reason": "stop", "stop_reason": None}
+    other = {"index": 1, "token_ids": [3], "finish_reason": None}
+    experts = {**tok, "routed_experts": "abc"}
+    with_logprobs = {**tok, "logprobs": {"content": [{"token_id": 1, "logprob": -0.5}]}}
+    out = coalesce([event(tok), event(tok), event(done), event(tok), b"data: [DONE]"])
+    assert [c["choices"][0]["token_ids"] if isinstance(c, dict) else c for c in out] == [
+        [1, 1, 2],
+        [1],  # after a finished choice: its own
+        b"data: [DONE]",
+    ]
+    assert len(coalesce([event(tok), event(other)])) == 2  # another choice
+    assert len(coalesce([event(tok), event(experts)])) == 2  # a key that does not append
+    assert len(coalesce([event(tok), event(with_logprobs)])) == 2  # logprobs on one side only
+    (both,) = coalesce([event(with_logprobs), event(with_logprobs)])
+    assert isinstance(both, dict) and len(both["choices"][0]["logprobs"]["content"]) == 2
+    assert len(coalesce([event(tok), event(tok, usage={"prompt_tokens": 1})])) == 2
