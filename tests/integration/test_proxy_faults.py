@@ -166,3 +166,60 @@ def test_prefill_killed_mid_request_falls_back_to_colocated(
         prefill.stop()
         fleet["prefill"] = start(vllm_servers, tiny_llama, "prefill", 0, port=prefill.port)
         wait_whole_fleet(proxy_url)
+
+
+def _streamed_token_ids(proxy_url: str, payload: dict) -> list[int]:
+    ids: list[int] = []
+    stream = {**payload, "stream": True}
+    with httpx.stream("POST", f"{proxy_url}/v1/completions", json=stream, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk["choices"]:
+                    ids.extend(choice.get("token_ids") or [])
+    return ids
+
+
+def test_a_frozen_decode_is_a_stall_then_down_and_the_prefill_instance_serves_requests_whole(
+    fleet, proxy_url, tiny_llama
+):
+    """Degraded modes on real engines. The decode engine freezes (SIGSTOP): a split stream's
+    decode leg gets no answer, so past the stall guard's deadline the request is served
+    colocated on the prefill instance (which just computed its prompt); once the proxy's
+    health checks find the decode down, long prompts are served whole on the prefill
+    instance; both answers are greedy colocated's, and both fallbacks counted."""
+    wait_whole_fleet(proxy_url)
+    prefill, decode = fleet["prefill"], fleet["decode"]
+    payload = body(decode.served_name, make_prompt_ids(tiny_llama, 200))
+    expected = httpx.post(f"{decode.base_url}/v1/completions", json=payload, timeout=120).json()[
+        "choices"
+    ][0]["token_ids"]
+    stalls = proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="stall")
+    no_decode = proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="no_decode")
+    prefill_served = prefill.metric("vllm:request_success_total")
+    os.killpg(decode.proc.pid, signal.SIGSTOP)
+    try:
+        # health checks take seconds to give up on a silent engine; the guard's floor is 2 s
+        assert _streamed_token_ids(proxy_url, payload) == expected
+        assert proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="stall") - stalls == 1
+        # the prefill leg and the colocated answer, both on the prefill instance
+        assert prefill.metric("vllm:request_success_total") - prefill_served == 2
+
+        deadline = time.monotonic() + 120
+        while httpx.get(f"{proxy_url}/health", timeout=30).json().get("healthy_decode") != 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        health = httpx.get(f"{proxy_url}/health", timeout=30)
+        assert health.status_code == 200 and health.json()["status"] == "degraded_no_decode"
+        resp = httpx.post(f"{proxy_url}/v1/completions", json=payload, timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["choices"][0]["token_ids"] == expected
+        moved = proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="no_decode") - no_decode
+        assert moved == 1
+    finally:
+        os.killpg(decode.proc.pid, signal.SIGCONT)
+        wait_whole_fleet(proxy_url)
+    wait_idle(prefill)  # the abandoned split's blocks are released (the lease at the latest)
+    wait_idle(decode)
