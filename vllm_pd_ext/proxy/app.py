@@ -96,6 +96,9 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
         for inst in service.fleet.instances():
             m.upstream_healthy.labels(inst.label, inst.role).set(1 if inst.healthy else 0)
             m.upstream_in_flight.labels(inst.label, inst.role).set(inst.in_flight)
+            if inst.events is not None:
+                for figure, value in inst.events.figures().items():
+                    m.kv_events.labels(inst.label, figure).set(value)
         return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/admin/fleet")

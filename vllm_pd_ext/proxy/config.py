@@ -25,6 +25,29 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+class KVEventsConfig(_Strict):
+    """Where an engine publishes its KV events (vLLM's ``--kv-events-config`` with
+    ``"enable_kv_cache_events": true, "publisher": "zmq"``): the proxy subscribes and keeps an
+    index of the prefixes the engine's cache holds (``kv_events.py``)."""
+
+    endpoint: str = Field(
+        description="the engine's ZeroMQ publisher: tcp://host:port or ipc:///path (vLLM binds "
+        "it for a wildcard host such as tcp://*:5557 and for ipc://; keep it on a private "
+        "network or use ipc:// on one host: the events are not authenticated)"
+    )
+    replay_endpoint: str | None = Field(
+        None, description="its replay endpoint, for what was stored before and gaps"
+    )
+    topic: str = ""
+
+    @field_validator("endpoint", "replay_endpoint")
+    @classmethod
+    def _zmq(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("tcp://", "ipc://")):
+            raise ValueError(f"{value!r}: a tcp:// or ipc:// ZeroMQ endpoint")
+        return value
+
+
 class InstanceConfig(_Strict):
     """One engine: its base URL and role."""
 
@@ -42,6 +65,7 @@ class InstanceConfig(_Strict):
     notify_port: int | None = Field(
         None, ge=1, le=65535, description="MoRI-IO's notify port (moriio-write)"
     )
+    kv_events: KVEventsConfig | None = None
 
     @field_validator("bootstrap_addr")
     @classmethod

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm_pd_ext.proxy.config import InstanceConfig, ProxyConfig
+from vllm_pd_ext.proxy.kv_events import PrefixIndex, Subscriber
 from vllm_pd_ext.proxy.sources import FileSource, FleetSource, KubernetesSource
 from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
 from vllm_pd_ext.util.prom import parse_metrics
@@ -39,6 +40,22 @@ CACHE_INFO = "vllm:cache_config_info"
 STALE_AFTER_ROUNDS = 3
 
 _NEEDLES = tuple(b"\n" + name.encode() for name in (*LOAD_METRICS, CACHE_INFO))
+
+
+def _follow_events(inst: Instance) -> None:
+    """Subscribe to ``inst``'s KV events, when its config names where they are published."""
+    cfg = inst.config.kv_events
+    if cfg is None:
+        return
+    inst.events = Subscriber(PrefixIndex(), cfg.endpoint, cfg.replay_endpoint, cfg.topic)
+    inst.events.start()
+    logger.info("fleet: %s: following its KV events at %s", inst.label, cfg.endpoint)
+
+
+async def _stop_events(inst: Instance) -> None:
+    events, inst.events = inst.events, None
+    if events is not None:
+        await events.close()
 
 
 def _load_lines(raw: bytes) -> str:
@@ -73,6 +90,8 @@ class Instance:
     kv_usage: float = 0.0
     #: Does the engine's prefix cache keep prompts (None: it has not said, in ``/metrics``)?
     prefix_caching: bool | None = None
+    #: What its prefix cache holds, from its KV events (None: it publishes none to us).
+    events: Subscriber | None = field(default=None, repr=False)
     last_error: str = ""
     #: When the engine figures were last read (monotonic; 0: never).
     metrics_at: float = field(default=0.0, repr=False)
@@ -173,10 +192,15 @@ class Fleet:
         for url, cfg in wanted.items():
             current = self._instances.get(url)
             if current is None:
-                self._instances[url] = Instance(cfg, self._client(url))
+                current = self._instances[url] = Instance(cfg, self._client(url))
                 logger.info("fleet: added %s as %s", cfg.label, cfg.role)
+                _follow_events(current)
             elif current.config != cfg:
+                events_changed = current.config.kv_events != cfg.kv_events
                 current.config = cfg
+                if events_changed:
+                    await _stop_events(current)
+                    _follow_events(current)
 
     def instances(self) -> list[Instance]:
         return list(self._instances.values())
@@ -206,6 +230,7 @@ class Fleet:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
         for inst in [*self._instances.values(), *self._retired]:
+            await _stop_events(inst)
             await inst.client.close()
         for source in self._sources:
             await source.close()
@@ -235,6 +260,7 @@ class Fleet:
     async def _close_retired(self) -> None:
         for inst in [i for i in self._retired if i.in_flight == 0]:
             self._retired.remove(inst)
+            await _stop_events(inst)
             await inst.client.close()
 
     async def check_all(self) -> None:

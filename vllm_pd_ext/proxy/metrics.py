@@ -106,6 +106,14 @@ class ProxyMetrics:
             ["instance", "role"],
             registry=r,
         )
+        self.kv_events = Gauge(
+            "vllm_pd_kv_events",
+            "Per instance that publishes KV events: the prefix index's blocks, batches read, "
+            "gaps in their sequence, events skipped (malformed, orphans, dropped), failed (1: "
+            "the subscription stopped); instances without are routed on the estimate",
+            ["instance", "figure"],
+            registry=r,
+        )
         self.upstream_in_flight = Gauge(
             "vllm_pd_upstream_in_flight",
             "Requests this proxy has in flight per instance",

@@ -1,0 +1,318 @@
+"""KV events in, a prefix index out: what each engine's prefix cache holds, from its own events.
+
+vLLM started with ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+"endpoint": ..., "replay_endpoint": ...}'`` publishes, once per engine step with changes, a batch
+of events over ZeroMQ (``vllm/distributed/kv_events.py``, ``ZmqEventPublisher``):
+
+* wire: a PUB socket's multipart messages ``[topic, seq, batch]``, ``seq`` a u64 big-endian
+  counter from 0, ``batch`` msgpack ``[ts, events, data_parallel_rank]``; each event a map
+  tagged by ``type``: ``BlockStored`` (``block_hashes``, ``parent_block_hash``, the blocks'
+  ``token_ids``, ``block_size``, per-block ``extra_keys``, ``medium``, ``group_idx``, ...),
+  ``BlockRemoved`` (``block_hashes``, ``medium``), ``AllBlocksCleared``;
+* replay: a ROUTER socket answers ``[b"", seq]`` from a DEALER with every buffered batch from
+  ``seq`` on as ``[b"", topic, seq, batch]``, then ``[b"", b"", END_SEQ, b""]``.
+
+The index does not recompute vLLM's block hashes (their algorithm, seed and the engine's
+``PYTHONHASHSEED`` are the engine's business): a stored block's key here is a hash of its
+parent's key, its token ids and its extra keys, so a prompt's blocks can be looked up from its
+token ids, its ``cache_salt`` and its LoRA name alone; vLLM's hashes only map removals to keys.
+A block whose parent the index never saw (stored before the subscription and beyond the
+replay buffer) is not indexed, nor are its descendants: a miss, never a false hit. Only the
+device tier (``medium`` GPU or unset) of the first KV cache group is indexed.
+
+Nothing read is trusted: a malformed batch or event is counted and skipped, each index holds
+at most ``max_blocks`` blocks (more stores are dropped, counted), a message is at most
+``MAX_MESSAGE_BYTES``, and a replay reads at most ``MAX_REPLAY_BATCHES`` batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+#: The largest message a subscriber accepts (a batch of one step's events).
+MAX_MESSAGE_BYTES = 64 << 20
+#: Batches one replay request reads at most.
+MAX_REPLAY_BATCHES = 100_000
+#: The replay's end marker: seq -1.
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+#: The media of the device tier (vLLM's ``MEDIUM_GPU``; events of CPU-only engines say GPU too).
+DEVICE_MEDIA = (None, "GPU")
+#: The index's key of "no parent": the first block of a prompt.
+ROOT = 0
+
+
+def block_key(parent: int, tokens: Sequence[int], extra: tuple[Any, ...] | None) -> int:
+    """The index's key of one full block: its parent's key, its tokens, its extra keys."""
+    return hash((parent, tuple(tokens), extra))
+
+
+def extra_keys(first: bool, cache_salt: str | None, lora_name: str | None) -> tuple | None:
+    """A block's extra keys as vLLM publishes them (untagged, in its order: the LoRA name,
+    then the ``cache_salt``, which only the first block carries); None when there are none.
+    Multimodal and prompt-embedding keys are not built here: such prompts are not looked up."""
+    keys: list[Any] = []
+    if lora_name:
+        keys.append(lora_name)
+    if first and cache_salt:
+        keys.append(cache_salt)
+    return tuple(keys) or None
+
+
+@dataclass
+class PrefixIndex:
+    """The device-tier blocks one engine holds, keyed by content. Not thread-safe."""
+
+    max_blocks: int = 1 << 20
+    #: The engine's block size, from its events (None until one is seen).
+    block_size: int | None = None
+    #: vLLM's block hash -> the index's key.
+    _keys: dict[bytes | int, int] = field(default_factory=dict)
+    #: the index's key -> how many of vLLM's hashes map to it.
+    _held: dict[int, int] = field(default_factory=dict)
+    #: Events skipped: malformed, a block over ``max_blocks``, a parent never seen.
+    malformed: int = 0
+    dropped: int = 0
+    orphans: int = 0
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def clear(self) -> None:
+        self._keys.clear()
+        self._held.clear()
+
+    def apply(self, event: Any) -> None:
+        """One decoded event (a map with ``type``); malformed ones are counted and skipped."""
+        kind = event.get("type") if isinstance(event, dict) else None
+        try:
+            if kind == "BlockStored":
+                self._stored(event)
+            elif kind == "BlockRemoved":
+                self._removed(event)
+            elif kind == "AllBlocksCleared":
+                self.clear()
+            else:
+                self.malformed += 1
+        except (TypeError, ValueError):
+            self.malformed += 1
+
+    def _stored(self, event: dict[str, Any]) -> None:
+        if event.get("medium") not in DEVICE_MEDIA or event.get("group_idx") not in (None, 0):
+            return
+        hashes, tokens = event["block_hashes"], event["token_ids"]
+        size, parent_hash = event["block_size"], event.get("parent_block_hash")
+        extras = event.get("extra_keys") or [None] * len(hashes)
+        if not (
+            isinstance(hashes, list)
+            and isinstance(tokens, list)
+            and isinstance(extras, list)
+            and type(size) is int
+            and 0 < size <= 1 << 16
+            and len(tokens) == size * len(hashes)
+            and len(extras) == len(hashes)
+            and all(isinstance(h, (bytes, int)) for h in hashes)
+        ):
+            raise ValueError("malformed BlockStored")
+        if self.block_size is None:
+            self.block_size = size
+        elif size != self.block_size:
+            raise ValueError("another block size")
+        if parent_hash is None:
+            parent = ROOT
+        elif (known := self._keys.get(parent_hash)) is not None:
+            parent = known
+        else:
+            self.orphans += len(hashes)
+            return
+        for i, vllm_hash in enumerate(hashes):
+            extra = extras[i]
+            key = block_key(parent, tokens[i * size : (i + 1) * size], _frozen(extra))
+            if vllm_hash not in self._keys:
+                if len(self._held) >= self.max_blocks and key not in self._held:
+                    self.dropped += len(hashes) - i
+                    return
+                self._keys[vllm_hash] = key
+                self._held[key] = self._held.get(key, 0) + 1
+            parent = key
+
+    def _removed(self, event: dict[str, Any]) -> None:
+        if event.get("medium") not in DEVICE_MEDIA or event.get("group_idx") not in (None, 0):
+            return
+        hashes = event["block_hashes"]
+        if not isinstance(hashes, list):
+            raise ValueError("malformed BlockRemoved")
+        for vllm_hash in hashes:
+            if not isinstance(vllm_hash, (bytes, int)):
+                raise ValueError("malformed BlockRemoved")
+            key = self._keys.pop(vllm_hash, None)
+            if key is None:
+                continue
+            left = self._held[key] - 1
+            if left:
+                self._held[key] = left
+            else:
+                del self._held[key]
+
+    def cached_blocks(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
+    ) -> int:
+        """How many of the prompt's leading full blocks the engine holds."""
+        size = self.block_size
+        if size is None or not self._held:
+            return 0
+        parent, n = ROOT, 0
+        for start in range(0, len(token_ids) - size + 1, size):
+            extra = extra_keys(start == 0, cache_salt, lora_name)
+            key = block_key(parent, token_ids[start : start + size], extra)
+            if key not in self._held:
+                break
+            parent, n = key, n + 1
+        return n
+
+
+def _frozen(extra: Any) -> tuple[Any, ...] | None:
+    """A published extra-keys entry as a hashable tuple (msgpack gives lists)."""
+    if extra is None:
+        return None
+    if not isinstance(extra, list):
+        raise ValueError("malformed extra_keys")
+    return tuple(tuple(x) if isinstance(x, list) else x for x in extra)
+
+
+def decode_batch(payload: bytes) -> list[Any]:
+    """A batch's events; raises ``ValueError`` for anything but ``[ts, events, ...]``."""
+    import msgspec
+
+    try:
+        batch = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as exc:
+        raise ValueError(str(exc)) from None
+    if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
+        raise ValueError("not an event batch")
+    return batch[1]
+
+
+class Subscriber:
+    """Follows one engine's KV events into ``index``: a SUB socket on ``endpoint`` (and, when
+    given, replay requests to ``replay_endpoint``: at the start, for what was stored before,
+    and for the batches a gap in ``seq`` missed); ZeroMQ reconnects by itself."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        endpoint: str,
+        replay_endpoint: str | None = None,
+        topic: str = "",
+        replay_timeout_s: float = 5.0,
+    ):
+        self.index = index
+        self.endpoint = endpoint
+        self.replay_endpoint = replay_endpoint
+        self.topic = topic.encode()
+        self.replay_timeout_s = replay_timeout_s
+        #: The next seq expected (None: nothing received yet).
+        self.next_seq: int | None = None
+        self.batches = 0
+        self.gaps = 0
+        self.failed = False
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def close(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.wait((task,))  # a cancellation of the caller itself propagates
+
+    def figures(self) -> dict[str, int]:
+        """What ``/metrics`` shows of it (``vllm_pd_kv_events{instance,figure}``)."""
+        index = self.index
+        return {
+            "blocks": len(index),
+            "batches": self.batches,
+            "gaps": self.gaps,
+            "malformed": index.malformed,
+            "orphans": index.orphans,
+            "dropped": index.dropped,
+            "failed": int(self.failed),
+        }
+
+    async def _run(self) -> None:
+        try:
+            await self._follow()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bad endpoint, a ZeroMQ error: say so, keep serving
+            self.failed = True
+            logger.warning("kv events from %s stopped: %s", self.endpoint, exc)
+
+    async def _follow(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.SUBSCRIBE, self.topic)
+        sub.connect(self.endpoint)
+        try:
+            if self.replay_endpoint is not None:  # what was stored before we listened
+                await self._replay(ctx, 0)
+            while True:
+                frames = await sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    self.index.malformed += 1
+                    continue
+                seq = int.from_bytes(frames[1], "big")
+                if self.next_seq is not None and seq > self.next_seq:
+                    self.gaps += 1
+                    if self.replay_endpoint is not None:
+                        await self._replay(ctx, self.next_seq)
+                if self.next_seq is None or seq >= self.next_seq:
+                    self._apply(seq, frames[2])
+        finally:
+            sub.close(linger=0)
+
+    def _apply(self, seq: int, payload: bytes) -> None:
+        try:
+            events = decode_batch(payload)
+        except ValueError:
+            self.index.malformed += 1
+        else:
+            for event in events:
+                self.index.apply(event)
+        self.batches += 1
+        self.next_seq = seq + 1
+
+    async def _replay(self, ctx: Any, start: int) -> None:
+        """Apply the buffered batches from ``start`` on (bounded in count and time)."""
+        import zmq
+
+        dealer = ctx.socket(zmq.DEALER)
+        dealer.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+        dealer.setsockopt(zmq.LINGER, 0)
+        assert self.replay_endpoint is not None
+        dealer.connect(self.replay_endpoint)
+        try:
+            await dealer.send_multipart((b"", start.to_bytes(8, "big")))
+            for _ in range(MAX_REPLAY_BATCHES):
+                frames = await asyncio.wait_for(dealer.recv_multipart(), self.replay_timeout_s)
+                if len(frames) != 4 or frames[2] == END_SEQ:
+                    return
+                _, _, seq_bytes, payload = frames
+                seq = int.from_bytes(seq_bytes, "big")
+                if self.next_seq is None or seq >= self.next_seq:
+                    self._apply(seq, payload)
+        except TimeoutError:
+            logger.warning("kv events: no replay from %s", self.replay_endpoint)
+        finally:
+            dealer.close(linger=0)
