@@ -44,6 +44,7 @@ def test_models_health_and_idle_metrics(base):
     assert [m["id"] for m in models["data"]] == [MODEL]
     metrics = parse_metrics(httpx.get(f"{base}/metrics", timeout=10).text)
     assert metrics.names() == {
+        "vllm:cache_config_info",
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",
         "vllm:kv_cache_usage_perc",
