@@ -120,6 +120,9 @@ class Sample:
     tokens: int = 0
     #: When it was sent, in seconds from its phase's start.
     sent_s: float = 0.0
+    #: When it was due (its Poisson arrival), in seconds from its phase's start; None in a
+    #: sequential phase. A ``sent_s`` well past it: the client fell behind.
+    due_s: float | None = None
     #: How our proxy served it (``decision/reason``, ``+ fallback REASON``); "" unknown.
     served: str = ""
 
@@ -131,6 +134,7 @@ class Sample:
         """This request's figures, for the JSON."""
         out: dict[str, Any] = {
             "sent_s": round(self.sent_s, 4),
+            **({"due_s": round(self.due_s, 4)} if self.due_s is not None else {}),
             "prompt_tokens": self.prompt_tokens,
             "ok": self.ok,
             "ttft_ms": round(self.ttft_s * 1e3, 2),
@@ -383,7 +387,7 @@ async def run_rate(
             await asyncio.sleep(max(0.0, start + at - time.perf_counter()))
             sent = time.perf_counter() - start
             sample = await one_request(client, url, model, prompt, workload.output_tokens)
-            sample.sent_s = sent
+            sample.sent_s, sample.due_s = sent, at
             done += 1
             _progress(done, len(plan), f"{deployment} @ {rate:g} req/s")
             return sample

@@ -88,6 +88,11 @@ def test_every_request_of_a_run_has_its_own_prompt_across_phases_and_endpoints(e
         ("colocated", "poisson", 40.0), ("P/D", "poisson", 40.0),
     ]  # fmt: skip
     assert sum(r.completed for r in rows) == 2 * (2 + 4 + 4)
+    for row in rows:  # Poisson requests say when they were due, sequential ones do not
+        if row.phase == "poisson":
+            assert all(r["sent_s"] >= r["due_s"] for r in row.requests)
+        else:
+            assert all("due_s" not in r for r in row.requests)
     sent = _sent_prompts(engines)
     assert len(sent) == 20 and len(set(sent)) == 20
     assert len({p[: Prompts.HEADER] for p in sent}) == 20  # not even a first block shared
