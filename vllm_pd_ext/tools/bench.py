@@ -222,13 +222,6 @@ async def proxy_metrics(client: httpx.AsyncClient, url: str) -> Metrics | None:
         return None
 
 
-async def fallback_counts(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
-    """The proxy's fallbacks so far by reason (empty: an endpoint without them, e.g. an
-    engine); None when its ``/metrics`` cannot be read."""
-    metrics = await proxy_metrics(client, url)
-    return None if metrics is None else metrics.by_label(FALLBACKS, "reason")
-
-
 def counter_delta(
     before: Metrics | None, after: Metrics | None, name: str, *labels: str
 ) -> dict[str, float] | None:
