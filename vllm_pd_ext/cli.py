@@ -21,6 +21,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
 def _positive_float(text: str) -> float:
     value = float(text)
     if value <= 0:
@@ -126,57 +133,54 @@ def _parse_slo(text: str) -> tuple[float, float]:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from vllm_pd_ext.tools.bench import Workload, bench_main
+    from vllm_pd_ext.tools.bench import Workload, bench_main, bench_up_main, stack_configs
 
     try:
-        rates = tuple(float(r) for r in args.rates.split(","))
+        rates = tuple(float(r) for r in args.rates.split(",") if r.strip())
         slo_ttft, slo_itl = _parse_slo(args.slo)
     except ValueError as exc:
         print(f"vllm-pd bench: {exc}", file=sys.stderr)
         return 2
+    if not rates and not args.sequential:
+        print("vllm-pd bench: nothing to run: give --rates or --sequential", file=sys.stderr)
+        return 2
     workload = Workload(
         rates=rates,
         requests_per_rate=args.requests,
+        sequential=args.sequential,
         long_fraction=args.long_fraction,
         long_tokens=args.long_tokens,
         short_tokens=args.short_tokens,
         output_tokens=args.output_tokens,
     )
-
-    def run(colocated: str, pd: str, note: str = "") -> int:
-        return bench_main(
-            colocated, pd, args.model, workload, slo_ttft, slo_itl, args.json, args.png, note
-        )
-
     if not args.up:
+        stack_only = [f for f in ("connector", "pdext_backend", "config") if getattr(args, f)]
+        if stack_only:
+            flags = ", ".join("--" + f.replace("_", "-") for f in stack_only)
+            print(f"vllm-pd bench: {flags} only with --up", file=sys.stderr)
+            return 2
         if not (args.colocated and args.pd):
             print("vllm-pd bench: give --colocated and --pd, or --up", file=sys.stderr)
             return 2
-        return run(args.colocated, args.pd)
-    from vllm_pd_ext.tools.launcher import Stack, UpConfig
-    from vllm_pd_ext.util.vllm_process import free_port
-
-    stack = Stack(
-        UpConfig(
-            proxy_port=free_port(),
-            min_split_prompt_tokens=0,
-            cost_model=False,
-            log_dir=Path("logs/bench"),
+        return bench_main(
+            args.colocated,
+            args.pd,
+            args.model,
+            workload,
+            slo_ttft,
+            slo_itl,
+            args.json,
+            args.png,
         )
-    )
-    stack.build()
+    connectors = args.connector.split(",") if args.connector else None
     try:
-        if not stack.start():
-            return 1
-        decode = next(p.url for p in stack.parts if p.name.startswith("decode"))
-        note = (
-            "note: colocated = the stack's decode instance alone; P/D = the proxy over "
-            "both. On a CPU host both share the same cores, so this shows the tool works, "
-            "not the GPU effect of splitting."
-        )
-        return run(decode, stack.parts[-1].url, note)
-    finally:
-        stack.stop_all()
+        configs = stack_configs(args.config, connectors, args.pdext_backend)
+    except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        print(f"vllm-pd bench: invalid stack configuration:\n{exc}", file=sys.stderr)
+        return 2
+    return bench_up_main(
+        configs, workload, slo_ttft, slo_itl, args.json, args.png, label_rows=bool(args.connector)
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -337,16 +341,47 @@ def build_parser() -> argparse.ArgumentParser:
         help="goodput A/B: the same workload against colocated and P/D serving",
         description="Poisson arrivals at several rates, long and short streaming prompts, "
         "against a colocated endpoint and a P/D endpoint; TTFT/ITL percentiles, goodput "
-        "under the SLO, a table, JSON and a PNG. Give both endpoints, or --up to bring up a "
-        "local 1P1D stack (colocated = its decode instance, P/D = its proxy).",
+        "under the SLO, a table, JSON (every request's figures) and a PNG; with --sequential "
+        "also N requests one at a time. Every prompt is unique (no prefix-cache help). Give "
+        "both endpoints, or --up to bring up a local 1P1D stack (colocated = its decode "
+        "instance, P/D = its proxy), one per --connector.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     bench.add_argument("--colocated", metavar="URL", help="colocated endpoint")
     bench.add_argument("--pd", metavar="URL", help="P/D endpoint (a vllm-pd proxy)")
     bench.add_argument("--up", action="store_true", help="bring up a local stack to measure")
+    bench.add_argument(
+        "--connector",
+        default=None,
+        metavar="NAMES",
+        help="with --up: one stack per connector in turn, comma-separated (pdext, nixl), "
+        "each measured colocated and P/D, all rows in one table and JSON",
+    )
+    bench.add_argument(
+        "--pdext-backend",
+        default=None,
+        help="with --up: the transport of connector pdext, as `vllm-pd up` has it (tcp, mooncake)",
+    )
+    bench.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="with --up: a `vllm-pd up` YAML/JSON file for the stacks (default: tiny-llama "
+        "1P1D, every prompt split); the proxy's cost model is always off",
+    )
     bench.add_argument("--model", default=None, help="served model name (default: ask /v1/models)")
-    bench.add_argument("--rates", default="1,2,4", help="request rates, req/s")
+    bench.add_argument(
+        "--rates", default="1,2,4", help="request rates, req/s ('' for none: --sequential only)"
+    )
     bench.add_argument("--requests", type=_positive_int, default=20, help="requests per rate")
+    bench.add_argument(
+        "--sequential",
+        type=_non_negative_int,
+        default=0,
+        metavar="N",
+        help="also N requests of --long-tokens one after another (before the rates), the "
+        "two endpoints taking turns",
+    )
     bench.add_argument("--long-fraction", type=float, default=0.3)
     bench.add_argument("--long-tokens", type=_positive_int, default=400)
     bench.add_argument("--short-tokens", type=_positive_int, default=32)

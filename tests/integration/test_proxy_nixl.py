@@ -263,6 +263,8 @@ def test_bench_compares_colocated_and_pd(fleet, proxy_url, tmp_path):
             "2,4",
             "--requests",
             "6",
+            "--sequential",
+            "2",
             "--long-tokens",
             "200",
             "--short-tokens",
@@ -283,10 +285,18 @@ def test_bench_compares_colocated_and_pd(fleet, proxy_url, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "goodput" in proc.stdout and "P/D" in proc.stdout
     data = json.loads(out_json.read_text())
-    rows = {(r["deployment"], r["rate"]): r for r in data["results"]}
+    seq = {r["deployment"]: r for r in data["results"] if r["phase"] == "sequential"}
+    assert set(seq) == {"colocated", "P/D"}
+    for r in seq.values():
+        assert (r["completed"], r["failed"], len(r["requests"])) == (2, 0, 2)
+        assert all(q["prompt_tokens"] == 200 and q["tokens"] == 8 for q in r["requests"])
+    # each request through the proxy says how it was served: split (or a fallback after one)
+    assert all(q["served"].startswith("split/") for q in seq["P/D"]["requests"])
+    assert data["prompts_issued"] == 2 * 2 + 2 * 2 * 6
+    rows = {(r["deployment"], r["rate"]): r for r in data["results"] if r["phase"] == "poisson"}
     assert set(rows) == {("colocated", 2.0), ("colocated", 4.0), ("P/D", 2.0), ("P/D", 4.0)}
     for r in rows.values():
-        assert r["completed"] == 6 and r["failed"] == 0
+        assert r["completed"] == 6 and r["failed"] == 0 and len(r["requests"]) == 6
         assert 0 < r["ttft_ms"]["p50"] <= r["ttft_ms"]["p99"]
         assert r["itl_ms"]["p99"] > 0
         assert r["slo_attained"] == 6
