@@ -138,9 +138,8 @@ class Relay:
             resp.set_sink(relay.sink)
         try:
             async for chunk in resp.chunks():
-                now = time.perf_counter()
                 if derender is None:
-                    ready = relay.events(chunk, now)
+                    ready = relay.events(chunk, time.perf_counter())
                     if ready is None:
                         continue
                 else:
@@ -148,7 +147,7 @@ class Relay:
                     if ready is None:
                         continue
                     ready = await derender.feed(ready)
-                    relay.observe(ready, now)
+                    relay.observe(ready, time.perf_counter())  # after the derender call
                 yield ready
             if relay.buffer.strip():
                 yield relay.buffer
