@@ -200,8 +200,10 @@ def decode_batch(payload: bytes) -> list[Any]:
 
 class Subscriber:
     """Follows one engine's KV events into ``index``: a SUB socket on ``endpoint`` (and, when
-    given, replay requests to ``replay_endpoint``: at the start, for what was stored before,
-    and for the batches a gap in ``seq`` missed); ZeroMQ reconnects by itself."""
+    given, replay requests to ``replay_endpoint``: at the start, for what was stored before;
+    for the batches a gap in ``seq`` missed; and after ``catch_up_s`` without a message, for
+    what was published while the subscription was on its way, which ZeroMQ drops and no later
+    batch has shown as a gap yet); ZeroMQ reconnects by itself."""
 
     def __init__(
         self,
@@ -210,12 +212,14 @@ class Subscriber:
         replay_endpoint: str | None = None,
         topic: str = "",
         replay_timeout_s: float = 5.0,
+        catch_up_s: float = 2.0,
     ):
         self.index = index
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self.topic = topic.encode()
         self.replay_timeout_s = replay_timeout_s
+        self.catch_up_s = catch_up_s
         #: The next seq expected (None: nothing received yet).
         self.next_seq: int | None = None
         self.batches = 0
@@ -268,6 +272,12 @@ class Subscriber:
             if self.replay_endpoint is not None:  # what was stored before we listened
                 await self._replay(ctx, 0)
             while True:
+                if not await sub.poll(self.catch_up_s * 1000):
+                    # quiet: batches published while the subscription was still on its way
+                    # (ZeroMQ drops them) show no gap until a later one; ask for them now
+                    if self.replay_endpoint is not None:
+                        await self._replay(ctx, self.next_seq or 0)
+                    continue
                 frames = await sub.recv_multipart()
                 if len(frames) != 3 or len(frames[1]) != 8:
                     self.index.malformed += 1
