@@ -75,6 +75,13 @@ class Decider:
             self.prefill_s_per_token.add(prefill_s / prompt_tokens)
             self.transfer_s_per_token.add(transfer_gap_s / prompt_tokens)
 
+    def expected_prefill_s(self, prompt_tokens: int) -> float | None:
+        """The measured prefill leg for a prompt this long (None: not measured enough)."""
+        prefill = self.prefill_s_per_token
+        if prefill.value is None or prefill.samples < self.config.cost_min_samples:
+            return None
+        return prefill.value * prompt_tokens
+
     def expected_transfer_s(self, prompt_tokens: int) -> float | None:
         """The measured transfer gap for a prompt this long (None: not measured enough)."""
         transfer = self.transfer_s_per_token

@@ -131,18 +131,25 @@ class PrefillLeg:
         ctx = call.ctx
         if ctx.tokens is not None:
             call.engines.append(inst)
+        budget = self.router.guard.prefill_budget_s(ctx.est_prompt_tokens)
         with Lease(inst):
             try:
-                status, raw = await inst.client.fetch(
-                    "POST",
-                    ctx.path,
-                    self.timeout,
-                    one_token_body(ctx, params),
-                    {"X-Request-Id": ctx.request_id},
+                status, raw = await asyncio.wait_for(
+                    inst.client.fetch(
+                        "POST",
+                        ctx.path,
+                        self.timeout,
+                        one_token_body(ctx, params),
+                        {"X-Request-Id": ctx.request_id},
+                    ),
+                    budget,
                 )
             except UpstreamError as exc:
                 self.fleet.upstream_failed(inst, exc)
                 raise _AttemptFailed(f"{inst.label}: {exc.kind}") from None
+            except TimeoutError:  # the stall guard's deadline: the engine aborts it
+                self.router.guard.prefill_stalled(inst, ctx.request_id)
+                raise _AttemptFailed(f"{inst.label}: past the stall guard's deadline") from None
         if 400 <= status < 500:
             raise passthrough(status, raw)
         if status != 200:

@@ -98,6 +98,15 @@ class StallGuard:
             return cfg.floor_s
         return max(cfg.floor_s, cfg.factor * expected)
 
+    def prefill_budget_s(self, prompt_tokens: int) -> float | None:
+        """Seconds the prefill leg may take: ``factor`` times what the cost model measured
+        for a prompt this long, at least ``floor_s``; None (no deadline) until measured."""
+        cfg = self.config
+        expected = self.decider.expected_prefill_s(prompt_tokens)
+        if not cfg.enabled or expected is None:
+            return None
+        return max(cfg.floor_s, cfg.factor * expected)
+
     def allows(self, prefill: Instance, decode: Instance, guarded: bool) -> bool:
         """May a request split across this pair now? False while its breaker is open; once
         the open time is over, True for a ``guarded`` one while no probe was sent
@@ -117,6 +126,17 @@ class StallGuard:
         pair = self._pairs.get((prefill.label, decode.label))
         if pair is not None and pair.open_until != 0.0:
             pair.probe_at = self._clock()
+
+    def prefill_stalled(self, prefill: Instance, request_id: str) -> None:
+        """A prefill leg missed its deadline (it is retried, then served colocated)."""
+        self.metrics.fallbacks.labels("prefill_stall").inc()
+        if self._log.ready():
+            logger.warning(
+                "request %s: the prefill leg on %s took longer than the stall guard's deadline; "
+                'trying elsewhere (vllm_pd_fallbacks_total{reason="prefill_stall"} counts each)',
+                request_id,
+                prefill.label,
+            )
 
     def stalled(self, prefill: Instance | None, decode: Instance, request_id: str) -> None:
         """A guarded leg missed its deadline on this pair."""

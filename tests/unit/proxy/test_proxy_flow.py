@@ -728,3 +728,24 @@ def test_with_no_healthy_decode_instance_a_prefill_instance_serves_requests_whol
         wait_until(lambda: httpx.get(f"{base}/health", timeout=60).json()["status"] == "ok")
         assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
         assert metric(base, "vllm_pd_decisions_total", decision="split") == 1
+
+
+def test_a_prefill_leg_past_its_deadline_is_served_colocated(engines):
+    """Once the cost model has measured prefill legs, one that takes far longer (a starved
+    prefill engine) is closed at the stall guard's deadline and the request served
+    colocated, long before the slow prefill would have answered; counted."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    body = {"model": "m", "prompt": LONG, "max_tokens": 5}
+    with proxy(engines, instances=one_pair) as (base, svc):
+        measured = svc.router.decider.prefill_s_per_token
+        for _ in range(20):  # until cost_min_samples splits are measured
+            _whole(base, body)
+            if measured.samples >= 5:
+                break
+        assert measured.samples >= 5
+        engines["p1"].behavior.delay_s = 30.0
+        assert _whole(base, body)["choices"][0]["text"]  # (the slow prefill: 30 s, a split)
+        wait_until(lambda: engines["p1"].disconnects == 1)  # its leg was closed
+        assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_stall") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_failed") == 1
+        assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
