@@ -19,9 +19,11 @@ tokens of the answer, and how the proxy served it (its ``/metrics`` decisions).
 Then ``--checks`` prompts are sent to both modes, one after the other: the greedy answers
 must be equal, or the run fails.
 
-Token mode's derender calls, from the render server's ``/metrics`` over the token-mode
-requests (``vllm_pd_render_request_seconds{route="chat_derender"}``): calls per request and
-server-side seconds per call; and each part's CPU over the measured requests.
+The render server's own timings (its ``/metrics``, ``vllm_pd_render_request_seconds``) over
+the measured requests, per route (``chat_render``: one call per token-mode request;
+``chat_derender``: the streaming calls): calls per token-mode request, server-side ms per
+call, the share of calls slower than 10 and 25 ms; and each part's CPU over the measured
+requests.
 
 Summary per mode: TTFT p50/p90/p99, ITL p50/p99 over every gap, and token/text ratios (the
 target: p90 TTFT and p99 ITL within 1.2x). Writes ``benchmarks/results/token_vs_text.json``.
@@ -67,7 +69,7 @@ from vllm_pd_ext.util.vllm_process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("token", "text")
-DERENDER = "vllm_pd_render_request_seconds"
+RENDER_SECONDS = "vllm_pd_render_request_seconds"
 #: Words the prompts are drawn from (a prompt's tokens then vary with its words).
 WORDS = (
     "cache",
@@ -177,12 +179,26 @@ def text_proxy(stack: Stack, log_dir: Path) -> Part:
     return part
 
 
-def derender_calls(metrics: Any) -> tuple[float, float]:
-    """(calls, seconds) of the render server's chat derender route."""
-    return (
-        metrics.total(f"{DERENDER}_count", route="chat_derender"),
-        metrics.total(f"{DERENDER}_sum", route="chat_derender"),
-    )
+def render_route(before: Any, after: Any, route: str, per: int) -> dict[str, Any]:
+    """The render server's ``route`` between two scrapes: calls (per token-mode request),
+    server-side ms per call, and the share of calls slower than 10 and 25 ms."""
+
+    def count(m: Any, suffix: str, **labels: str) -> float:
+        return m.total(f"{RENDER_SECONDS}_{suffix}", route=route, **labels)
+
+    calls = count(after, "count") - count(before, "count")
+    if not calls:
+        return {"calls": 0}
+    seconds = count(after, "sum") - count(before, "sum")
+    out: dict[str, Any] = {
+        "calls": int(calls),
+        "calls_per_request": round(calls / per, 2),
+        "server_ms_per_call": round(seconds / calls * 1e3, 3),
+    }
+    for le in ("0.01", "0.025"):
+        fast = count(after, "bucket", le=le) - count(before, "bucket", le=le)
+        out[f"share_over_{float(le) * 1e3:g}ms"] = round(1 - fast / calls, 4)
+    return out
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -269,9 +285,6 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                         "answers": answers,
                     }
                 )
-        calls_after, seconds_after = derender_calls(render_after)
-        calls_before, seconds_before = derender_calls(render_before)
-        calls = calls_after - calls_before
         measured_token = sum(r["mode"] == "token" for r in requests)
         record = {
             "requests": requests,
@@ -290,12 +303,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 for m in MODES
             },
-            "derender": {
-                "calls": int(calls),
-                "calls_per_request": round(calls / measured_token, 2),
-                "server_ms_per_call": round((seconds_after - seconds_before) / calls * 1e3, 3)
-                if calls
-                else None,
+            "render_server": {
+                route: render_route(render_before, render_after, route, measured_token)
+                for route in ("chat_render", "chat_derender")
             },
             "greedy_checks": checks,
         }
@@ -367,7 +377,8 @@ def print_table(result: dict[str, Any]) -> None:
             f"{t['p99']:>8}{i['p50']:>9}{i['p99']:>8}"
         )
     print(f"token/text: {result['summary']['token_over_text']}")
-    print(f"derender: {result['run']['derender']}")
+    for route, figures in result["run"]["render_server"].items():
+        print(f"render server {route}: {figures}")
     print(f"CPU while measuring, % of a core: {result['run']['cpu_pct_of_a_core_while_measuring']}")
     print(f"greedy checks equal: {[c['equal'] for c in result['run']['greedy_checks']]}")
 
