@@ -138,10 +138,6 @@ def _check_reasoning_parser(settings: RenderSettings, tok: Any) -> None:
 
 #: Requests whose rendering waits for the CPU thread, at most; more are answered 503.
 MAX_PENDING = 1024
-#: A streaming derender call (one chunk of tokens, microseconds of work) with a body no
-#: larger than this is served on the event loop when the CPU thread is idle: two thread
-#: hand-offs a call fewer, on the path of every streamed token.
-INLINE_MAX_BYTES = 64 * 1024
 
 
 class _State:
@@ -161,8 +157,7 @@ class _State:
         self.created = int(time.time())
         #: Rendering and derendering run here, one at a time as before, so the event loop
         #: stays free for reading bodies, /health and /metrics while a large request computes
-        #: (the process's parallelism is its worker processes, not threads); only a small
-        #: streaming derender call while nothing runs here is served on the loop itself.
+        #: (the process's parallelism is its worker processes, not threads).
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render-cpu")
         self.pending = 0
 
@@ -212,22 +207,7 @@ def create_app(settings: RenderSettings) -> FastAPI:
             holder["state"] = _State(settings)
         return holder["state"]
 
-    def inline(st: _State, request: Request, data: Any) -> bool:
-        """A small streaming call while the CPU thread is idle: nothing else uses the
-        tokenizer meanwhile (only this loop hands work to that thread)."""
-        length = request.headers.get("content-length")
-        return (
-            st.pending == 0
-            and isinstance(data, dict)
-            and data.get("stream") is True
-            and length is not None
-            and length.isdigit()
-            and int(length) <= INLINE_MAX_BYTES
-        )
-
-    async def handle(
-        route: str, request: Request, fn: Callable[[Any], Any], *, stream_inline: bool = False
-    ) -> Response:
+    async def handle(route: str, request: Request, fn: Callable[[Any], Any]) -> Response:
         st = state()
         started = time.perf_counter()
         status = 200
@@ -239,14 +219,11 @@ def create_app(settings: RenderSettings) -> FastAPI:
                     status=503,
                     err_type="ServiceUnavailableError",
                 )
-            if stream_inline and inline(st, request, data):
-                result = fn(data)
-            else:
-                st.pending += 1
-                try:
-                    result = await asyncio.get_running_loop().run_in_executor(st.cpu, fn, data)
-                finally:
-                    st.pending -= 1
+            st.pending += 1
+            try:
+                result = await asyncio.get_running_loop().run_in_executor(st.cpu, fn, data)
+            finally:
+                st.pending -= 1
             response: Response = _json_response(result)
         except RenderError as exc:
             status = exc.status
@@ -303,7 +280,7 @@ def create_app(settings: RenderSettings) -> FastAPI:
             _count(req.generate_response.choices)
             return d.chat(req)
 
-        return await handle("chat_derender", request, run, stream_inline=True)
+        return await handle("chat_derender", request, run)
 
     @app.post("/v1/completions/derender")
     async def derender_completion(request: Request) -> Response:
@@ -318,7 +295,7 @@ def create_app(settings: RenderSettings) -> FastAPI:
                 _count(gen.choices)
             return d.completion(req)
 
-        return await handle("completion_derender", request, run, stream_inline=True)
+        return await handle("completion_derender", request, run)
 
     def _count(choices: list[Any]) -> None:
         state().metrics.output_tokens.inc(sum(len(c.token_ids or []) for c in choices))

@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-import threading
-import time
 from typing import Any
 
-import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -542,64 +538,3 @@ def test_connections_beyond_the_cap_are_answered_503(tiny_qwen):
         while httpx.get(url, timeout=10).status_code != 200:
             assert time.monotonic() < deadline, "never served again"
             time.sleep(0.05)
-
-
-def test_small_stream_derender_runs_on_the_loop_only_while_the_cpu_thread_is_idle(
-    tiny_qwen, monkeypatch
-):
-    """A streaming derender call skips the CPU thread when nothing runs there; queued behind
-    a render in progress, it waits its turn on that thread (one tokenizer user at a time)."""
-    from vllm_pd_ext.render_server import app as app_module
-    from vllm_pd_ext.render_server.derender import Derenderer
-    from vllm_pd_ext.render_server.renderer import Renderer
-
-    states: list[Any] = []
-
-    class Recorded(app_module._State):
-        def __init__(self, settings):
-            super().__init__(settings)
-            states.append(self)
-
-    gate = threading.Event()
-    ran_on: list[str] = []
-    render_chat, chat_stream = Renderer.render_chat, Derenderer.chat_stream
-
-    def gated_render(self, *args, **kwargs):
-        assert gate.wait(30)
-        return render_chat(self, *args, **kwargs)
-
-    def recorded_stream(self, *args, **kwargs):
-        ran_on.append(threading.current_thread().name)
-        return chat_stream(self, *args, **kwargs)
-
-    monkeypatch.setattr(app_module, "_State", Recorded)
-    monkeypatch.setattr(Renderer, "render_chat", gated_render)
-    monkeypatch.setattr(Derenderer, "chat_stream", recorded_stream)
-    app = create_app(RenderSettings(model=str(tiny_qwen), max_model_len=512))
-    chunk = {
-        "stream": True,
-        "generate_chunk": {"request_id": "r", "choices": [{"index": 0, "token_ids": [9707]}]},
-    }
-    chat = {"messages": [{"role": "user", "content": "hi"}]}
-
-    async def until(condition) -> None:
-        deadline = time.monotonic() + 30
-        while not condition():
-            assert time.monotonic() < deadline
-            await asyncio.sleep(0.005)
-
-    async def scenario() -> list[int]:
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://render") as c:
-            idle = await c.post("/v1/chat/completions/derender", json=chunk)
-            render = asyncio.ensure_future(c.post("/v1/chat/completions/render", json=chat))
-            await until(lambda: states[0].pending == 1)  # the render holds the CPU thread
-            queued = asyncio.ensure_future(c.post("/v1/chat/completions/derender", json=chunk))
-            await until(lambda: states[0].pending == 2)  # the derender call waits behind it
-            assert ran_on == [threading.current_thread().name]
-            gate.set()
-            return [r.status_code for r in (idle, await render, await queued)]
-
-    assert asyncio.run(scenario()) == [200, 200, 200]
-    assert ran_on[0] == threading.current_thread().name  # the event loop's thread
-    assert ran_on[1].startswith("render-cpu")
