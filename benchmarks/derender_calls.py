@@ -10,7 +10,8 @@ events, as the engine writes them), against two ``vllm-pd render`` servers of ti
 ``git archive``), alternating server every stream. No engine runs.
 
 Per server and prompt length: the proxy-side latency of each call (``DerenderStream.feed``
-of one event: p50/p90/p99), the server's own time per call (its ``/metrics``), the server
+of one event: p50/p90/p99) and the proxy's CPU for it (``thread_time``: encoding the call,
+the HTTP client, decoding the answer), the server's own time per call (its ``/metrics``), the server
 process group's CPU per call (user+sys, ``/proc``), the request bytes of a call. The derendered
 text of each stream must be equal between the servers, or the run fails.
 
@@ -106,11 +107,9 @@ def chat(prompt_words: int, tag: str, tokens: int) -> dict[str, Any]:
     }
 
 
-async def one_stream(
-    url: str, body: dict[str, Any], token_ids: list[int]
-) -> tuple[list[float], list[int], str]:
-    """One streamed answer derendered event by event: (seconds per call, request bytes per
-    call, the text)."""
+async def one_stream(url: str, body: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
+    """One streamed answer derendered event by event: seconds per call, the proxy's CPU
+    seconds per call (this thread), request bytes per call, prompt tokens, the text."""
     tier = RenderTier((url,), timeout_s=30, connect_s=5, max_connections=4)
     sizes: list[int] = []
     call = tier.call
@@ -123,7 +122,7 @@ async def one_stream(
     try:
         tokens = await tier.render("chat", body, "bench", stream=True)
         stream = DerenderStream(tier, "chat", body, tokens, "bench")
-        seconds, text = [], []
+        seconds, cpu, text = [], [], []
         for i, token in enumerate(token_ids):
             last = i == len(token_ids) - 1
             event = {
@@ -133,14 +132,21 @@ async def one_stream(
                 ],
             }
             raw = b"data: " + json.dumps(event).encode() + b"\n\n"
-            started = time.perf_counter()
+            started, thread = time.perf_counter(), time.thread_time()
             out = await stream.feed(raw)
             seconds.append(time.perf_counter() - started)
+            cpu.append(time.thread_time() - thread)
             chunk = json.loads(out[len(b"data: ") : -2])
             if "error" in chunk:
                 raise RunError(f"{url}: derender failed: {chunk['error']}")
             text.append(chunk["choices"][0]["delta"].get("content") or "")
-        return seconds, sizes[1:], "".join(text)  # sizes[0]: the render call
+        return {
+            "seconds": seconds,
+            "proxy_cpu_s": cpu,
+            "sizes": sizes[1:],  # sizes[0]: the render call
+            "prompt_tokens": len(tokens.prompt_ids),
+            "text": "".join(text),
+        }
     finally:
         await tier.close()
 
@@ -162,7 +168,8 @@ def measure(args: argparse.Namespace, urls: dict[str, str], procs: dict[str, Any
                 url = urls[server]
                 calls0, server_s0 = server_seconds(url)
                 cpu0 = group_cpu_s(procs[server].pid)
-                seconds, sizes, texts[server] = asyncio.run(one_stream(url, body, token_ids))
+                got = asyncio.run(one_stream(url, body, token_ids))
+                texts[server] = got["text"]
                 cpu1 = group_cpu_s(procs[server].pid)
                 calls1, server_s1 = server_seconds(url)
                 calls = calls1 - calls0
@@ -172,8 +179,10 @@ def measure(args: argparse.Namespace, urls: dict[str, str], procs: dict[str, Any
                         "stream": s,
                         "server": server,
                         "calls": int(calls),
-                        "call_ms": [round(x * 1e3, 3) for x in seconds],
-                        "request_bytes_median": int(np.median(sizes)),
+                        "prompt_tokens": got["prompt_tokens"],
+                        "call_ms": [round(x * 1e3, 3) for x in got["seconds"]],
+                        "proxy_cpu_ms_per_call": round(float(np.mean(got["proxy_cpu_s"])) * 1e3, 3),
+                        "request_bytes_median": int(np.median(got["sizes"])),
                         "server_ms_per_call": round((server_s1 - server_s0) / calls * 1e3, 3),
                         # the render call and two /metrics scrapes are in this window too
                         "server_cpu_ms_per_call": round((cpu1 - cpu0) / calls * 1e3, 3),
@@ -199,6 +208,8 @@ def summarize(rounds: list[dict], prompt_words: list[int]) -> dict[str, Any]:
                     [r["server_cpu_ms_per_call"] for r in mine], 50
                 ),
                 "request_bytes_median": int(np.median([r["request_bytes_median"] for r in mine])),
+                "prompt_tokens_median": int(np.median([r["prompt_tokens"] for r in mine])),
+                "proxy_cpu_ms_per_call_median": pct([r["proxy_cpu_ms_per_call"] for r in mine], 50),
             }
         per["ours_over_baseline"] = {
             q: round(per["ours"]["call_ms"][q] / per["baseline"]["call_ms"][q], 3)
@@ -273,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{words:>12} {server:<9} call ms p50 {s['call_ms']['p50']:>7} p90 "
                 f"{s['call_ms']['p90']:>7} p99 {s['call_ms']['p99']:>7}; server "
                 f"{s['server_ms_per_call_median']} ms, CPU {s['server_cpu_ms_per_call_median']} "
-                f"ms per call; {s['request_bytes_median']} B a call"
+                f"ms per call; proxy CPU {s['proxy_cpu_ms_per_call_median']} ms per call; "
+                f"{s['prompt_tokens_median']} prompt tokens, {s['request_bytes_median']} B a call"
             )
         print(f"{words:>12} ours/baseline {per['ours_over_baseline']}")
     print(f"wrote {args.out}")
