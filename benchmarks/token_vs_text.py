@@ -25,8 +25,11 @@ the measured requests, per route (``chat_render``: one call per token-mode reque
 call, the share of calls slower than 10 and 25 ms; and each part's CPU over the measured
 requests.
 
-Summary per mode: TTFT p50/p90/p99, ITL p50/p99 over every gap, and token/text ratios (the
-target: p90 TTFT and p99 ITL within 1.2x). Writes ``benchmarks/results/token_vs_text.json``.
+Summary per mode: TTFT p50/p90/p99, ITL p50/p99 over every gap between content events,
+TPOT p50/p90/p99 (first to last content event over the tokens after the first: the pace per
+token, which the two modes' different event counts do not bend), and token/text ratios (the
+target: p90 TTFT and p99 ITL within 1.2x). ``--resummarize`` recomputes the summary of a
+written result from its recorded requests. Writes ``benchmarks/results/token_vs_text.json``.
 
 Another job's engines on the same cores would skew the figures, so the run refuses to start
 while any ``vllm serve`` is running; run it under the lock the integration tests take:
@@ -332,12 +335,18 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         mine = [r for r in record["requests"] if r["mode"] == mode]
         ttft = [r["ttft_ms"] for r in mine]
         itl = [g for r in mine for g in r["itl_ms"]]
+        # the pace per token: first to last content event over the tokens after the first
+        # (events coalesce tokens in token mode, and near-simultaneous tokens leave as
+        # separate events in text mode, so per-event gaps differ by construction)
+        tpot = [sum(r["itl_ms"]) / (r["completion_tokens"] - 1) for r in mine]
         out[mode] = {
             "requests": len(mine),
             "split": sum(r["served"] == "split/split" for r in mine),
             "ttft_ms": {"p50": pct(ttft, 50), "p90": pct(ttft, 90), "p99": pct(ttft, 99)},
             "itl_ms": {"p50": pct(itl, 50), "p99": pct(itl, 99)},
             "itl_gaps": len(itl),
+            "itl_gaps_under_half_a_ms": sum(g < 0.5 for g in itl),
+            "tpot_ms": {"p50": pct(tpot, 50), "p90": pct(tpot, 90), "p99": pct(tpot, 99)},
             "events_per_request_mean": round(float(np.mean([r["events"] for r in mine])), 2),
             "ttft_ms_p90_per_round": [
                 pct([r["ttft_ms"] for r in mine if r["round"] == k], 90)
@@ -355,6 +364,8 @@ def summarize(record: dict[str, Any]) -> dict[str, Any]:
         "ttft_p99": round(token["ttft_ms"]["p99"] / text["ttft_ms"]["p99"], 3),
         "itl_p50": round(token["itl_ms"]["p50"] / text["itl_ms"]["p50"], 3),
         "itl_p99": round(token["itl_ms"]["p99"] / text["itl_ms"]["p99"], 3),
+        "tpot_p50": round(token["tpot_ms"]["p50"] / text["tpot_ms"]["p50"], 3),
+        "tpot_p99": round(token["tpot_ms"]["p99"] / text["tpot_ms"]["p99"], 3),
     }
     ratio = out["token_over_text"]
     out["target_met"] = ratio["ttft_p90"] <= 1.2 and ratio["itl_p99"] <= 1.2
@@ -368,13 +379,17 @@ def print_table(result: dict[str, Any]) -> None:
         f"{result['max_tokens']} tokens, alternating; {m['cpus']} CPUs, load "
         f"{m['loadavg_at_start'][0]:.2f} -> {m['loadavg_at_end'][0]:.2f}"
     )
-    print(f"{'mode':<7}{'split':>7}{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'ITL p50':>9}{'p99':>8}")
+    print(
+        f"{'mode':<7}{'split':>7}{'TTFT p50':>10}{'p90':>8}{'p99':>8}{'ITL p50':>9}{'p99':>8}"
+        f"{'TPOT p50':>10}{'p99':>8}{'events':>8}"
+    )
     for mode in MODES:
         s = result["summary"][mode]
-        t, i = s["ttft_ms"], s["itl_ms"]
+        t, i, p = s["ttft_ms"], s["itl_ms"], s["tpot_ms"]
         print(
             f"{mode:<7}{s['split']:>4}/{s['requests']:<2}{t['p50']:>10}{t['p90']:>8}"
-            f"{t['p99']:>8}{i['p50']:>9}{i['p99']:>8}"
+            f"{t['p99']:>8}{i['p50']:>9}{i['p99']:>8}{p['p50']:>10}{p['p99']:>8}"
+            f"{s['events_per_request_mean']:>8}"
         )
     print(f"token/text: {result['summary']['token_over_text']}")
     for route, figures in result["run"]["render_server"].items():
@@ -394,6 +409,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "token_vs_text.json"
     )
+    ap.add_argument(
+        "--resummarize",
+        action="store_true",
+        help="run nothing: recompute the summary of --out from its recorded requests (the "
+        "commit that did it is recorded as summarized_by)",
+    )
     args = ap.parse_args(argv)
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the order is swapped every round)")
@@ -402,6 +423,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.resummarize:
+        result = json.loads(args.out.read_text())
+        result["summary"] = summarize(result["run"])
+        result["summarized_by"] = git("rev-parse", "--short", "HEAD")
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+        print_table(result)
+        return 0
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # the stack stops in its finally
     strays = vllm_serve_processes()
     if strays:
