@@ -145,7 +145,8 @@ def prompts(round_index: int, count: int, tokens: int, vocab: int) -> list[list[
 
 
 def stream(client: httpx.Client, url: str, body: dict) -> tuple[list[int], float]:
-    """Stream a completion from ``url``; (token ids, seconds to the first token)."""
+    """Stream a completion from ``url``; (token ids, seconds to the first token or text; a
+    token-mode proxy streams text without ids)."""
     start = time.perf_counter()
     first: float | None = None
     ids: list[int] = []
@@ -161,7 +162,7 @@ def stream(client: httpx.Client, url: str, body: dict) -> tuple[list[int], float
                 raise RunError(f"{url} stream failed: {chunk['error']}")
             for choice in chunk.get("choices", []):
                 new = choice.get("token_ids") or []
-                if new and first is None:
+                if (new or choice.get("text")) and first is None:
                     first = time.perf_counter() - start
                 ids.extend(new)
     if first is None:
