@@ -6,6 +6,7 @@ invalid. ``vllm-pd doctor`` runs them around its measurements.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
@@ -20,6 +21,9 @@ WAITING = "vllm:num_requests_waiting"
 BLOCKS_HELD = "vllm:pdext_kv_blocks_held"
 #: The window over which an idle engine's CPU is measured.
 IDLE_WINDOW_S = 2.0
+#: How long an engine found idle is left before its window: vLLM's workers keep polling their
+#: shared-memory queue for 1 s after each step (``SpinCondition``), which is not idle polling.
+SETTLE_S = 1.5
 #: An idle engine using at least this much of one core (%) is busy-polling.
 BUSY_POLL_PCT = 20.0
 #: A thread using at least this much of one core (%) is named in the warning.
@@ -195,14 +199,16 @@ def measure_idle(
     scrape: Callable[[str], Metrics],
     window_s: float,
     *,
+    settle_s: float = SETTLE_S,
     find_pid: Callable[[int], int | None] = listening_pid,
     measure: Callable[[Mapping[str, int], float], dict[str, TreeCpu]] = trees_cpu,
 ) -> list[EngineIdle]:
     """Idle CPU of each engine (``engines``: role -> URL) over one ``window_s`` window, all
-    engines at once: only engines on this host (found by the port they listen on) that
-    report no running or waiting request before and after the window are measured.
+    engines at once, ``settle_s`` after they were found idle: only engines on this host (found
+    by the port they listen on) that report no running or waiting request before and after
+    the window are measured.
 
-    Blocks for the window; ``scrape`` reads an engine's ``/metrics``.
+    Blocks for ``settle_s`` and the window; ``scrape`` reads an engine's ``/metrics``.
     """
     out: dict[str, EngineIdle] = {}
     roots: dict[str, int] = {}
@@ -223,6 +229,7 @@ def measure_idle(
             continue
         roots[role] = pid
     if roots:
+        time.sleep(settle_s)  # past the workers' polling after their last step
         used = measure(roots, window_s)
         for role in roots:
             url = engines[role]
