@@ -43,7 +43,7 @@ from pd_backends import RunError, git, machine
 from token_vs_text import chat_prompt
 
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier
-from vllm_pd_ext.util.busy_threads import group_cpu_s
+from vllm_pd_ext.util.proc_cpu import group_cpu_s
 from vllm_pd_ext.util.prom import parse_metrics
 from vllm_pd_ext.util.tiny_model import ensure_model
 from vllm_pd_ext.util.vllm_process import free_port

@@ -58,8 +58,8 @@ import numpy as np
 import psutil
 
 from vllm_pd_ext.tools.launcher import PDEXT_BACKENDS, Part, Stack, UpConfig
-from vllm_pd_ext.util.busy_threads import BusyThread, busy_threads, group_cpu_s, group_pids
 from vllm_pd_ext.util.config_file import read_mapping
+from vllm_pd_ext.util.proc_cpu import ThreadCpu, TreeCpu, group_pids, trees_cpu
 from vllm_pd_ext.util.prom import Metrics, parse_metrics
 from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.util.vllm_process import free_port
@@ -145,7 +145,8 @@ def prompts(round_index: int, count: int, tokens: int, vocab: int) -> list[list[
 
 
 def stream(client: httpx.Client, url: str, body: dict) -> tuple[list[int], float]:
-    """Stream a completion from ``url``; (token ids, seconds to the first token)."""
+    """Stream a completion from ``url``; (token ids, seconds to the first token or text; a
+    token-mode proxy streams text without ids)."""
     start = time.perf_counter()
     first: float | None = None
     ids: list[int] = []
@@ -161,7 +162,7 @@ def stream(client: httpx.Client, url: str, body: dict) -> tuple[list[int], float
                 raise RunError(f"{url} stream failed: {chunk['error']}")
             for choice in chunk.get("choices", []):
                 new = choice.get("token_ids") or []
-                if new and first is None:
+                if (new or choice.get("text")) and first is None:
                     first = time.perf_counter() - start
                 ids.extend(new)
     if first is None:
@@ -197,23 +198,15 @@ def wait_idle(client: httpx.Client, engines: list[Part], timeout: float = 60.0) 
         time.sleep(0.2)
 
 
-def cpu_share(parts: list[Part], seconds: float) -> dict[str, float]:
-    """Each part's CPU over the next ``seconds``, in % of one core."""
-    before = {p.name: group_cpu_s(p.proc.pid) for p in parts}
-    start = time.monotonic()
-    time.sleep(seconds)  # the measurement window
-    after = {p.name: group_cpu_s(p.proc.pid) for p in parts}
-    took = time.monotonic() - start
-    return {name: round(100 * (after[name] - before[name]) / took, 1) for name in before}
+def cpu_share(parts: list[Part], seconds: float) -> dict[str, TreeCpu]:
+    """What each part (its process tree: API server, EngineCore, workers) used over the next
+    ``seconds``."""
+    return trees_cpu({p.name: p.proc.pid for p in parts}, seconds)
 
 
-def thread_line(thread: BusyThread) -> str:
+def thread_line(thread: ThreadCpu) -> str:
     """``name (pid/tid): share`` of a thread found busy."""
-    try:
-        comm = Path(f"/proc/{thread.pid}/task/{thread.tid}/comm").read_text().strip()
-    except OSError:
-        comm = "?"
-    return f"{comm} ({thread.pid}/{thread.tid}): {thread.share:.0%} of a core"
+    return f"{thread.name} ({thread.pid}/{thread.tid}): {thread.share:.0%} of a core"
 
 
 def stopped_cleanly(groups: list[int], timeout: float = 30.0) -> list[str]:
@@ -285,13 +278,15 @@ def run_stack(
             after = scrape(client, proxy.url)
             wait_idle(client, engines)
         parts = [*engines, proxy]
-        record["cpu_pct_of_a_core_first_2s"] = cpu_share(parts, 2.0)
+        settling = cpu_share(parts, 2.0)
+        record["cpu_pct_of_a_core_first_2s"] = {name: u.pct for name, u in settling.items()}
         time.sleep(max(0.0, args.settle_s - 2.0))  # the rest of the settling time
-        record["idle_cpu_pct_of_a_core"] = idle = cpu_share(parts, args.idle_s)
+        idle = cpu_share(parts, args.idle_s)
+        record["idle_cpu_pct_of_a_core"] = {name: u.pct for name, u in idle.items()}
         record["busy_threads_when_idle"] = {
-            p.name: [thread_line(t) for t in busy_threads(p.proc.pid, 1.0, BUSY_SHARE)]
-            for p in parts
-            if idle[p.name] >= 100 * BUSY_SHARE
+            name: [thread_line(t) for t in u.threads if t.share >= BUSY_SHARE]
+            for name, u in idle.items()
+            if u.share >= BUSY_SHARE
         }
         gap_n = after.total(f"{GAP}_count") - warm.total(f"{GAP}_count")
         gap_s = after.total(f"{GAP}_sum") - warm.total(f"{GAP}_sum")

@@ -73,6 +73,7 @@ from typing import Any
 import aiohttp
 import httpx
 
+from vllm_pd_ext.util.proc_cpu import group_cpu_s
 from vllm_pd_ext.util.vllm_process import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -162,21 +163,6 @@ def wait_ready(child: Child, url: str, timeout: float) -> None:
                 return
         time.sleep(0.3)
     raise RuntimeError(f"{child.name} not ready at {url} after {timeout:.0f}s:\n{child.log_tail()}")
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system, all threads) used so far by the processes of group ``pgid``."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        # after "pid (comm)": state ppid pgrp ... utime(12) stime(13)
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total / tick
 
 
 class Fleet:

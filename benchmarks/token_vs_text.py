@@ -66,7 +66,7 @@ from pd_backends import (
 )
 
 from vllm_pd_ext.tools.launcher import Part, Stack, ToolProcess, UpConfig
-from vllm_pd_ext.util.busy_threads import group_cpu_s
+from vllm_pd_ext.util.proc_cpu import group_cpu_s
 from vllm_pd_ext.util.config_file import read_mapping
 from vllm_pd_ext.util.vllm_process import free_port
 

@@ -35,6 +35,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    return value
+
+
 def _cmd_kv_size(args: argparse.Namespace) -> int:
     from vllm_pd_ext.tools.kv_size import (
         ConfigError,
@@ -118,7 +125,14 @@ def _cmd_doctor(args: argparse.Namespace) -> int:
     from vllm_pd_ext.tools.doctor import doctor_main
 
     return doctor_main(
-        args.prefill, args.decode, args.prompts, args.prompt_tokens, args.link_gbps, args.json
+        args.prefill,
+        args.decode,
+        args.prompts,
+        args.prompt_tokens,
+        args.link_gbps,
+        args.json,
+        idle_window_s=args.idle_window_s,
+        busy_pct=args.busy_poll_pct,
     )
 
 
@@ -313,6 +327,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--log-dir", type=Path, default=None)
     up.set_defaults(func=_cmd_up)
 
+    from vllm_pd_ext.tools.engine_checks import BUSY_POLL_PCT, IDLE_WINDOW_S
+
     doc = sub.add_parser(
         "doctor",
         help="measure a running P/D pair and say what makes KV transfer slow",
@@ -332,6 +348,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_float,
         default=None,
         help="the link speed the transfer should reach, for comparison",
+    )
+    doc.add_argument(
+        "--idle-window-s",
+        type=_non_negative_float,
+        default=IDLE_WINDOW_S,
+        help="seconds over which each idle engine on this host has its CPU measured (0: not)",
+    )
+    doc.add_argument(
+        "--busy-poll-pct",
+        type=_positive_float,
+        default=BUSY_POLL_PCT,
+        help="an idle engine using this much of one core (%%) or more is warned about",
     )
     doc.add_argument("--json", action="store_true")
     doc.set_defaults(func=_cmd_doctor)

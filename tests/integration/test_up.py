@@ -113,6 +113,16 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
             for r in report["rounds"]:
                 assert r["external_tokens"] >= r["prompt_tokens"] - 1, r
                 assert r["local_cache_hit_tokens"] == 0 and r["recomputed_tokens"] <= 1, r
+            # both engines are on this host and idle before the prompts: each one's CPU is
+            # measured, and ours (no poller) is not called busy; no KV was freed unread or
+            # failed to load during the run
+            assert [(e["role"], e["note"]) for e in report["idle"]] == [
+                ("prefill", ""),
+                ("decode", ""),
+            ], report["idle"]
+            assert all(e["cpu_pct"] is not None for e in report["idle"]), report["idle"]
+            assert not any("busy-polls" in a for a in report["advice"]), report["advice"]
+            assert report["kv_counter_moves"] == [], report["kv_counter_moves"]
 
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]

@@ -4,6 +4,7 @@ engines in the integration tests)."""
 from __future__ import annotations
 
 from vllm_pd_ext.tools.doctor import Report, Round, advise, format_report
+from vllm_pd_ext.tools.engine_checks import CounterMove, EngineIdle
 
 
 def _round(external: int, cached: int | None, computed: int | None, tokens: int = 496) -> Round:
@@ -45,3 +46,30 @@ def test_the_table_shows_where_the_decodes_prompt_tokens_came_from():
     table = format_report(_report(_round(111, 384, 1), _round(495, None, None)))
     rows = [line.split() for line in table.splitlines() if line.lstrip().startswith("496")]
     assert [row[5:8] for row in rows] == [["111", "384", "1"], ["495", "-", "-"]]
+
+
+def test_counters_that_rose_and_engines_busy_while_idle_lead_the_advice():
+    report = _report(_round(495, 0, 1))
+    report.kv_counter_moves = [
+        CounterMove("prefill", "p", "vllm:pdext_kv_lease_expiries_total", 1, "freed unread")
+    ]
+    report.idle = [
+        EngineIdle("prefill", "p", 94.0, busy_threads=("python (7): 94%",), connector="nixl"),
+        EngineIdle("decode", "d", 1.5, connector="nixl"),
+    ]
+    advice = advise(report, None)
+    assert advice[0] == "prefill p: vllm:pdext_kv_lease_expiries_total rose by 1: freed unread"
+    assert advice[1].startswith("prefill p busy-polls: 94% of a core while idle")
+    assert not any(a.startswith("decode d busy-polls") for a in advice)
+    assert not any("busy-polls" in a for a in advise(report, None, busy_pct=95.0))
+
+
+def test_the_report_shows_each_engines_idle_cpu():
+    report = _report(_round(495, 0, 1))
+    report.idle = [
+        EngineIdle("prefill", "p", 2.5),
+        EngineIdle("decode", "http://10.9.9.9:8000", None, "not on this host"),
+    ]
+    lines = format_report(report).splitlines()
+    assert "  prefill p: idle CPU 2.5% of a core" in lines
+    assert "  decode http://10.9.9.9:8000: idle CPU n/a (not on this host)" in lines

@@ -6,7 +6,11 @@ few long prompts one at a time, each colocated on the decode instance and split 
 and reports prefill time, the transfer gap (prefill leg done -> first decode token), the
 connector's own transfer time and bytes when it exports them (NIXL does), where the decode side's
 prompt tokens came from (loaded over KV transfer, its own prefix cache, computed), and plain
-advice.
+advice. Before the prompts, each engine on this host that serves no request has its CPU
+measured over a short window (an idle engine should use next to none; vLLM's NixlConnector's
+progress thread polls without pause), and the connector counters that say KV was freed unread
+or may have been read invalid are compared before and after the run
+(:mod:`vllm_pd_ext.tools.engine_checks`).
 
 The colocated and the split measurement of one prompt carry different ``cache_salt`` values
 (fresh for each run of the doctor), so neither finds the other's KV in a prefix cache: the
@@ -27,6 +31,14 @@ from pathlib import Path
 
 import httpx
 
+from vllm_pd_ext.tools.engine_checks import (
+    BUSY_POLL_PCT,
+    IDLE_WINDOW_S,
+    CounterMove,
+    EngineIdle,
+    counter_moves,
+    measure_idle,
+)
 from vllm_pd_ext.tools.kv_size import ConfigError, compute_kv_size, human_bytes, load_config
 from vllm_pd_ext.transfer_params import NixlPrefill
 from vllm_pd_ext.util.prom import (
@@ -78,6 +90,8 @@ class Report:
     kv_note: str
     topology: str
     rounds: list[Round] = field(default_factory=list)
+    idle: list[EngineIdle] = field(default_factory=list)
+    kv_counter_moves: list[CounterMove] = field(default_factory=list)
     advice: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict:
@@ -214,11 +228,12 @@ def measure_round(
     )
 
 
-def advise(report: Report, link_gbps: float | None) -> list[str]:
+def advise(report: Report, link_gbps: float | None, busy_pct: float = BUSY_POLL_PCT) -> list[str]:
+    advice = [str(m) for m in report.kv_counter_moves]
+    advice += [w for w in (e.warning(busy_pct) for e in report.idle) if w]
     rounds = report.rounds
-    advice: list[str] = []
     if not rounds:
-        return ["no measurements"]
+        return [*advice, "no measurements"]
     gap = statistics.mean(r.decode_first_token_ms for r in rounds)
     colocated = statistics.mean(r.colocated_ttft_ms for r in rounds)
     pd = statistics.mean(r.pd_ttft_ms for r in rounds)
@@ -278,13 +293,27 @@ def advise(report: Report, link_gbps: float | None) -> list[str]:
 
 
 def run_doctor(
-    prefill: str, decode: str, prompts: int, prompt_tokens: int | None, link_gbps: float | None
+    prefill: str,
+    decode: str,
+    prompts: int,
+    prompt_tokens: int | None,
+    link_gbps: float | None,
+    idle_window_s: float = IDLE_WINDOW_S,
+    busy_pct: float = BUSY_POLL_PCT,
 ) -> Report:
-    """Probe a P/D pair and return the report (raises on unreachable instances)."""
+    """Probe a P/D pair and return the report (raises on unreachable instances).
+    ``idle_window_s`` 0 leaves the idle-CPU measurement out."""
     prefill, decode = prefill.rstrip("/"), decode.rstrip("/")
+    engines = {"prefill": prefill, "decode": decode}
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0), trust_env=False) as client:
         for url in (prefill, decode):
             client.get(f"{url}/health").raise_for_status()
+        counters_before = {role: _metrics(client, url) for role, url in engines.items()}
+        idle = (
+            measure_idle(engines, lambda url: _metrics(client, url), idle_window_s)
+            if idle_window_s > 0
+            else []
+        )
         model, root, max_len = _model_info(client, decode)
         per_token, note = _kv_per_token(root)
         tokens = prompt_tokens or max(16, min(4096, (max_len or 512) - 16))
@@ -295,12 +324,16 @@ def run_doctor(
             kv_bytes_per_token=per_token,
             kv_note=note,
             topology=gpu_topology(),
+            idle=idle,
         )
         salt = f"vllm-pd-doctor-{secrets.token_hex(8)}"
         measure_round(client, prefill, decode, model, min(tokens, 64), 999, salt)  # warm-up
         for i in range(prompts):
             report.rounds.append(measure_round(client, prefill, decode, model, tokens, i, salt))
-    report.advice = advise(report, link_gbps)
+        for role, url in engines.items():
+            after = _metrics(client, url)
+            report.kv_counter_moves += counter_moves(role, url, counters_before[role], after)
+    report.advice = advise(report, link_gbps, busy_pct)
     return report
 
 
@@ -322,6 +355,9 @@ def format_report(report: Report) -> str:
             f"{r.decode_first_token_ms:>7.1f}ms {r.pd_ttft_ms:>7.1f}ms {r.external_tokens:>9} "
             f"{_count(r.local_cache_hit_tokens):>7} {_count(r.recomputed_tokens):>8} {xfer} {mb}"
         )
+    if report.idle:
+        lines += ["", "idle CPU (each engine's processes, while it serves nothing):"]
+        lines += [f"  {e.line()}" for e in report.idle]
     lines += ["", "advice:"] + [f"  - {a}" for a in report.advice]
     return "\n".join(lines)
 
@@ -337,9 +373,13 @@ def doctor_main(
     prompt_tokens: int | None,
     link_gbps: float | None,
     as_json: bool,
+    idle_window_s: float = IDLE_WINDOW_S,
+    busy_pct: float = BUSY_POLL_PCT,
 ) -> int:
     try:
-        report = run_doctor(prefill, decode, prompts, prompt_tokens, link_gbps)
+        report = run_doctor(
+            prefill, decode, prompts, prompt_tokens, link_gbps, idle_window_s, busy_pct
+        )
     except (httpx.HTTPError, RuntimeError, KeyError, ValueError) as exc:
         print(f"vllm-pd doctor: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1

