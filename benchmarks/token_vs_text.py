@@ -66,8 +66,8 @@ from pd_backends import (
 )
 
 from vllm_pd_ext.tools.launcher import Part, Stack, ToolProcess, UpConfig
-from vllm_pd_ext.util.proc_cpu import group_cpu_s
 from vllm_pd_ext.util.config_file import read_mapping
+from vllm_pd_ext.util.proc_cpu import group_cpu_s
 from vllm_pd_ext.util.vllm_process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
