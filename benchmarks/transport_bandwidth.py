@@ -615,20 +615,29 @@ def main(argv: list[str] | None = None) -> int:
     cma = "ours-cma"
     if cma in names:
         print(
-            f"\n{cma}: x/memcpy (median per-round ratio) and x/nixl (medians; NIXL's phase)"
+            f"\n{cma}: x/memcpy, x/tcp and the same ratios of nixl (NIXL's own phase and rounds); "
+            "vs nixl: the ratio of the two x/memcpy (each against the memcpy of its own rounds, "
+            "so the phases' different loads cancel), and of the two x/tcp"
+        )
+        print(
+            f"{'layout':>21} {'tokens':>6} {'memcpy':>6} {'tcp':>7} {'nixl:':>6} {'tcp':>7}"
+            f" {'vs nixl':>7} {'(tcp)':>7}"
         )
         for r in rows:
-            vs_nixl = (
-                r["median_gbps"][cma] / r["median_gbps"]["nixl"]
-                if cma in r["median_gbps"] and "nixl" in r["median_gbps"]
+            mc, tc = r["median_vs_memcpy"], r["median_vs_tcp"]
+            both = cma in mc and "nixl" in mc
+            r["cma_vs_nixl"] = (
+                {"by_memcpy": mc[cma] / mc["nixl"], "by_tcp": tc[cma] / tc["nixl"]}
+                if both
                 else None
             )
-            r["cma_vs_nixl"] = vs_nixl
-            print(
-                f"{r['layout']:>21} {r['tokens']:>6} "
-                f"{r['median_vs_memcpy'].get(cma, float('nan')):>8.0%} "
-                + (f"{vs_nixl:>8.2f}x" if vs_nixl is not None else f"{'-':>9}")
-            )
+            line = f"{r['layout']:>21} {r['tokens']:>6}"
+            line += f" {mc.get(cma, float('nan')):>6.0%} {tc.get(cma, float('nan')):>7.0%}"
+            line += f" {mc.get('nixl', float('nan')):>6.0%} {tc.get('nixl', float('nan')):>7.0%}"
+            if both:
+                v = r["cma_vs_nixl"]
+                line += f" {v['by_memcpy']:>6.2f}x {v['by_tcp']:>6.2f}x"
+            print(line)
     print(f"\nmicroseconds per small transfer, median of {args.runs} rounds of {SMALL_REPS}")
     snames = ["memcpy", *names]
     print(f"{'transfer':>21}" + "".join(f" {n:>9}" for n in snames))
