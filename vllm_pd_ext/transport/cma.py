@@ -482,7 +482,9 @@ class CmaTransport(TcpTransport):
         with self._paths_lock:
             self._paths["socket" if fallback else "cma"] += 1
             n = self._paths["socket"]
-        if fallback and self._fallback_log.ready():
+        if not fallback:
+            logger.info("cma: payloads to %s by cross-memory attach", peer)
+        elif self._fallback_log.ready():
             logger.warning(
                 "cma: payloads to %s go over the socket, not cross-memory attach: %s "
                 "(%d such connections so far)",
