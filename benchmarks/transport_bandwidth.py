@@ -56,6 +56,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -365,6 +366,18 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(Path(__file__).parent), *args],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -657,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "transport_bandwidth",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "uncommitted_in_vllm_pd_ext": _git(
+            "status", "--porcelain", "--", "../vllm_pd_ext"
+        ).splitlines(),
         "machine": {
             "cpus": os.cpu_count(),
             "cpu_model": _cpu_model(),
