@@ -34,6 +34,11 @@ How:
 * the requester holds its region from sending the frame until the answer (so ``unregister``
   waits for it, as for tcp's payloads).
 
+Trust: CMA needs what ptrace needs (the same user, and no Yama or container rule against it),
+so a server able to copy into a requester could already write anywhere in it without this
+backend; the checks above keep a requester (even a fleet-key holder) from steering the copy
+into any other process, and out of the server's regions' granted spans.
+
 Host memory only, as tcp. GPU memory would take CUDA IPC handles at the same seam (the offer
 and the request frame), which this module does not implement.
 
@@ -434,6 +439,7 @@ class CmaTransport(TcpTransport):
     between processes on the same host (host memory)."""
 
     backend_name = "cma"
+    reports_fallbacks = True
 
     def __init__(
         self,
@@ -441,10 +447,14 @@ class CmaTransport(TcpTransport):
         *,
         key: bytes | None = None,
         on_refused: Callable[[], None] | None = None,
+        on_fallback: Callable[[], None] | None = None,
         **settings: Any,
     ) -> None:
-        """As :class:`TcpTransport`, with :class:`CmaConfig` settings."""
+        """As :class:`TcpTransport`, with :class:`CmaConfig` settings; ``on_fallback`` is
+        called for each connection whose payloads go over the socket (also logged, and
+        counted in :meth:`paths`)."""
         cfg = config or CmaConfig(**settings)
+        self._on_fallback = on_fallback
         self._paths: Counter[str] = Counter()
         self._paths_lock = threading.Lock()
         self._fallback_log = Throttle(_LOG_EVERY_S)
@@ -484,7 +494,10 @@ class CmaTransport(TcpTransport):
             n = self._paths["socket"]
         if not fallback:
             logger.info("cma: payloads to %s by cross-memory attach", peer)
-        elif self._fallback_log.ready():
+            return
+        if self._on_fallback is not None:
+            self._on_fallback()
+        if self._fallback_log.ready():
             logger.warning(
                 "cma: payloads to %s go over the socket, not cross-memory attach: %s "
                 "(%d such connections so far)",
