@@ -28,6 +28,8 @@ How:
   server copies into or out of the kernel-named pid, nothing else), then copies: a READ with
   ``process_vm_writev`` into the requester, a WRITE with ``process_vm_readv`` from it, at most
   ``cma_iov_max`` spans (IOV_MAX is 1024) per call, and answers OK, or FAIL with the errno.
+  64, 256 and 1024 spans a call moved scattered 16 KiB and 896 KiB spans within the noise of
+  each other in an interleaved A/B run on a loaded 2-core host; 1024 makes the fewest calls.
   Before each copy it checks that the requester's process is still the one that connected (a
   pidfd taken at the offer), so a connection handed to another process cannot aim the copy at
   a recycled pid;
