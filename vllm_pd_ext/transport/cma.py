@@ -106,6 +106,9 @@ _UCRED = struct.Struct("3i")  # pid, uid, gid
 _TOKEN = 16
 IOV_MAX = 1024
 _LOG_EVERY_S = 10.0
+_DIR_PREFIX = "pdext-cma-"
+#: A socket directory of ours this old that nobody listens on was left by a dead process.
+_STALE_AFTER_S = 60.0
 #: Descriptor keys of this backend.
 SOCKET_KEY, HOST_KEY = "cma_socket", "cma_host"
 
@@ -191,6 +194,47 @@ def request_frame(
     return _REQ.pack(kind, len(raw), xid, len(triples), 0) + raw + _REGION.pack(base, size) + body
 
 
+# ------------------------------------------------------------------------- socket folders
+def sweep_socket_dirs(parent: str) -> int:
+    """Remove the socket directories under ``parent`` that processes killed before closing
+    their transport left: ours (same owner), older than ``_STALE_AFTER_S``, and nobody
+    listening on their socket. Returns how many."""
+    removed, now = 0, time.time()
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return 0
+    for entry in entries:
+        if not entry.name.startswith(_DIR_PREFIX):
+            continue
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if not entry.is_dir(follow_symlinks=False) or st.st_uid != os.geteuid():
+            continue
+        if now - st.st_mtime < _STALE_AFTER_S or _listened(os.path.join(entry.path, "data")):
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed += 1
+    return removed
+
+
+def _listened(path: str) -> bool:
+    """Whether a server listens on the Unix socket ``path`` (when unsure: yes)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    except OSError:
+        return True
+    finally:
+        probe.close()
+    return True
+
+
 # --------------------------------------------------------------------------------- server
 @dataclass
 class _Session:
@@ -222,7 +266,11 @@ class _CmaServer(_Server):
         super().__init__(*args, **kw)
         self.per_call = per_call
         self._log = Throttle(_LOG_EVERY_S)
-        self.dir = tempfile.mkdtemp(prefix="pdext-cma-", dir=socket_dir)  # mode 0700
+        parent = socket_dir or tempfile.gettempdir()
+        swept = sweep_socket_dirs(parent)
+        if swept:
+            logger.info("cma: removed %d socket directories left by dead processes", swept)
+        self.dir = tempfile.mkdtemp(prefix=_DIR_PREFIX, dir=parent)  # mode 0700
         self.path = os.path.join(self.dir, "data")
         self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         try:

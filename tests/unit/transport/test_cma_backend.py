@@ -9,6 +9,8 @@ import ctypes
 import logging
 import os
 import socket
+import tempfile
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -260,3 +262,32 @@ def test_a_span_outside_the_declared_requester_region_is_refused(
     assert not mine[:BLOCK].any() and not mine[2 * BLOCK :].any()
     got = np.frombuffer(peer.call("bytes", "bounds", 0, SIZE), dtype=np.uint8)
     assert np.array_equal(got, pattern(90, SIZE))
+
+
+def test_socket_directories_left_by_dead_processes_are_swept(tmp_path) -> None:
+    """A new transport removes the socket directories of ours that nobody listens on once
+    they are a minute old; a young one, and a live transport's old one, stay."""
+
+    def left_behind(age_s: float) -> str:
+        folder = tempfile.mkdtemp(prefix="pdext-cma-", dir=tmp_path)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(os.path.join(folder, "data"))  # bound, then its process is gone
+        os.utime(folder, (time.time() - age_s, time.time() - age_s))
+        return folder
+
+    stale, young = left_behind(120.0), left_behind(0.0)
+    live = _local(socket_dir=str(tmp_path))
+    try:
+        live_dir = os.path.dirname(
+            TransportDescriptor.from_bytes(live.descriptor().to_bytes()).extra[SOCKET_KEY]
+        )
+        os.utime(live_dir, (time.time() - 120.0, time.time() - 120.0))
+        assert not os.path.exists(stale)  # swept by the live one already
+        stale = left_behind(120.0)
+        newer = _local(socket_dir=str(tmp_path))
+        newer.close()
+        assert not os.path.exists(stale)
+        assert os.path.isdir(young) and os.path.isdir(live_dir)
+    finally:
+        live.close()
+    assert not os.path.exists(live_dir)
