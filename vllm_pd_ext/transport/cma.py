@@ -11,7 +11,9 @@ How:
 
 * the data server listens on its TCP port as tcp does and also on a Unix socket in a private
   directory (mode 0700: only this user, or root, can connect). The descriptor carries the
-  socket's path and this host's identity (boot id and pid namespace);
+  socket's path and this host's identity (boot id and pid namespace). The directory goes
+  when the server closes; one that a killed process left is removed by the next data server
+  made beside it, once it is a minute old and nobody listens on its socket;
 * a client whose host identity matches connects over the Unix socket, says tcp's HELLO, then
   offers CMA: its pid, and the address of a 16-byte probe holding a random token. The server
   takes the requester's pid from the kernel (``SO_PEERCRED``), never from the offer: an offer
