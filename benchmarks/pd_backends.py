@@ -1,4 +1,5 @@
-"""P/D end to end over each transport backend of our connector: ``tcp`` vs ``mooncake``.
+"""P/D end to end over two transport backends of our connector (``--backends``, default
+``tcp`` vs ``mooncake``).
 
 Each round brings up the ``vllm-pd up`` stack of ``--config`` (default
 ``examples/up-cpu.yaml``: tiny-llama, one prefill and one decode ``vllm serve`` on CPU, the
@@ -65,7 +66,8 @@ from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.util.vllm_process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
-BACKENDS = tuple(PDEXT_BACKENDS)
+#: The pair of backends compared by default (``--backends``: any two of PDEXT_BACKENDS).
+BACKENDS = ("tcp", "mooncake")
 #: A request slower than this many times its backend's median TTFT is a stall.
 STALL_FACTOR = 10
 #: A part this busy (share of a core) when idle gets its busiest threads recorded.
@@ -325,9 +327,9 @@ def pct(values: list[float], q: float) -> float:
     return round(float(np.percentile(values, q)), 2)
 
 
-def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(rounds: list[dict[str, Any]], backends: tuple[str, str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for backend in BACKENDS:
+    for backend in backends:
         mine = [r for r in rounds if r["backend"] == backend]
         ttft = [t for r in mine for t in r["ttft_ms"]]
         median = float(np.median(ttft))
@@ -361,7 +363,7 @@ def summarize(rounds: list[dict[str, Any]]) -> dict[str, Any]:
                 for name in parts
             },
         }
-    first, second = BACKENDS
+    first, second = backends
     ratios: dict[str, Any] = {}
     for q in (50, 99):
         per_round = [
@@ -385,7 +387,8 @@ def print_table(result: dict[str, Any]) -> None:
     )
     head = f"{'backend':<10}{'p50 ms':>9}{'p90 ms':>9}{'p99 ms':>9}{'gap ms':>9}{'stalls':>8}"
     print(head + f"{'fallbacks':>11}  idle CPU, % of a core (median of rounds, max)")
-    for backend in BACKENDS:
+    backends = tuple(result["backends"])
+    for backend in backends:
         s = result["summary"][backend]
         t = s["ttft_ms"]
         top = s["idle_cpu_pct_of_a_core_max"]
@@ -398,7 +401,7 @@ def print_table(result: dict[str, Any]) -> None:
     for r in result["every_round"]:
         for name, threads in r["busy_threads_when_idle"].items():
             print(f"busy when idle: round {r['round'] + 1} {r['backend']} {name}: {threads}")
-    first, second = BACKENDS
+    first, second = backends
     ratio = result["summary"][f"{first}_vs_{second}_ttft"]
     print(
         f"{first} / {second} TTFT, median of rounds: p50 {ratio['p50_median']} "
@@ -409,6 +412,11 @@ def print_table(result: dict[str, Any]) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--config", type=Path, default=REPO / "examples" / "up-cpu.yaml")
+    ap.add_argument(
+        "--backends",
+        default=",".join(BACKENDS),
+        help="two of vllm-pd up's PDEXT_BACKENDS; TTFT ratios are the first's to the second's",
+    )
     ap.add_argument("--rounds", type=int, default=3, help="rounds; each runs every backend")
     ap.add_argument("--requests", type=int, default=30, help="measured requests per stack")
     ap.add_argument("--prompt-tokens", type=int, default=300)
@@ -437,6 +445,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--settle-s must be at least 2")
     if args.rounds < 2:
         ap.error("--rounds must be at least 2 (the order is swapped every round)")
+    args.backends = tuple(args.backends.split(","))
+    if len(args.backends) != 2 or len(set(args.backends)) != 2:
+        ap.error("--backends names two different backends")
+    unknown = [b for b in args.backends if b not in PDEXT_BACKENDS]
+    if unknown:
+        ap.error(f"unknown --backends {unknown}; choose from {', '.join(PDEXT_BACKENDS)}")
     return args
 
 
@@ -453,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds: list[dict[str, Any]] = []
     for r in range(args.rounds):
         batch = prompts(r, args.requests, args.prompt_tokens, vocab)
-        order = BACKENDS if r % 2 == 0 else BACKENDS[::-1]
+        order = args.backends if r % 2 == 0 else args.backends[::-1]
         for backend in order:
             print(f"round {r + 1}/{args.rounds}: {backend}", file=sys.stderr, flush=True)
             rounds.append(run_stack(args, backend, r, batch))
@@ -481,7 +495,8 @@ def main(argv: list[str] | None = None) -> int:
         "settle_s": args.settle_s,
         "idle_s": args.idle_s,
         "stall_factor": STALL_FACTOR,
-        "summary": summarize(rounds),
+        "backends": list(args.backends),
+        "summary": summarize(rounds, args.backends),
         "every_round": rounds,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -19,6 +19,12 @@ host's cores). In a phase every configuration runs ``--runs`` interleaved rounds
 the transports; medians are reported, ``x/tcp`` is the median of per-round ratios; a
 transport slower than ``--budget-s`` runs fewer rounds or skips a size it would need over
 twice that for. The first round of each is checked byte for byte on 32 random spans.
+``x/memcpy`` is the median of per-round ratios to the memcpy floor.
+
+Latency rows: small transfers (4 KiB to 1 MiB, one span or scattered 16 KiB blocks), each
+mover ``SMALL_REPS`` times in a row per round (one write and its wait each, NIXL one
+``initialize_xfer`` + ``transfer``), interleaved by round as above: the median microseconds
+of one transfer, which for the smallest is the fixed cost per transfer.
 
 Printed side by side, in one run, on the host it runs on (the JSON records which):
 
@@ -29,6 +35,9 @@ Printed side by side, in one run, on the host it runs on (the JSON records which
 * ours-tcp: ``vllm_pd_ext.transport`` ``tcp`` backend (our own data path: one persistent
   socket, ``sendmsg``/``recvmsg_into`` straight from and into the registered caches), same
   calls;
+* ours-cma: ``vllm_pd_ext.transport`` ``cma`` backend (tcp's control path over a Unix socket;
+  the decode side's server copies each batch with ``process_vm_readv`` from the prefill's
+  cache), same calls;
 * NIXL 1.5.1, UCX backend, one ``initialize_xfer`` + ``transfer`` of all spans: once with
   UCX's default transports (shared memory / CMA between local processes: not a network
   path) and once restricted to TCP (``UCX_TLS=tcp``), the like-for-like comparison.
@@ -47,6 +56,7 @@ import os
 import platform
 import socket
 import statistics
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -64,7 +74,18 @@ TCP_CHUNK = 4 << 20
 OURS: dict[str, tuple[str, dict[str, Any]]] = {
     "ours-mc": ("mooncake", {"host": "127.0.0.1", "protocol": "tcp"}),
     "ours-tcp": ("tcp", {"host": "127.0.0.1"}),
+    "ours-cma": ("cma", {"host": "127.0.0.1"}),
 }
+#: Small transfers (label, spans of 16 KiB blocks or one span of bytes) whose latency is the
+#: fixed cost of a transfer: (label, number of spans, bytes per span).
+SMALL: list[tuple[str, int, int]] = [
+    ("4 KiB, 1 span", 1, 4 << 10),
+    ("64 KiB, 4 spans", 4, BLOCK_BYTES),
+    ("1 MiB, 1 span", 1, 1 << 20),
+    ("1 MiB, 64 spans", 64, BLOCK_BYTES),
+]
+#: Transfers per mover and round in the latency rows (their median is the round's figure).
+SMALL_REPS = 50
 #: NIXL variants: UCX_TLS for each (None = UCX default).
 NIXL_TLS: dict[str, str | None] = {"nixl": None, "nixl-tcp": "tcp"}
 
@@ -345,6 +366,18 @@ def _version(dist: str) -> str | None:
         return None
 
 
+def _git(*args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(Path(__file__).parent), *args],
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -378,10 +411,58 @@ def make_plans(token_sizes: list[int], layouts: list[str], num_blocks: int) -> l
     return plans
 
 
+def small_groups(spans: int, size: int, num_blocks: int) -> list[np.ndarray]:
+    """One group: ``spans`` spans of ``size`` bytes from prefill block 0 on, to every other
+    decode block of the first layer's K cache (scattered; one span: offset 0 both sides)."""
+    src = np.arange(spans) * size
+    dst = np.arange(spans) * 2 * BLOCK_BYTES if spans > 1 else np.zeros(1, np.int64)
+    assert spans == 1 or 2 * spans <= num_blocks
+    return [np.stack([src, dst, np.full(spans, size)], axis=1).astype(np.int64)]
+
+
+def measure_small(
+    args: argparse.Namespace,
+    movers: dict[str, Any],
+    src: np.ndarray,
+    num_blocks: int,
+    errors: dict[str, str],
+) -> list[dict]:
+    """Latency of small transfers: per round and mover, the median of ``SMALL_REPS``."""
+    rows = []
+    for label, spans, size in SMALL:
+        groups = small_groups(spans, size, num_blocks)
+        nbytes = spans * size
+        row: dict[str, Any] = {"transfer": label, "bytes": nbytes, "spans": spans}
+        row["runs_us"] = {name: [] for name in [*movers, "memcpy"]}
+        a, b = np.ones(nbytes, np.uint8), np.empty(nbytes, np.uint8)
+        for _ in range(args.runs):
+            row["runs_us"]["memcpy"].append(
+                statistics.median(memcpy_seconds(a, b) for _ in range(SMALL_REPS)) * 1e6
+            )
+            for name, mover in list(movers.items()):
+                try:
+                    dts = [mover.once(groups) for _ in range(SMALL_REPS)]
+                except Exception as e:
+                    errors[name] = f"{type(e).__name__}: {e}"
+                    del movers[name]
+                    continue
+                row["runs_us"][name].append(statistics.median(dts) * 1e6)
+        rows.append(row)
+        print(
+            f"  {label:>21}: "
+            + ", ".join(
+                f"{k} {statistics.median(v):.0f} us" for k, v in row["runs_us"].items() if v
+            ),
+            flush=True,
+        )
+    return rows
+
+
 def measure(
     args: argparse.Namespace, peers: list[str], ours: list[str]
-) -> tuple[list[dict], dict[str, str]]:
-    """One phase: some of our transports, or the NIXL peers, next to the floors.
+) -> tuple[list[dict], list[dict], dict[str, str]]:
+    """One phase: some of our transports, or the NIXL peers, next to the floors; then the
+    latency rows (:func:`measure_small`).
 
     Phases keep the engines apart (NIXL's UCX progress threads must not share the host's cores
     with our engine's threads while we are measured, nor the reverse); within a phase the
@@ -418,6 +499,7 @@ def measure(
             row = {k: plan[k] for k in ("layout", "tokens", "bytes", "spans")}
             row["runs"] = {name: [] for name in [*movers, "tcp", "memcpy"]}
             row["vs_tcp"] = {name: [] for name in movers}
+            row["vs_memcpy"] = {name: [] for name in movers}
             row["skipped"] = {}
             spent = dict.fromkeys(movers, 0.0)
             for name in movers:  # a mover too slow at the last size would blow the budget here
@@ -426,8 +508,9 @@ def measure(
                     row["skipped"][name] = f"predicted {plan['bytes'] / (gbps * 1e9):.0f} s a run"
             for rnd in range(args.runs):
                 tcp_gbps = floor_bytes / tcp.once(floor_bytes) / 1e9
+                memcpy_gbps = floor_bytes / memcpy_seconds(mc_src, mc_dst) / 1e9
                 row["runs"]["tcp"].append(tcp_gbps)
-                row["runs"]["memcpy"].append(floor_bytes / memcpy_seconds(mc_src, mc_dst) / 1e9)
+                row["runs"]["memcpy"].append(memcpy_gbps)
                 for name, mover in list(movers.items()):
                     if name in row["skipped"] or (rnd and spent[name] > args.budget_s):
                         continue  # slow: fewer runs, recorded in the JSON
@@ -445,6 +528,7 @@ def measure(
                     gbps = plan["bytes"] / dt / 1e9
                     row["runs"][name].append(gbps)
                     row["vs_tcp"][name].append(gbps / tcp_gbps)
+                    row["vs_memcpy"][name].append(gbps / memcpy_gbps)
             for name in movers:
                 if row["runs"][name]:
                     last_gbps[(plan["layout"], name)] = statistics.median(row["runs"][name])
@@ -454,7 +538,8 @@ def measure(
                 + ", ".join(f"{k} {statistics.median(v):.2f}" for k, v in row["runs"].items() if v),
                 flush=True,
             )
-        return rows, errors
+        small = measure_small(args, movers, src, num_blocks, errors)
+        return rows, small, errors
     finally:
         for m in movers.values():
             m.close()
@@ -491,18 +576,23 @@ def main(argv: list[str] | None = None) -> int:
     print(f"machine: {os.cpu_count()} cores, {_cpu_model()}; load {load_start[0]:.1f}")
     phases = [([], [name]) for name in ours] + ([(peers, [])] if peers else [])
     rows: list[dict] = []
+    small: list[dict] = []
     errors: dict[str, str] = {}
     for phase_peers, phase_ours in phases:
-        phase_rows, phase_errors = measure(args, phase_peers, phase_ours)
+        phase_rows, phase_small, phase_errors = measure(args, phase_peers, phase_ours)
         errors.update(phase_errors)
         if not rows:
-            rows = phase_rows
+            rows, small = phase_rows, phase_small
             continue
         for row, extra in zip(rows, phase_rows, strict=True):
             for name, runs in extra["runs"].items():
                 row["runs"].setdefault(name, []).extend(runs)
             row["vs_tcp"].update(extra["vs_tcp"])
+            row["vs_memcpy"].update(extra["vs_memcpy"])
             row["skipped"].update(extra["skipped"])
+        for row, extra in zip(small, phase_small, strict=True):
+            for name, runs in extra["runs_us"].items():
+                row["runs_us"].setdefault(name, []).extend(runs)
     elapsed = time.perf_counter() - t_start
     med = statistics.median
 
@@ -510,8 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nGB/s, median of up to {args.runs} rounds; x/tcp: median ratio to the TCP floor")
     print("measured in the same round (phases ran at different machine loads: compare ratios)")
     print(
-        "ours-mc / ours-tcp = vllm_pd_ext.transport, 'mooncake' backend over TCP / 'tcp' "
-        "backend; floors: memcpy, TCP loopback"
+        "ours-mc / ours-tcp / ours-cma = vllm_pd_ext.transport, 'mooncake' backend over TCP / "
+        "'tcp' / 'cma' backend; floors: memcpy, TCP loopback"
     )
     head = f"{'layout':>21} {'tokens':>6} {'MB':>6} {'spans':>7} {'memcpy':>6} {'tcp':>5}"
     head += "".join(f" {n:>8}" for n in names) + "".join(f" {n + '/tcp':>12}" for n in names)
@@ -520,6 +610,7 @@ def main(argv: list[str] | None = None) -> int:
         runs = r["runs"]
         r["median_gbps"] = {k: med(v) for k, v in runs.items() if v}
         r["median_vs_tcp"] = {k: med(v) for k, v in r["vs_tcp"].items() if v}
+        r["median_vs_memcpy"] = {k: med(v) for k, v in r["vs_memcpy"].items() if v}
         r["ours_vs_tcp"] = {n: r["median_vs_tcp"][n] for n in ours if n in r["median_vs_tcp"]}
         line = (
             f"{r['layout']:>21} {r['tokens']:>6} {r['bytes'] / 1e6:>6.0f} {r['spans']:>7} "
@@ -534,6 +625,44 @@ def main(argv: list[str] | None = None) -> int:
             for n in names
         )
         print(line)
+    cma = "ours-cma"
+    if cma in names:
+        print(
+            f"\n{cma}: x/memcpy, x/tcp and the same ratios of nixl (NIXL's own phase and rounds); "
+            "vs nixl: the ratio of the two x/memcpy (each against the memcpy of its own rounds, "
+            "so the phases' different loads cancel), and of the two x/tcp"
+        )
+        print(
+            f"{'layout':>21} {'tokens':>6} {'memcpy':>6} {'tcp':>7} {'nixl:':>6} {'tcp':>7}"
+            f" {'vs nixl':>7} {'(tcp)':>7}"
+        )
+        for r in rows:
+            mc, tc = r["median_vs_memcpy"], r["median_vs_tcp"]
+            both = cma in mc and "nixl" in mc
+            r["cma_vs_nixl"] = (
+                {"by_memcpy": mc[cma] / mc["nixl"], "by_tcp": tc[cma] / tc["nixl"]}
+                if both
+                else None
+            )
+            line = f"{r['layout']:>21} {r['tokens']:>6}"
+            line += f" {mc.get(cma, float('nan')):>6.0%} {tc.get(cma, float('nan')):>7.0%}"
+            line += f" {mc.get('nixl', float('nan')):>6.0%} {tc.get('nixl', float('nan')):>7.0%}"
+            if both:
+                v = r["cma_vs_nixl"]
+                line += f" {v['by_memcpy']:>6.2f}x {v['by_tcp']:>6.2f}x"
+            print(line)
+    print(f"\nmicroseconds per small transfer, median of {args.runs} rounds of {SMALL_REPS}")
+    snames = ["memcpy", *names]
+    print(f"{'transfer':>21}" + "".join(f" {n:>9}" for n in snames))
+    for r in small:
+        r["median_us"] = {k: med(v) for k, v in r["runs_us"].items() if v}
+        print(
+            f"{r['transfer']:>21}"
+            + "".join(
+                f" {r['median_us'][n]:>9.0f}" if n in r["median_us"] else f" {'-':>9}"
+                for n in snames
+            )
+        )
     for name, err in errors.items():
         print(f"{name}: failed: {err}")
     print(f"total {elapsed:.0f} s")
@@ -541,6 +670,10 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "benchmark": "transport_bandwidth",
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "uncommitted_in_vllm_pd_ext": _git(
+            "status", "--porcelain", "--", "../vllm_pd_ext"
+        ).splitlines(),
         "machine": {
             "cpus": os.cpu_count(),
             "cpu_model": _cpu_model(),
@@ -581,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
             "ours-mc": "vllm_pd_ext.transport mooncake backend, protocol tcp, 127.0.0.1",
             "ours-tcp": "vllm_pd_ext.transport tcp backend (own data path: sendmsg/recvmsg_into "
             "between the registered caches over one socket), 127.0.0.1",
+            "ours-cma": "vllm_pd_ext.transport cma backend (tcp's control path over a Unix "
+            "socket, payloads by process_vm_readv/writev between the registered caches)",
             "nixl": "NIXL UCX backend, UCX default transports (shm/CMA between local processes)",
             "nixl-tcp": "NIXL UCX backend with UCX_TLS=tcp",
             "tcp": "one Python socket, 4 MiB sendall/recv_into (floor)",
@@ -588,7 +723,10 @@ def main(argv: list[str] | None = None) -> int:
         },
         "errors": errors,
         "results": rows,
-        "goal": "ours >= 50% of the TCP loopback floor in every layout",
+        "small_transfers": small,
+        "goal": "ours >= 50% of the TCP loopback floor in every layout; ours-cma >= nixl "
+        "(UCX defaults) in every layout, >= 70% of memcpy, and <= 1 ms per transfer up to "
+        "1 MiB",
         "elapsed_s": elapsed,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

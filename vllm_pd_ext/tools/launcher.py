@@ -47,10 +47,13 @@ logger = logging.getLogger(__name__)
 #: The proxy's P/D protocol per connector name.
 PROTOCOLS: dict[str, str] = {"nixl": "nixl-pull", "pdext": "pdext-read"}
 #: Our connector's transport backends that ``up`` runs, with their settings on one host:
-#: ``tcp``, our own data path (sockets; with the fleet key it serves only key holders), and
-#: ``mooncake``, the Mooncake transfer engine over its TCP transport (RDMA on GPU hosts).
+#: ``tcp``, our own data path (sockets; with the fleet key it serves only key holders),
+#: ``cma``, the same with payloads copied by cross-memory attach between the engines (one
+#: host; host memory), and ``mooncake``, the Mooncake transfer engine over its TCP transport
+#: (RDMA on GPU hosts).
 PDEXT_BACKENDS: dict[str, dict[str, Any]] = {
     "tcp": {"host": "127.0.0.1"},
+    "cma": {"host": "127.0.0.1"},
     "mooncake": {"protocol": "tcp", "host": "127.0.0.1"},
 }
 

@@ -285,6 +285,10 @@ class Transport(abc.ABC):
     #: (one-sided RDMA, a third-party engine): there :meth:`grant` and :meth:`revoke` are
     #: no-ops and the data plane must be isolated instead.
     enforces_grants: ClassVar[bool] = False
+    #: Whether the backend has a fast path it may not get with a peer (then it moves that
+    #: peer's payloads a slower way and logs why). Such a backend takes ``on_fallback=``, a
+    #: callable called once per connection that falls back.
+    reports_fallbacks: ClassVar[bool] = False
 
     def __init__(self, *, coalesce_spans: bool = True) -> None:
         self.stats = TransferStats()

@@ -14,6 +14,7 @@ from vllm_pd_ext.transport.errors import TransportError
 
 #: name -> "module:Class". Extend with register_backend().
 _BACKENDS: dict[str, str] = {
+    "cma": "vllm_pd_ext.transport.cma:CmaTransport",
     "mooncake": "vllm_pd_ext.transport.mooncake:MooncakeTransport",
     "mori": "vllm_pd_ext.transport.mori:MoriTransport",
     "tcp": "vllm_pd_ext.transport.tcp:TcpTransport",

@@ -181,7 +181,8 @@ def _timeval(seconds: float) -> bytes:
 def _tune(sock: socket.socket, cfg: TcpConfig) -> None:
     """Blocking socket; sends give up after ``io_timeout_s``, receives wake every _POLL_S."""
     sock.settimeout(None)
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(cfg.io_timeout_s))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(_POLL_S))
     if cfg.socket_buffer_bytes:
@@ -326,12 +327,18 @@ class _Memory:
         self._cond = threading.Condition()
         self._views: dict[str, memoryview] = {}
         self._uses: dict[str, int] = {}
+        self._addrs: dict[str, int] = {}
 
     def add(self, region: Region) -> None:
         buf = (ctypes.c_uint8 * region.size).from_address(region.addr)
         with self._cond:
             self._views[region.name] = memoryview(buf).cast("B")
             self._uses[region.name] = 0
+            self._addrs[region.name] = region.addr
+
+    def address(self, name: str) -> int:
+        """Base address of region ``name`` (call while holding it: :meth:`acquire`)."""
+        return self._addrs[name]
 
     def remove(self, name: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -343,6 +350,7 @@ class _Memory:
                 self._cond.wait(left)
             self._views.pop(name, None)
             self._uses.pop(name, None)
+            self._addrs.pop(name, None)
 
     def acquire(self, name: str) -> memoryview | None:
         with self._cond:
@@ -376,6 +384,18 @@ def _check_spans(pairs: np.ndarray, size: int, nbytes: int | None) -> str | None
 GrantCheck = Callable[[str, TransferOp, str, np.ndarray], str | None]
 
 
+@dataclass(frozen=True)
+class _Request:
+    """A request's header as the server read it; ``peer`` is the engine id named at HELLO."""
+
+    kind: int
+    xid: int
+    peer: str
+    name: str
+    nspans: int
+    nbytes: int
+
+
 class _Server:
     """The data server: answers peers' WRITE, READ and NOTIFY requests."""
 
@@ -400,20 +420,32 @@ class _Server:
         self.slots = ConnectionSlots(
             "tcp data server", cfg.max_connections, cfg.max_per_source, cfg.hello_timeout_s
         )
+        self._threads: list[threading.Thread] = []
+        self._threads_lock = threading.Lock()
         self._sock = socket.create_server((cfg.host, cfg.port))
-        self._sock.settimeout(min(_POLL_S, cfg.hello_timeout_s / 4))  # how often expire() runs
         self.port = int(self._sock.getsockname()[1])
-        self._threads = [
-            threading.Thread(target=self._accept, name="pdext-tcp-accept", daemon=True)
-        ]
-        self._threads[0].start()
+        self._listen(self._sock)
 
-    def _accept(self) -> None:
+    def _listen(self, sock: socket.socket) -> None:
+        """Serve the connections accepted on the listening ``sock`` (a thread of its own)."""
+        sock.settimeout(min(_POLL_S, self.cfg.hello_timeout_s / 4))  # how often expire() runs
+        t = threading.Thread(
+            target=self._accept, args=(sock,), name="pdext-tcp-accept", daemon=True
+        )
+        with self._threads_lock:
+            self._threads.append(t)
+        t.start()
+
+    def _source(self, conn: socket.socket, addr: Any) -> str:
+        """Who a new connection comes from, for ``max_per_source`` (here: its IP address)."""
+        return str(addr[0])
+
+    def _accept(self, sock: socket.socket) -> None:
         """Accept loop: admit each connection to a thread of its own; close late HELLOs."""
         while not self._stop.is_set():
             self.slots.expire()
             try:
-                conn, addr = self._sock.accept()
+                conn, addr = sock.accept()
             except TimeoutError:
                 continue
             except OSError:
@@ -421,53 +453,43 @@ class _Server:
             if self._stop.is_set():
                 conn.close()
                 return
-            if not self.slots.admit(conn, addr[0]):
+            try:
+                source = self._source(conn, addr)
+            except OSError:
                 conn.close()
                 continue
-            self._threads = [t for t in self._threads if t.is_alive()]
+            if not self.slots.admit(conn, source):
+                conn.close()
+                continue
             t = threading.Thread(
-                target=self._serve,
-                args=(conn, addr[0]),
-                name=f"pdext-tcp-serve-{addr[1]}",
-                daemon=True,
+                target=self._serve, args=(conn, source), name="pdext-tcp-serve", daemon=True
             )
+            with self._threads_lock:
+                self._threads = [t for t in self._threads if t.is_alive()]
             try:
                 t.start()
             except BaseException:
                 self.slots.release(conn)
                 conn.close()
                 raise
-            self._threads.append(t)
+            with self._threads_lock:
+                self._threads.append(t)
 
     def _serve(self, conn: socket.socket, address: str) -> None:
         link = _Link(conn, self.cfg, self._stop)
         peer = f"? at {address}"
+        session = None
         try:
             _tune(conn, self.cfg)
             peer = self._hello(link)
+            session = self._session(link, peer)
             while True:
                 head = link.recv(_REQ.size, idle=_always)
                 kind, name_len, xid, nspans, nbytes = _REQ.unpack(head)
                 if name_len > _MAX_NAME or nspans > self.cfg.max_spans:
                     raise ValueError("malformed request header")
                 name = link.recv(name_len).decode()
-                if kind == _NOTIFY:
-                    if nbytes > self.cfg.max_notify_bytes:
-                        raise ValueError(f"notification of {nbytes} bytes")
-                    payload = link.recv(nbytes)
-                    if len(self.notes) >= MAX_QUEUED_NOTIFICATIONS:
-                        self._fail(link, xid, "too many notifications waiting")
-                        continue
-                    self.notes.append(Notification(sender=peer, payload=payload))
-                    link.send(_RSP.pack(_OK, 0, xid, 0))
-                    continue
-                pairs = np.frombuffer(link.recv(16 * nspans), dtype="<i8").reshape(-1, 2)
-                if kind == _WRITE:
-                    self._write(link, xid, peer, name, pairs, nbytes)
-                elif kind == _READ:
-                    self._read(link, xid, peer, name, pairs)
-                else:
-                    raise ValueError(f"unknown request kind {kind}")
+                self._request(link, session, _Request(kind, xid, peer, name, nspans, nbytes))
         except _Closed:
             pass
         except _Refused as e:
@@ -477,8 +499,34 @@ class _Server:
             if not self._stop.is_set():
                 logger.warning("tcp data connection from %s dropped: %s", peer, e)
         finally:
+            if session is not None:
+                session.close()
             self.slots.release(conn)
             conn.close()
+
+    def _session(self, link: _Link, peer: str) -> Any:
+        """Per-connection state after a passed HELLO, handed to :meth:`_request` and closed
+        (``close()``) with the connection (a hook for backends built on this server; here:
+        none)."""
+        return None
+
+    def _request(self, link: _Link, session: Any, req: _Request) -> None:
+        """Serve one request whose header and region name were read."""
+        if req.kind == _NOTIFY:
+            if req.nbytes > self.cfg.max_notify_bytes:
+                raise ValueError(f"notification of {req.nbytes} bytes")
+            payload = link.recv(req.nbytes)
+            if len(self.notes) >= MAX_QUEUED_NOTIFICATIONS:
+                return self._fail(link, req.xid, "too many notifications waiting")
+            self.notes.append(Notification(sender=req.peer, payload=payload))
+            return link.send(_RSP.pack(_OK, 0, req.xid, 0))
+        pairs = np.frombuffer(link.recv(16 * req.nspans), dtype="<i8").reshape(-1, 2)
+        if req.kind == _WRITE:
+            self._write(link, req.xid, req.peer, req.name, pairs, req.nbytes)
+        elif req.kind == _READ:
+            self._read(link, req.xid, req.peer, req.name, pairs)
+        else:
+            raise ValueError(f"unknown request kind {req.kind}")
 
     def _hello(self, link: _Link) -> str:
         """Exchange HELLOs; with a key, serve only a peer that proves it holds it, and only
@@ -549,7 +597,9 @@ class _Server:
         self._stop.set()
         self._sock.close()
         self.slots.shutdown_all()
-        for t in self._threads:
+        with self._threads_lock:
+            threads = list(self._threads)
+        for t in threads:
             t.join(timeout=2.0)
 
 
@@ -572,13 +622,28 @@ class _Job:
     done: threading.Event = field(default_factory=threading.Event)
     error: str | None = None
     finished_at: float | None = None
+    _on_finish: Callable[[], None] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def finish(self, error: str | None = None) -> None:
-        if self.done.is_set():
-            return
-        self.error = error
-        self.finished_at = time.perf_counter()
-        self.done.set()
+        with self._lock:
+            if self.done.is_set():
+                return
+            self.error = error
+            self.finished_at = time.perf_counter()
+            self.done.set()
+            release, self._on_finish = self._on_finish, None
+        if release is not None:
+            release()
+
+    def hold(self, release: Callable[[], None]) -> bool:
+        """Call ``release`` when this job finishes; False (and call it now) if it has."""
+        with self._lock:
+            if not self.done.is_set():
+                self._on_finish = release
+                return True
+        release()
+        return False
 
     def state(self) -> tuple[TransferState, str | None]:
         if not self.done.is_set():
@@ -604,16 +669,13 @@ class _PeerConn:
         self.peer = desc.engine_id
         self.address = desc.address
         self.memory = memory
-        host, _, port = desc.address.rpartition(":")
-        try:
-            sock = socket.create_connection((host, int(port)), timeout=cfg.connect_timeout_s)
-        except (OSError, ValueError) as e:
-            raise PeerUnreachable(f"tcp peer {desc.engine_id} at {desc.address}: {e}") from e
+        sock = self._open(desc)
         self._stop = threading.Event()
         self.link = _Link(sock, cfg, self._stop)
         try:
             sock.settimeout(cfg.connect_timeout_s)
             _client_hello(sock, key, engine_id.encode(), desc)
+            self._after_hello(sock)
         except (OSError, UnicodeDecodeError, struct.error) as e:
             sock.close()
             raise PeerUnreachable(f"tcp peer {desc.address} did not say hello: {e}") from e
@@ -627,12 +689,24 @@ class _PeerConn:
         self.dead: str | None = None
         self._retired = False
         self._running = 2  # the last loop to exit closes the socket
+        port = desc.address.rpartition(":")[2]
         self._threads = [
             threading.Thread(target=self._write_loop, name=f"pdext-tcp-tx-{port}", daemon=True),
             threading.Thread(target=self._read_loop, name=f"pdext-tcp-rx-{port}", daemon=True),
         ]
         for t in self._threads:
             t.start()
+
+    def _open(self, desc: TransportDescriptor) -> socket.socket:
+        """A connected socket to the peer's data server (PeerUnreachable if none)."""
+        host, _, port = desc.address.rpartition(":")
+        try:
+            return socket.create_connection((host, int(port)), timeout=self.cfg.connect_timeout_s)
+        except (OSError, ValueError) as e:
+            raise PeerUnreachable(f"tcp peer {desc.engine_id} at {desc.address}: {e}") from e
+
+    def _after_hello(self, sock: socket.socket) -> None:
+        """Runs once the server accepted our HELLO, before the loops start (a hook)."""
 
     def submit(self, job: _Job) -> _Job:
         with self._lock:
@@ -858,11 +932,9 @@ class TcpTransport(Transport):
         self.config = cfg
         self._key = key
         self._memory = _Memory()
-        self._engine_id = f"tcp-{uuid.uuid4().hex[:12]}"
+        self._engine_id = f"{self.backend_name}-{uuid.uuid4().hex[:12]}"
         try:
-            self._server = _Server(
-                cfg, self._engine_id, self._memory, key, on_refused, self._check_grant
-            )
+            self._server = self._new_server(on_refused)
         except OSError as e:
             raise TransportError(
                 f"tcp data server could not bind {cfg.host}:{cfg.port}: {e}"
@@ -871,6 +943,16 @@ class TcpTransport(Transport):
         self._conns_lock = threading.Lock()
         self._xids = itertools.count(1)
         logger.info("tcp transport %s listening on %s", self._engine_id, self._local_address())
+
+    def _new_server(self, on_refused: Callable[[], None] | None) -> _Server:
+        """This transport's data server (a hook for backends built on this one)."""
+        return _Server(
+            self.config, self._engine_id, self._memory, self._key, on_refused, self._check_grant
+        )
+
+    def _new_conn(self, desc: TransportDescriptor) -> _PeerConn:
+        """A new connection to ``desc``'s data server (a hook for backends built on this one)."""
+        return _PeerConn(self.config, self._engine_id, desc, self._memory, self._key)
 
     @property
     def engine_id(self) -> str:
@@ -897,7 +979,7 @@ class TcpTransport(Transport):
             old = self._conns.get(desc.engine_id)
             if old is not None and old.dead is None and old.address == desc.address:
                 return
-        conn = _PeerConn(self.config, self._engine_id, desc, self._memory, self._key)
+        conn = self._new_conn(desc)
         with self._conns_lock:
             old = self._conns.get(desc.engine_id)
             self._conns[desc.engine_id] = conn
@@ -915,7 +997,7 @@ class TcpTransport(Transport):
         with self._conns_lock:
             conn = self._conns.get(desc.engine_id)
             if conn is None or conn.dead is not None:
-                conn = _PeerConn(self.config, self._engine_id, desc, self._memory, self._key)
+                conn = self._new_conn(desc)
                 self._conns[desc.engine_id] = conn
             return conn
 

@@ -147,6 +147,7 @@ def test_stats_take_aggregate_reduce():
     rec.failure()
     rec.refused()
     rec.ungranted()
+    rec.fallback()
     rec.blocks_held(3)
     first = rec.take()
     assert first is not None
@@ -162,6 +163,7 @@ def test_stats_take_aggregate_reduce():
         "unauthenticated": 1,
         "params_refused": 0,
         "ungranted": 1,
+        "fallbacks": 1,
         "blocks_held": 3,
     }
     assert PdTransferStats().is_empty()

@@ -104,7 +104,7 @@ def worker(
     )
 
 
-@pytest.fixture(params=["mooncake", "tcp"])
+@pytest.fixture(params=["mooncake", "tcp", "cma"])
 def backend(request) -> str:
     return request.param
 
@@ -795,4 +795,32 @@ def test_limits_set_in_the_config_reach_the_side_channel_and_the_data_server():
         assert p._server.slots.refused == 1
         assert p.transport._server.slots.refused == 1  # type: ignore[attr-defined]
     finally:
+        p.shutdown()
+
+
+@pytest.mark.parametrize("cma", [True, False])
+def test_a_cma_fallback_to_the_socket_is_counted_in_the_connector_stats(cma: bool) -> None:
+    """Two workers over the cma backend: the decode's connection to the prefill goes by
+    cross-memory attach and counts no fallback; with CMA turned off on the decode side it
+    falls back to the socket, and the decode's connector stats count that."""
+    port = free_port()
+    p = worker("kv_producer", port, backend="cma")
+    d = worker(
+        "kv_consumer",
+        free_port(),
+        backend="cma",
+        backend_settings={"host": "127.0.0.1", "cma": cma},
+    )
+    try:
+        pc, dc = caches(True), caches(False)
+        p.register_kv_caches(pc)
+        d.register_kv_caches(dc)
+        assert d.transport is not None
+        d.transport.connect(p.transport.descriptor())  # type: ignore[union-attr]
+        taken = d.stats.take()
+        fallbacks = taken.data["fallbacks"] if taken is not None else 0
+        assert fallbacks == (0 if cma else 1)
+        assert d.transport.paths() == {"cma": int(cma), "socket": int(not cma)}  # type: ignore[attr-defined]
+    finally:
+        d.shutdown()
         p.shutdown()

@@ -18,4 +18,6 @@ def make_transport(name: str) -> Transport:
         return get_backend("mori", host="127.0.0.1", backend="rdma", module=fake_mori)
     if name == "tcp":
         return get_backend("tcp", host="127.0.0.1")
+    if name == "cma":
+        return get_backend("cma", host="127.0.0.1")
     raise ValueError(name)

@@ -90,9 +90,43 @@ def recv_exact(s: socket.socket, n: int) -> bytes:
     return data
 
 
-def _serve(conn: Any, backend: str) -> None:
+def _drop_ptrace() -> None:
+    """Clear CAP_SYS_PTRACE from this thread's effective set (threads started later inherit
+    it): another process's memory is then reachable only where ptrace's rules allow."""
+    import ctypes
+
+    class Header(ctypes.Structure):
+        _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+    class Data(ctypes.Structure):
+        _fields_ = [(n, ctypes.c_uint32) for n in ("effective", "permitted", "inheritable")]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    header, data = Header(0x20080522, 0), (Data * 2)()  # _LINUX_CAPABILITY_VERSION_3
+    if libc.capget(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capget")
+    data[0].effective &= ~(1 << 19)  # CAP_SYS_PTRACE
+    if libc.capset(ctypes.byref(header), data) != 0:
+        raise OSError(ctypes.get_errno(), "capset")
+
+
+def _undumpable() -> None:
+    """prctl(PR_SET_DUMPABLE, 0): only a process with CAP_SYS_PTRACE may attach to this one."""
+    import ctypes
+
+    if ctypes.CDLL(None, use_errno=True).prctl(4, 0, 0, 0, 0) != 0:
+        raise OSError(ctypes.get_errno(), "prctl")
+
+
+#: What a peer process may do to itself before it makes its transport.
+SETUPS = {"drop_ptrace": _drop_ptrace, "undumpable": _undumpable}
+
+
+def _serve(conn: Any, backend: str, setup: str | None = None) -> None:
     from tests.unit.transport.backends import make_transport
 
+    if setup is not None:
+        SETUPS[setup]()
     transport = make_transport(backend)
     buffers: dict[str, np.ndarray] = {}
     while True:
@@ -133,6 +167,14 @@ def _handle(transport: Any, buffers: dict[str, np.ndarray], cmd: str, args: tupl
         peer, local, remote, spans, timeout = args
         transport.write(peer, local, remote, spans).wait(timeout)
         return None
+    if cmd == "read":
+        peer, local, remote, spans, timeout = args
+        transport.read(peer, local, remote, spans).wait(timeout)
+        return None
+    if cmd == "paths":
+        return transport.paths()
+    if cmd == "pid":
+        return os.getpid()
     if cmd == "notify":
         peer, payload = args
         transport.notify(peer, payload)
@@ -160,10 +202,11 @@ class PeerError(RuntimeError):
 class PeerProcess:
     """Parent-side handle of a peer process (spawned, so no state is inherited)."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, setup: str | None = None) -> None:
+        """``setup``: one of :data:`SETUPS`, run in the peer before it makes its transport."""
         ctx = mp.get_context("spawn")
         self._conn, child = ctx.Pipe()
-        self.process = ctx.Process(target=_serve, args=(child, backend), daemon=True)
+        self.process = ctx.Process(target=_serve, args=(child, backend, setup), daemon=True)
         self.process.start()
         child.close()
 

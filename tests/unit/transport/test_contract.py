@@ -275,9 +275,11 @@ def test_transfer_to_a_dead_peer_fails(backend: str) -> None:
 
 
 def test_connect_to_a_dead_peer_is_refused(backend: str, local: Local) -> None:
-    if backend not in ("mooncake", "tcp"):
-        not_applicable("only mooncake and tcp reach the peer in connect()")
+    if backend not in ("mooncake", "tcp", "cma"):
+        not_applicable("only mooncake, tcp and cma reach the peer in connect()")
     desc = local.transport.descriptor().to_dict()
+    if backend == "cma":  # its same-host socket is gone too
+        desc["extra"]["cma_socket"] = "/nonexistent/data"
     dead = TransportDescriptor.from_dict({**desc, "engine_id": "x", "address": "127.0.0.1:1"})
     with pytest.raises(PeerUnreachable):
         local.transport.connect(dead)

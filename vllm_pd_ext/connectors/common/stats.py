@@ -15,6 +15,9 @@ The worker fills a :class:`PdTransferStats` (``get_kv_connector_stats``); vLLM s
   prompt (counted by the worker side): each was computed locally instead;
 * ``vllm:pdext_kv_ungranted_total``: peers' reads and writes of our KV memory refused because
   they reached beyond the blocks leased or offered to them (backends that enforce grants);
+* ``vllm:pdext_kv_transport_fallbacks_total``: connections to peers over which the transport
+  backend moves payloads by a slower path than its own (``cma``: over the socket, not by
+  cross-memory attach; the reason is in the engine's log);
 * ``vllm:pdext_kv_blocks_held`` gauge: prefill-side blocks held for decode instances.
 """
 
@@ -30,7 +33,14 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 from vllm.v1.metrics.utils import create_metric_per_engine
 
 _LISTS = ("seconds", "bytes")
-_COUNTERS = ("failures", "lease_expiries", "unauthenticated", "params_refused", "ungranted")
+_COUNTERS = (
+    "failures",
+    "lease_expiries",
+    "unauthenticated",
+    "params_refused",
+    "ungranted",
+    "fallbacks",
+)
 
 
 def _empty() -> dict[str, Any]:
@@ -115,6 +125,11 @@ class StatsRecorder:
         with self._lock:
             self._data["ungranted"] += 1
 
+    def fallback(self) -> None:
+        """A connection to a peer whose payloads go by the backend's slower path."""
+        with self._lock:
+            self._data["fallbacks"] += 1
+
     def blocks_held(self, n: int) -> None:
         with self._lock:
             if n != self._held:
@@ -195,6 +210,15 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
                 labelnames=labelnames,
             )
         )
+        self.fallbacks = per_engine(
+            self._counter_cls(
+                name="vllm:pdext_kv_transport_fallbacks",
+                documentation="Connections to peers whose KV payloads the transport backend "
+                "moves by a slower path than its own (cma: the socket, not cross-memory "
+                "attach; the reason is logged).",
+                labelnames=labelnames,
+            )
+        )
         self.blocks_held = per_engine(
             self._gauge_cls(
                 name="vllm:pdext_kv_blocks_held",
@@ -220,5 +244,7 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             self.params_refused[engine_idx].inc(d["params_refused"])
         if d.get("ungranted"):
             self.ungranted[engine_idx].inc(d["ungranted"])
+        if d.get("fallbacks"):
+            self.fallbacks[engine_idx].inc(d["fallbacks"])
         if d.get("blocks_held") is not None:
             self.blocks_held[engine_idx].set(d["blocks_held"])

@@ -215,6 +215,8 @@ class TransferWorker:
         backend = backend_class(self.cfg.backend)
         if backend.fleet_key_scope:
             settings.update(key=self.key, on_refused=self.stats.refused)
+        if backend.reports_fallbacks:
+            settings.update(on_fallback=self.stats.fallback)
         if self.key is None or backend.fleet_key_scope != "all":
             warn_if_exposed(str(settings["host"]), f"the {self.cfg.backend} KV data server")
         self.transport = backend(**settings)
