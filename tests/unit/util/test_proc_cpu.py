@@ -32,7 +32,7 @@ def test_group_cpu_adds_up_every_process_of_the_group_and_grows_while_it_polls(g
     pid, ids = group
     parts = _own_cpu_s(pid) + _own_cpu_s(ids["child"])  # read first: the total is later
     total = group_cpu_s(pid)
-    assert total >= parts
+    assert total >= parts - 1e-9  # the same ticks, summed in another order
     deadline = time.monotonic() + 30
     while group_cpu_s(pid) < total + 0.5:
         assert time.monotonic() < deadline, (total, group_cpu_s(pid))
