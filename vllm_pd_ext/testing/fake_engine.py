@@ -272,8 +272,12 @@ class FakeEngine:
                     self._stream(request, tokens, chat, body, usage, stall),
                     media_type="text/event-stream",
                 )
-            if b.kv_stall_s and loads_remote(params) and await self._stalled(request, b.kv_stall_s):
-                return Response(status_code=499)  # nobody reads it: the client is gone
+            if b.kv_stall_s and loads_remote(params):
+                try:
+                    await _sleep_unless_disconnected(request, b.kv_stall_s)
+                except _Disconnected:
+                    self.disconnects += 1
+                    return Response(status_code=499)  # nobody reads it: the client is gone
             choice = (
                 {
                     "index": 0,
@@ -383,16 +387,6 @@ class FakeEngine:
             remote_block_ids=[[1, 2, 3, 4]],
             transfer_mode=mode,
         ).params()
-
-    async def _stalled(self, request: Request, stall_s: float) -> bool:
-        """Wait ``stall_s`` before a whole answer; True (counted) if the client left first."""
-        deadline = time.monotonic() + stall_s
-        while time.monotonic() < deadline:
-            if await request.is_disconnected():
-                self.disconnects += 1
-                return True
-            await asyncio.sleep(0.02)
-        return False
 
     async def _stream(
         self,
