@@ -34,6 +34,23 @@ from vllm_pd_ext.util.vllm_process import VllmServer, free_port
 FLEET_KEY = secrets.token_hex(fleet_key.MIN_KEY_BYTES)
 
 
+def stream_token_ids(url: str, body: dict) -> list[int]:
+    """The token ids of a streamed completion of ``body`` (with return_token_ids) at ``url``;
+    asserts a 200 and no error event."""
+    ids: list[int] = []
+    with httpx.stream(
+        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as resp:
+        assert resp.status_code == 200, resp.read()
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert "error" not in chunk, chunk
+                for choice in chunk["choices"]:
+                    ids.extend(choice.get("token_ids") or [])
+    return ids
+
+
 def nixl_pair(
     vllm_servers, model: Path, prefix: str, extra_config: dict | None = None
 ) -> tuple[VllmServer, VllmServer]:

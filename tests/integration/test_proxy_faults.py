@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import running_proxy, wait_idle
+from tests.integration.fleet_helpers import running_proxy, stream_token_ids, wait_idle
 from vllm_pd_ext.tools.pd_demo import NIXL_CPU, make_prompt_ids
 from vllm_pd_ext.util.prom import parse_metrics
 from vllm_pd_ext.util.vllm_process import free_port
@@ -168,20 +168,6 @@ def test_prefill_killed_mid_request_falls_back_to_colocated(
         wait_whole_fleet(proxy_url)
 
 
-def _streamed_token_ids(proxy_url: str, payload: dict) -> list[int]:
-    ids: list[int] = []
-    stream = {**payload, "stream": True}
-    with httpx.stream("POST", f"{proxy_url}/v1/completions", json=stream, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for choice in chunk["choices"]:
-                    ids.extend(choice.get("token_ids") or [])
-    return ids
-
-
 def test_a_frozen_decode_is_a_stall_then_down_and_the_prefill_instance_serves_requests_whole(
     fleet, proxy_url, tiny_llama
 ):
@@ -202,7 +188,7 @@ def test_a_frozen_decode_is_a_stall_then_down_and_the_prefill_instance_serves_re
     os.killpg(decode.proc.pid, signal.SIGSTOP)
     try:
         # health checks take seconds to give up on a silent engine; the guard's floor is 2 s
-        assert _streamed_token_ids(proxy_url, payload) == expected
+        assert stream_token_ids(proxy_url, payload) == expected
         assert proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="stall") - stalls == 1
         # the prefill leg and the colocated answer, both on the prefill instance
         assert prefill.metric("vllm:request_success_total") - prefill_served == 2

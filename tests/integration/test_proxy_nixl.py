@@ -12,7 +12,13 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import nixl_pair, run_doctor, running_proxy, wait_idle
+from tests.integration.fleet_helpers import (
+    nixl_pair,
+    run_doctor,
+    running_proxy,
+    stream_token_ids,
+    wait_idle,
+)
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE, parse_metrics
 
@@ -57,21 +63,6 @@ def completion(model: str, prompt, **extra) -> dict:
         "return_token_ids": True,
         **extra,
     }
-
-
-def stream_token_ids(url: str, body: dict) -> list[int]:
-    ids: list[int] = []
-    with httpx.stream(
-        "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
-    ) as resp:
-        assert resp.status_code == 200, resp.read()
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "error" not in chunk, chunk
-                for choice in chunk["choices"]:
-                    ids.extend(choice.get("token_ids") or [])
-    return ids
 
 
 def test_completions_split_equal_colocated(fleet, proxy_url, tiny_llama):
