@@ -25,9 +25,9 @@ def _vllm():
     return kv_events
 
 
-def stored(hashes, parent, tokens, extra=None):
-    """A BlockStored event as vLLM builds it, through vLLM's wire encoding and our decoder."""
-    ev = _vllm().BlockStored(
+def block(hashes, parent, tokens, extra=None):
+    """A BlockStored event of the first KV cache group's device tier, as vLLM builds it."""
+    return _vllm().BlockStored(
         block_hashes=hashes,
         parent_block_hash=parent,
         token_ids=tokens,
@@ -38,7 +38,11 @@ def stored(hashes, parent, tokens, extra=None):
         extra_keys=extra,
         group_idx=0,
     )
-    return _wire(ev)
+
+
+def stored(hashes, parent, tokens, extra=None):
+    """``block``'s event through vLLM's wire encoding and our decoder."""
+    return _wire(block(hashes, parent, tokens, extra))
 
 
 def _wire(*events):
@@ -118,17 +122,6 @@ def test_the_subscriber_reads_vllms_publisher_and_replays_what_came_before(tmp_p
     def publish(*events) -> None:
         publisher.publish(kv.KVEventBatch(ts=time.time(), events=list(events)))
 
-    def block(hashes, parent, tokens):
-        return kv.BlockStored(
-            block_hashes=hashes,
-            parent_block_hash=parent,
-            token_ids=tokens,
-            block_size=BLOCK,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-        )
-
     async def go() -> tuple[int, int, int]:
         index = PrefixIndex()
         publish(block([b"h0", b"h1"], None, PROMPT[:8]))  # before anyone listens
@@ -170,17 +163,7 @@ def test_the_proxy_follows_an_instances_kv_events_and_shows_them_in_metrics(engi
     publisher.publish(
         kv.KVEventBatch(
             ts=time.time(),
-            events=[
-                kv.BlockStored(
-                    block_hashes=[b"h0", b"h1", b"h2"],
-                    parent_block_hash=None,
-                    token_ids=PROMPT,
-                    block_size=BLOCK,
-                    lora_id=None,
-                    medium="GPU",
-                    lora_name=None,
-                )
-            ],
+            events=[block([b"h0", b"h1", b"h2"], None, PROMPT)],
         )
     )
     instances = fleet(engines, prefill=("p1",), decode=("d1",))
