@@ -9,6 +9,8 @@ its lease stays with the call until the answer is out.
 
 A split streamed leg is guarded (``stall_guard.py``): its first token must come within the
 guard's deadline after the prefill leg, else it is closed and the request served colocated.
+Served on the prefill instance, a stream's colocated leg is guarded too (that instance may
+have frozen after its leg): past its own deadline it is closed and the next instance tried.
 """
 
 from __future__ import annotations
@@ -104,16 +106,19 @@ class DecodeLeg:
         pending: asyncio.Task | None,
         stream: StreamRelay | None,
         first: Instance | None = None,
+        rescue_s: float | None = None,
     ) -> Opened:
         """The first decode instance to answer 200 (``first``, else the route's decode
-        instance, first). Raises ``ProxyError`` (a 4xx passed through; 502 when every
-        instance tried failed) or ``ClientGone``."""
+        instance, first). ``rescue_s``: the seconds ``first`` has for its first bytes (a
+        stalled split's colocated leg on its prefill instance). Raises ``ProxyError`` (a 4xx
+        passed through; 502 when every instance tried failed) or ``ClientGone``."""
         errors: list[str] = []
         candidates = self.router.candidates(
             call.ctx, route.decode_pool, "decode", first or route.decode
         )
         guard = self.router.guard
         stalled: Instance | None = None  # the prefill instance of a stalled split
+        stalled_leg_s = 0.0  # and how long its prefill leg took
         for attempt, inst in enumerate(candidates):
             if attempt and call.params is not None and self.protocol.binds_decode:
                 call.colocate()
@@ -130,11 +135,19 @@ class DecodeLeg:
                     and call.prefill_done is not None
                     and (guard.guards(True, inst) if stream is not None else call.kv_first)
                 )
+                rescue = attempt == 0 and rescue_s is not None
                 if attempt or pending is None:
                     # a guarded leg's first bytes wait for the guard, not for the client
-                    sink = stream.direct_sink() if stream is not None and not guarded else None
+                    sink = (
+                        stream.direct_sink()
+                        if stream is not None and not (guarded or rescue)
+                        else None
+                    )
                     opening = self.send_body(call, inst, body, call.ctx.request_id, sink)
-                if guarded:
+                if rescue:
+                    assert rescue_s is not None
+                    opening = _first_bytes(opening, rescue_s)
+                elif guarded:
                     assert call.prefill_done is not None
                     guard.probing(call.prefill_instance, inst)
                     left = guard.budget_s(call.ctx.est_prompt_tokens) - (
@@ -155,8 +168,13 @@ class DecodeLeg:
                         # the stream was under way, from the engine connection's side
                         raise ClientGone("decode_stream") from None
                     raise
+                if resp is None and rescue:  # frozen after its prefill leg: the next one
+                    guard.rescue_stalled(inst, call.ctx.request_id)
+                    errors.append(f"{inst.label}: no first token in {rescue_s:.1f} s")
+                    continue
                 if resp is None:  # a guarded leg past its deadline: closed, and aborted
-                    stalled = call.prefill_instance
+                    assert call.prefill_done is not None
+                    stalled, stalled_leg_s = call.prefill_instance, call.prefill_done - call.start
                     guard.stalled(stalled, inst, call.ctx.request_id)
                     call.colocate()
                     call.decide(Decision(False, "stall"))
@@ -180,10 +198,10 @@ class DecodeLeg:
         else:
             raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
         # a stall: served colocated now, on the instance the guard's config names first
-        on_prefill = (
-            stalled is not None and guard.config.stalled_on == "prefill" and stalled.healthy
-        )
-        return await self.open(call, route, None, stream, stalled if on_prefill else None)
+        if stalled is not None and guard.config.stalled_on == "prefill" and stalled.healthy:
+            rescue_s = guard.rescue_budget_s(stalled_leg_s) if stream is not None else None
+            return await self.open(call, route, None, stream, stalled, rescue_s)
+        return await self.open(call, route, None, stream)
 
     async def _rest(self, call: Call, inst: Instance, probe: UpstreamResponse) -> UpstreamResponse:
         """After a guarded non-streamed split's first step answered 200 on ``inst``: its

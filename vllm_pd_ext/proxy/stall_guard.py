@@ -9,7 +9,10 @@ less than ``floor_s``. If the leg's first body bytes (its first token) have not 
 then, and so the client has seen nothing yet, the leg is closed (the engine aborts the request
 and frees its blocks) and the request is served colocated, on the prefill instance that just
 computed its prompt (``stalled_on``); counted in ``vllm_pd_fallbacks_total{reason="stall"}``
-and logged.
+and logged. That instance may itself have frozen since its leg, so a stream's colocated leg
+there has a deadline too: ``factor`` times its prefill leg for this request (it computes no
+more than that leg did), at least ``floor_s``; past it the leg is closed and the next
+instance tried (``reason="colocated_stall"``).
 
 A non-streamed answer shows nothing until it is whole, so with ``non_streamed`` on (default) a
 non-streamed split's decode leg is sent in two steps: first the one-token leg with the KV
@@ -107,6 +110,12 @@ class StallGuard:
             return None
         return max(cfg.floor_s, cfg.factor * expected)
 
+    def rescue_budget_s(self, prefill_leg_s: float) -> float:
+        """Seconds a stalled split's colocated leg on its prefill instance has for its first
+        token, that instance's prefill leg for the same request having taken ``prefill_leg_s``."""
+        cfg = self.config
+        return max(cfg.floor_s, cfg.factor * prefill_leg_s)
+
     def allows(self, prefill: Instance, decode: Instance, guarded: bool) -> bool:
         """May a request split across this pair now? False while its breaker is open; once
         the open time is over, True for a ``guarded`` one while no probe was sent
@@ -136,6 +145,18 @@ class StallGuard:
                 'trying elsewhere (vllm_pd_fallbacks_total{reason="prefill_stall"} counts each)',
                 request_id,
                 prefill.label,
+            )
+
+    def rescue_stalled(self, inst: Instance, request_id: str) -> None:
+        """A stalled split's colocated leg on ``inst`` missed its deadline too."""
+        self.metrics.fallbacks.labels("colocated_stall").inc()
+        if self._log.ready():
+            logger.warning(
+                "request %s: no first token from %s, serving it colocated after a stall, within "
+                "the stall guard's deadline; trying the next instance "
+                '(vllm_pd_fallbacks_total{reason="colocated_stall"} counts each)',
+                request_id,
+                inst.label,
             )
 
     def stalled(self, prefill: Instance | None, decode: Instance, request_id: str) -> None:

@@ -100,6 +100,9 @@ class Behavior:
     #: transfer): a streamed one after its head, a whole one before its answer; a disconnect
     #: meanwhile counts in ``disconnects`` (and ends the request, as vLLM aborts it)
     kv_stall_s: float = 0.0
+    #: a streamed request that loads no KV and hands none on (colocated) waits this long
+    #: after its head before its first token (an engine frozen after a prefill leg)
+    colocated_stall_s: float = 0.0
     prefix_caching: bool = True  # what /metrics says of it (vLLM's default: on)
 
 
@@ -268,6 +271,8 @@ class FakeEngine:
             }
             if body.get("stream"):
                 stall = b.kv_stall_s if loads_remote(params) else 0.0
+                if not params:
+                    stall = b.colocated_stall_s
                 return StreamingResponse(
                     self._stream(request, tokens, chat, body, usage, stall),
                     media_type="text/event-stream",

@@ -618,6 +618,34 @@ def test_a_stalled_split_stream_is_served_colocated_before_the_client_sees_a_byt
         assert metric(base, "vllm_pd_in_flight") == 0
 
 
+def test_a_stalled_split_stream_whose_prefill_froze_too_is_served_on_the_decode(engines):
+    """The decode stalls on the KV, and the prefill instance, having answered its leg, sends
+    no token of the colocated leg either (frozen since): that leg is closed at its own
+    deadline (the guard's floor here) and the request served colocated on the decode
+    instance, whole, long before the 120 s first-byte timeout; both counted."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
+    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
+        expected = _stream_events(base, 5, LONG)
+    engines["d1"].requests.clear()
+    engines["d1"].behavior.kv_stall_s = 600.0
+    engines["p1"].behavior.colocated_stall_s = 600.0
+    guard = {"floor_s": 0.5, "breaker_stalls": 5}
+    with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
+        assert _stream_events(base, 5, LONG) == expected
+        wait_until(lambda: engines["d1"].disconnects == 1 and engines["p1"].disconnects == 1)
+        prefill_leg, frozen_leg = (r["body"] for r in engines["p1"].requests)
+        assert prefill_leg["kv_transfer_params"]["do_remote_decode"] is True
+        assert "kv_transfer_params" not in frozen_leg
+        stalled_leg, colocated_leg = (r["body"] for r in engines["d1"].requests)
+        assert stalled_leg["kv_transfer_params"]["do_remote_prefill"] is True
+        assert "kv_transfer_params" not in colocated_leg and colocated_leg["stream"] is True
+        assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="colocated_stall") == 1
+        assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
+        assert metric(base, "vllm_pd_in_flight") == 0
+
+
 def _whole(base: str, body: dict) -> dict:
     resp = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 200, resp.text
