@@ -12,11 +12,39 @@ from vllm_pd_ext.connectors.common.config import parse_extra_config
 GiB = 1 << 30
 
 
+class RemoteTierConfig(BaseModel):
+    """Where the remote tier's Mooncake Store is (``connectors/flexkv/remote.py``)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    master: str = Field(
+        ..., min_length=3, description="The store's master (`mooncake_master`), host:rpc_port."
+    )
+    metadata_server: str = Field(
+        "P2PHANDSHAKE",
+        min_length=3,
+        description="How the store's clients find each other: P2PHANDSHAKE (directly, no "
+        "server), or a metadata server's URL (http://host:port/metadata).",
+    )
+    local_hostname: str = Field(
+        "127.0.0.1",
+        min_length=1,
+        description="Address this instance's store client listens on for other clients "
+        "(a private network's, for a fleet on several hosts).",
+    )
+    segment_gb: float = Field(
+        1.0, gt=0, description="Memory this instance adds to the store, in GiB."
+    )
+    buffer_mb: int = Field(64, ge=1, le=4096, description="The client's transfer buffer, in MiB.")
+    protocol: Literal["tcp", "rdma"] = Field("tcp", description="The transfer engine's protocol.")
+
+
 class FlexKVConfig(BaseModel):
     """Tiers, capacities and I/O limits of the tiered KV cache.
 
     Every key is optional; an unknown key or a bad value fails the engine's start with a
-    message naming it. Without ``ssd_dir`` and ``shared_dir`` only the CPU tier is used.
+    message naming it. Without ``ssd_dir``, ``shared_dir`` and ``remote`` only the CPU tier is
+    used.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -44,6 +72,11 @@ class FlexKVConfig(BaseModel):
         gt=0,
         description="Size the shared directory's block files (this model and block size) are "
         "kept within: every instance writing it deletes the oldest files when it is over.",
+    )
+    remote: RemoteTierConfig | None = Field(
+        None,
+        description="A Mooncake Store every instance of the fleet reaches (the remote tier, "
+        "after CPU, SSD and shared): blocks saved there load on any instance, any host.",
     )
     io_threads: int = Field(4, ge=1, le=64, description="Threads of the file I/O pool.")
     load_threads: int = Field(2, ge=1, le=32, description="Requests loaded at once.")
@@ -86,8 +119,10 @@ class FlexKVConfig(BaseModel):
 
     @model_validator(mode="after")
     def _some_tier(self) -> FlexKVConfig:
-        if self.cpu_blocks_hint() == 0 and not self.ssd_dir and not self.shared_dir:
-            raise ValueError("no tier left: the CPU tier is 0 and neither ssd_dir nor shared_dir")
+        if self.cpu_blocks_hint() == 0 and not (self.ssd_dir or self.shared_dir or self.remote):
+            raise ValueError(
+                "no tier left: the CPU tier is 0 and none of ssd_dir, shared_dir, remote"
+            )
         return self
 
     def cpu_blocks_hint(self) -> int | None:

@@ -6,8 +6,8 @@ from dataclasses import dataclass, field
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
-CPU, SSD, SHARED = "cpu", "ssd", "shared"
-TIERS = (CPU, SSD, SHARED)
+CPU, SSD, SHARED, REMOTE = "cpu", "ssd", "shared", "remote"
+TIERS = (CPU, SSD, SHARED, REMOTE)
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class LoadJob:
 @dataclass(frozen=True)
 class SaveItem:
     """Save device block ``block_id`` of request ``req_id`` as ``key``: into CPU pool row
-    ``slot`` (>= 0), and as a file in the SSD and/or shared tier."""
+    ``slot`` (>= 0), as a file in the SSD and/or shared tier, and/or in the remote tier."""
 
     block_id: int
     key: str
@@ -43,6 +43,7 @@ class SaveItem:
     slot: int = -1
     ssd: bool = False
     shared: bool = False
+    remote: bool = False
 
 
 @dataclass

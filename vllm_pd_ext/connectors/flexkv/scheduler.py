@@ -37,6 +37,7 @@ from vllm_pd_ext.connectors.flexkv.index import TierIndex
 from vllm_pd_ext.connectors.flexkv.keys import cache_namespace, request_keys
 from vllm_pd_ext.connectors.flexkv.metadata import (
     CPU,
+    REMOTE,
     SHARED,
     SSD,
     FlexKVMetadata,
@@ -44,6 +45,7 @@ from vllm_pd_ext.connectors.flexkv.metadata import (
     LoadJob,
     SaveItem,
 )
+from vllm_pd_ext.connectors.flexkv.remote import MooncakeBlockStore
 from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
 from vllm_pd_ext.connectors.flexkv.store import DirQuota, FileStore
 
@@ -56,7 +58,12 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 #: Tier -> vLLM's cache-hit source label (``vllm:prompt_tokens_by_source`` etc.).
-HIT_SOURCE = {CPU: CacheHitSource.HOST, SSD: CacheHitSource.DISK, SHARED: CacheHitSource.DISK}
+HIT_SOURCE = {
+    CPU: CacheHitSource.HOST,
+    SSD: CacheHitSource.DISK,
+    SHARED: CacheHitSource.DISK,
+    REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,  # vLLM's name for a remote store
+}
 #: A pending SSD write whose file has not appeared after this long is given up.
 PENDING_GIVE_UP_S = 60.0
 _SHARED_KNOWN_MAX = 1 << 16
@@ -118,6 +125,12 @@ class FlexKVScheduler:
         if cfg.shared_dir:
             self.shared_store = FileStore(cfg.shared_dir, self.namespace)
             self.shared_quota = DirQuota(self.shared_store, int(cfg.shared_capacity_gb * GiB))
+        #: The remote tier: the master is asked once per lookup for the run of keys after the
+        #: local tiers'; keys it had (or we put) are remembered (a bounded set).
+        self.remote_store: MooncakeBlockStore | None = None
+        self._remote_known: set[str] = set()
+        if cfg.remote is not None:
+            self.remote_store = MooncakeBlockStore(cfg.remote, self.namespace, segment=False)
         self._tracked: dict[str, _Tracked] = {}
         self._matched_from: dict[str, int] = {}
         self._plans: dict[str, _Plan] = {}
@@ -127,13 +140,14 @@ class FlexKVScheduler:
         self._sync_recent: deque[_Plan] = deque(maxlen=8)  # settled: their failures may follow
         self._sync_next: dict[str, bool] = {}  # req id -> its lookup said "load synchronously"
         logger.info(
-            "tiered KV cache: namespace %s, CPU %d blocks, SSD %s, shared %s",
+            "tiered KV cache: namespace %s, CPU %d blocks, SSD %s, shared %s, remote %s",
             self.namespace,
             self.cpu.capacity,
             f"{self.ssd.capacity} blocks in {self.ssd_store.dir}"
             if self.ssd and self.ssd_store
             else "off",
             self.shared_store.dir if self.shared_store else "off",
+            f"Mooncake Store at {cfg.remote.master}" if cfg.remote else "off",
         )
 
     # ---- lookup ----
@@ -163,7 +177,22 @@ class FlexKVScheduler:
                     self._shared_known.clear()
                 self._shared_known.add(key)
                 return SHARED
+        if key in self._remote_known:
+            return REMOTE
         return None
+
+    def _ask_remote(self, keys: list[str]) -> None:
+        """Learn which of ``keys`` (a prefix run, in order) the remote tier holds: the
+        leading run it has joins ``_remote_known``."""
+        if self.remote_store is None or not keys:
+            return
+        known = self._remote_known
+        for key, there in zip(keys, self.remote_store.exists_many(keys, self.tp_size), strict=True):
+            if not there:
+                break
+            if len(known) >= _SHARED_KNOWN_MAX:
+                known.clear()
+            known.add(key)
 
     def _usable_blocks(self, request: Request, keys: list[str]) -> int:
         # Leave at least one prompt token for the engine to compute.
@@ -178,8 +207,13 @@ class FlexKVScheduler:
         start = num_computed_tokens // self.block_size
         n = 0
         all_cpu = True
+        asked = False
         while start + n < usable:
             tier = self.tier_of(keys[start + n])
+            if tier is None and not asked:  # the rest of the run: one question to the store
+                asked = True
+                self._ask_remote(keys[start + n : usable])
+                tier = self.tier_of(keys[start + n])
             if tier is None:
                 break
             all_cpu = all_cpu and tier == CPU
@@ -306,6 +340,8 @@ class FlexKVScheduler:
             self.ssd.remove(it.key)
         elif it.tier == SHARED:
             self._shared_known.discard(it.key)
+        elif it.tier == REMOTE:
+            self._remote_known.discard(it.key)
         if it.promote_slot >= 0:
             e = self.cpu.get(it.key)
             if e is not None and e.slot == it.promote_slot and not e.pins:
@@ -325,6 +361,8 @@ class FlexKVScheduler:
                     self.ssd.remove(it.key)  # the worker deleted a corrupt file
             elif it.tier == SHARED and failed:
                 self._shared_known.discard(it.key)
+            elif it.tier == REMOTE and failed:
+                self._remote_known.discard(it.key)
             if it.promote_slot >= 0:
                 self.cpu.unpin(it.key)
                 if failed:
@@ -398,9 +436,13 @@ class FlexKVScheduler:
         )
         if to_shared:
             self._shared_quota_tick()
-        if slot < 0 and not to_ssd and not to_shared:
+        # the worker's put leaves an object that is there already (blocks never change)
+        to_remote = self.remote_store is not None and key not in self._remote_known
+        if slot < 0 and not to_ssd and not to_shared and not to_remote:
             return None
-        return SaveItem(block_id, key, rid, slot=slot, ssd=to_ssd, shared=to_shared)
+        return SaveItem(
+            block_id, key, rid, slot=slot, ssd=to_ssd, shared=to_shared, remote=to_remote
+        )
 
     def _shared_quota_tick(self) -> None:
         """Start a quota pass on the shared tier when one is due; forget which blocks were

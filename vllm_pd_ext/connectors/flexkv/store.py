@@ -102,11 +102,11 @@ def own_dir(path: Path) -> None:
         os.chmod(path, 0o700)
 
 
-def _fp16(fingerprint: str) -> bytes:
+def fp16_of(fingerprint: str) -> bytes:
     return fingerprint.encode()[:16].ljust(16, b"\0")
 
 
-def _byte_views(bufs) -> list[memoryview]:
+def byte_views(bufs) -> list[memoryview]:
     """One buffer or a sequence of buffers as a list of byte memoryviews."""
     return [memoryview(b).cast("B") for b in (bufs if isinstance(bufs, list | tuple) else [bufs])]
 
@@ -190,6 +190,77 @@ def _read_hashing(fd: int, head: memoryview, parts: list[memoryview], h) -> tupl
     return off, bool(os.pread(fd, 1, off))
 
 
+#: How :func:`check_block` begins its answer for a block of another KV layout (not damaged).
+OTHER_LAYOUT = "written with KV layout"
+
+
+def block_header(
+    mac_key: bytes | None,
+    namespace: str,
+    key: str,
+    rank: int,
+    fingerprint: str,
+    parts: Sequence[memoryview],
+) -> bytes:
+    """The bytes that go before a block's payload ``parts``: the header, with the payload's
+    xxh3-64 (``mac_key`` None) or followed by its keyed MAC."""
+    length = sum(p.nbytes for p in parts)
+    fp16 = fp16_of(fingerprint)
+    if mac_key is None:
+        algo, digest, mac = CHECKSUM_XXH3_64, checksum(parts), b""
+    else:
+        h = _block_mac(mac_key, namespace, key, rank, fp16, length)
+        for p in parts:
+            h.update(p)
+        algo, digest, mac = MAC_BLAKE3_KEYED, 0, h.digest()
+    return _HEADER.pack(MAGIC, FORMAT, algo, length, digest, fp16, bytes.fromhex(key)) + mac
+
+
+def payload_hash(
+    mac_key: bytes | None, namespace: str, key: str, rank: int, fp16: bytes, size: int
+):
+    """What :func:`check_block` needs fed with the payload: an xxh3-64, or the keyed MAC of
+    the block named by these (``size`` payload bytes expected)."""
+    if mac_key is None:
+        return xxhash.xxh3_64()
+    return _block_mac(mac_key, namespace, key, rank, fp16, size)
+
+
+def check_header(head, key: str, fp16: bytes, size: int, algo: int) -> str | None:
+    """Why a block whose header is ``head`` must not be used, or None when it may (its
+    payload still to be checked: :func:`check_payload`): its format, algorithm (``algo``: the
+    one the reader writes), key, KV layout (``fp16``) and payload length (``size``)."""
+    magic, fmt, got_algo, length, _, fp, k = _HEADER.unpack_from(head)
+    if magic != MAGIC or fmt != FORMAT:
+        return f"unknown format {magic!r}/{fmt}"
+    if got_algo != algo:
+        if got_algo == MAC_BLAKE3_KEYED:
+            return "written with a fleet key (MAC) and we have none"
+        if got_algo == CHECKSUM_XXH3_64:
+            return "no MAC (written without the fleet key, or forged)"
+        return f"unknown checksum algorithm {got_algo}"
+    if k != bytes.fromhex(key):
+        return "key differs from its name"
+    if fp != fp16:
+        return f"{OTHER_LAYOUT} {fp!r}"
+    if length != size:
+        return f"{length} payload bytes, expected {size}"
+    return None
+
+
+def check_payload(head, h) -> str | None:
+    """Why a block whose header (and MAC) is ``head``, passed by :func:`check_header`, and
+    whose whole payload was fed to ``h`` (:func:`payload_hash`) must not be used, or None."""
+    digest = _HEADER.unpack_from(head)[4]
+    if isinstance(h, xxhash.xxh3_64):
+        return None if h.intdigest() == digest else "checksum mismatch"
+    if digest != 0:
+        return "a checksum field in a block with a MAC"
+    if not hmac.compare_digest(h.digest(), bytes(head[HEADER_BYTES : HEADER_BYTES + MAC_BYTES])):
+        return "MAC mismatch (forged, damaged, or another block's)"
+    return None
+
+
 class FileStore:
     """Block files under ``root/<namespace>/``; one instance per tier and process.
 
@@ -244,19 +315,8 @@ class FileStore:
             own_dir(final.parent)
             self._owned.add(final.parent)
         tmp = final.parent / f".{final.name}.{os.urandom(8).hex()}.tmp"
-        parts = _byte_views(payload)
-        length = sum(p.nbytes for p in parts)
-        fp16 = _fp16(fingerprint)
-        if self._mac_key is None:
-            digest, mac = checksum(parts), b""
-        else:
-            h = _block_mac(self._mac_key, self.namespace, key, rank, fp16, length)
-            for p in parts:
-                h.update(p)
-            digest, mac = 0, h.digest()
-        header = (
-            _HEADER.pack(MAGIC, FORMAT, self.algo, length, digest, fp16, bytes.fromhex(key)) + mac
-        )
+        parts = byte_views(payload)
+        header = block_header(self._mac_key, self.namespace, key, rank, fingerprint, parts)
         try:
             with os.fdopen(os.open(tmp, _CREATE, 0o600), "wb") as f:
                 f.write(header)
@@ -269,7 +329,7 @@ class FileStore:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        return self.header_bytes + length
+        return len(header) + sum(p.nbytes for p in parts)
 
     def read_into(self, key: str, out, fingerprint: str, rank: int = 0) -> int:
         """Read and verify one block into ``out``; returns the bytes read.
@@ -284,15 +344,14 @@ class FileStore:
         holds garbage: never use it.
         """
         path = f"{self._dir}/{key[:2]}/{key}.r{rank}"  # self.path(), without pathlib's cost
-        parts = _byte_views(out)
+        parts = byte_views(out)
         size = sum(p.nbytes for p in parts)
         head_bytes = self.header_bytes
         head = bytearray(head_bytes)
         ours = self._fps.get(fingerprint)
         if ours is None:
-            ours = self._fps[fingerprint] = _fp16(fingerprint)
-        mk, ns = self._mac_key, self.namespace
-        h = xxhash.xxh3_64() if mk is None else _block_mac(mk, ns, key, rank, ours, size)
+            ours = self._fps[fingerprint] = fp16_of(fingerprint)
+        h = payload_hash(self._mac_key, self.namespace, key, rank, ours, size)
         try:
             fd = os.open(path, _OPEN_READ)
         except OSError as exc:
@@ -305,31 +364,16 @@ class FileStore:
             os.close(fd)
         if got < HEADER_BYTES:
             self._discard(path, "truncated header")
-        magic, fmt, algo, length, digest, fp, k = _HEADER.unpack_from(head)
-        if magic != MAGIC or fmt != FORMAT:
-            self._discard(path, f"unknown format {magic!r}/{fmt}")
-        if algo != self.algo:
-            if algo == MAC_BLAKE3_KEYED:
-                self._discard(path, "written with a fleet key (MAC) and we have none")
-            if algo == CHECKSUM_XXH3_64:
-                self._discard(path, "no MAC (written without the fleet key, or forged)")
-            self._discard(path, f"unknown checksum algorithm {algo}")
-        if k != bytes.fromhex(key):
-            self._discard(path, "key differs from its file name")
-        if fp != ours:
-            raise BlockFileError(f"{path}: written with KV layout {fp!r}, ours {fingerprint}")
-        if length != size:
-            self._discard(path, f"{length} payload bytes, expected {size}")
-        if got != head_bytes + size or longer:
-            why = f"{got - head_bytes}{'+' if longer else ''} bytes"
-            self._discard(path, f"payload of {why}, expected exactly {size}")
-        if isinstance(h, xxhash.xxh3_64):
-            if h.intdigest() != digest:
-                self._discard(path, "checksum mismatch")
-        elif digest != 0:
-            self._discard(path, "a checksum field in a file with a MAC")
-        elif not hmac.compare_digest(h.digest(), bytes(head[HEADER_BYTES:])):
-            self._discard(path, "MAC mismatch (forged, damaged, or another block's file)")
+        why = check_header(head, key, ours, size, self.algo)
+        if why is not None and why.startswith(OTHER_LAYOUT):
+            raise BlockFileError(f"{path}: {why}, ours {fingerprint}")
+        if why is None and (got != head_bytes + size or longer):
+            why = f"payload of {got - head_bytes}{'+' if longer else ''} bytes"
+            why += f", expected exactly {size}"
+        if why is None:
+            why = check_payload(head, h)
+        if why is not None:
+            self._discard(path, why)
         return head_bytes + size
 
     def _discard(self, path: str | Path, why: str) -> NoReturn:

@@ -49,6 +49,7 @@ from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
 from vllm_pd_ext.connectors.flexkv.copier import STAGE_BYTES, BlockCopier
 from vllm_pd_ext.connectors.flexkv.metadata import (
     CPU,
+    REMOTE,
     SHARED,
     SSD,
     FlexKVMetadata,
@@ -56,6 +57,7 @@ from vllm_pd_ext.connectors.flexkv.metadata import (
     LoadJob,
     SaveItem,
 )
+from vllm_pd_ext.connectors.flexkv.remote import MooncakeBlockStore
 from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
 from vllm_pd_ext.connectors.flexkv.store import BlockFileError, FileStore
 
@@ -86,12 +88,14 @@ class FlexKVWorker:
         self.fingerprint = ""
         self.block_bytes = 0
         self.copier: BlockCopier | None = None
-        self.stores: dict[str, FileStore] = {}
-        key = fleet_key.load_key() if cfg.ssd_dir or cfg.shared_dir else None
+        self.stores: dict[str, FileStore | MooncakeBlockStore] = {}
+        key = fleet_key.load_key() if cfg.ssd_dir or cfg.shared_dir or cfg.remote else None
         if cfg.ssd_dir:
             self.stores[SSD] = FileStore(cfg.ssd_dir, namespace, fsync=cfg.fsync, key=key)
         if cfg.shared_dir:
             self.stores[SHARED] = FileStore(cfg.shared_dir, namespace, fsync=cfg.fsync, key=key)
+        if cfg.remote is not None:
+            self.stores[REMOTE] = MooncakeBlockStore(cfg.remote, namespace, key=key)
         if self.stores:
             logger.info(
                 "tiered KV cache block files carry %s",
@@ -177,11 +181,12 @@ class FlexKVWorker:
         meta, self._meta = self._meta, None
         if meta is None:
             return
-        if meta.clear_ssd and SSD in self.stores:
-            self._io.submit(self.stores[SSD].clear)
-        if SSD in self.stores:
+        ssd = self.stores.get(SSD)
+        if isinstance(ssd, FileStore):
+            if meta.clear_ssd:
+                self._io.submit(ssd.clear)
             for key in meta.ssd_deletes:
-                self._io.submit(self.stores[SSD].delete, key)
+                self._io.submit(ssd.delete, key)
         if not meta.saves:
             return
         saves = list(meta.saves)
@@ -200,7 +205,7 @@ class FlexKVWorker:
                 del self._slot_writer[slot]
 
     def _wants_file(self, s: SaveItem) -> bool:
-        return (s.ssd and SSD in self.stores) or (s.shared and SHARED in self.stores)
+        return any(wanted and tier in self.stores for tier, wanted in _file_tiers(s))
 
     def _run_save(self, saves: list[SaveItem], after: Any = None) -> None:
         """Save thread: copy the blocks into their CPU rows and, for blocks that also go to
@@ -233,7 +238,7 @@ class FlexKVWorker:
         if rows is None:
             return
         for j, s in enumerate(to_file):
-            for tier, wanted in ((SSD, s.ssd), (SHARED, s.shared)):
+            for tier, wanted in _file_tiers(s):
                 if wanted and tier in self.stores:
                     self._queue_write(tier, s, rows[j])
 
@@ -441,3 +446,11 @@ class FlexKVWorker:
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True)
         self._io.shutdown(wait=True)
+        remote = self.stores.get(REMOTE)
+        if isinstance(remote, MooncakeBlockStore):
+            remote.close()
+
+
+def _file_tiers(s: SaveItem) -> tuple[tuple[str, bool], ...]:
+    """The tiers past the CPU pool, and whether ``s`` goes to each."""
+    return ((SSD, s.ssd), (SHARED, s.shared), (REMOTE, s.remote))

@@ -1,0 +1,142 @@
+"""The remote tier on a real Mooncake Store: a real ``mooncake_master`` on 127.0.0.1 and the
+real store clients (``mooncake.store``) in our scheduler and worker, over TCP. Two engines
+in one process stand for two instances of a fleet: what one saved, the other loads."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.skips import need
+from tests.unit.connectors.flexkv.engine import Engine
+from tests.unit.connectors.flexkv.test_round_trip import loads_of, prompt, request, run
+from tests.unit.connectors.sched_harness import BLOCK_SIZE, assert_scheduler_empty
+from vllm_pd_ext.connectors.flexkv.config import RemoteTierConfig
+from vllm_pd_ext.connectors.flexkv.metadata import CPU, REMOTE
+from vllm_pd_ext.connectors.flexkv.remote import MooncakeBlockStore
+from vllm_pd_ext.connectors.flexkv.store import BlockFileError
+
+
+@pytest.fixture(scope="module")
+def master(tmp_path_factory):
+    need("mooncake", why="the remote tier's store is Mooncake Store")
+    from vllm_pd_ext.util.mooncake_master import mooncake_master
+
+    with mooncake_master(tmp_path_factory.mktemp("mooncake") / "master.log") as m:
+        yield m
+
+
+@pytest.fixture
+def remote(master):
+    # a small segment per client: every engine here adds one
+    return {"master": master.master, "segment_gb": 1 / 16, "buffer_mb": 16}
+
+
+def _after_loads(e: Engine, req) -> None:
+    """Run ``req`` to the end, noting its first blocks (after the step that planned loads)."""
+    e.sched.add_request(req)
+    e.step()
+    e.first_blocks = {
+        req.request_id: list(e.sched.kv_cache_manager.get_block_ids(req.request_id)[0])
+    }
+    e.run_until_done()
+
+
+def test_blocks_one_instance_saved_load_on_another_from_the_remote_tier(engine_factory, remote):
+    """Instance A computes a prompt and saves its blocks (CPU tier and the store); instance B,
+    which never saw it, finds all four full blocks in the store at lookup, loads them and
+    computes only the tail; its blocks hold what computing them gives."""
+    from tests.unit.connectors.flexkv.test_round_trip import assert_blocks_hold
+
+    a = engine_factory(remote=remote, namespace="share-1")
+    run(a, request(prompt(1)))
+    a.worker._worker.wait_idle()
+    assert a.worker_stats["save_bytes.remote"] > 0
+    b = engine_factory(remote=remote, namespace="share-1")
+    second = request(prompt(1))
+    _after_loads(b, second)
+    (job,) = loads_of(b)
+    assert [it.tier for it in job.items] == [REMOTE] * 4
+    assert b.computed[second.request_id][0] == 4 * BLOCK_SIZE  # the tail only
+    assert_blocks_hold(b, second, 4)
+    assert b.hit_sources == {"external_unspecified": 4 * BLOCK_SIZE}
+    assert b.worker_stats["load_bytes.remote"] > 0
+    # read from the store, the blocks were promoted: B's next hit is in its CPU tier
+    run(b, request(prompt(1)))
+    assert [it.tier for it in loads_of(b)[-1].items] == [CPU] * 4
+    assert_scheduler_empty(b.sched)
+
+
+def test_with_a_fleet_key_a_block_forged_in_the_store_is_recomputed_never_loaded(
+    engine_factory, remote, monkeypatch
+):
+    """A store client without the fleet key (anyone who reaches the store) puts blocks 2-3
+    of a prompt whose blocks 0-1 instance A saved, well formed with an xxh3-64, holding block
+    0's KV. Instance B finds four blocks at lookup, loads 0-1, finds 2 and 3 fail their MAC:
+    they are recomputed, never loaded, and the forged objects removed."""
+    from tests.unit.connectors.flexkv.test_round_trip import assert_blocks_hold
+    from vllm_pd_ext import fleet_key
+
+    monkeypatch.delenv(fleet_key.KEY_FILE_ENV, raising=False)
+    monkeypatch.setenv(fleet_key.KEY_ENV, "5a" * 32)
+    a = engine_factory(remote=remote, namespace="forge-1")
+    run(a, request(prompt(2)[: 2 * BLOCK_SIZE + 3]))  # blocks 0-1 saved, with a MAC
+    a.worker._worker.wait_idle()
+    store = a.worker._worker.stores[REMOTE]
+    assert isinstance(store, MooncakeBlockStore) and store.keyed
+    sched = a.conn._scheduler
+    keys = sched._keys(request(prompt(2)))
+    forger = MooncakeBlockStore(RemoteTierConfig(**remote), sched.namespace)  # no key
+    try:
+        fp = a.worker._worker.fingerprint
+        block0 = bytearray(a.worker._worker.block_bytes)
+        store.read_into(keys[0], block0, fp)  # block 0's KV, as A saved it
+        for k in keys[2:4]:
+            forger.write(k, block0, fp)
+        assert forger.exists_many(keys[:4]) == [True] * 4
+        b = engine_factory(remote=remote, namespace="forge-1")
+        second = request(prompt(2))
+        _after_loads(b, second)
+        assert b.computed[second.request_id][0] == 2 * BLOCK_SIZE  # blocks 0-1 loaded
+        assert_blocks_hold(b, second, 4)  # block 2 holds its own KV, not block 0's
+        assert b.worker_stats["corrupt_blocks"] == 2
+        b.worker._worker.wait_idle()
+        # the forged objects were removed; B's recomputed blocks 2-3, saved with their MAC,
+        # load on a third instance
+        c = engine_factory(remote=remote, namespace="forge-1")
+        third = request(prompt(2))
+        _after_loads(c, third)
+        assert [it.tier for it in loads_of(c)[-1].items] == [REMOTE] * 4
+        assert_blocks_hold(c, third, 4)
+        assert c.worker_stats.get("corrupt_blocks", 0) == 0
+    finally:
+        forger.close()
+
+
+def test_a_block_is_read_only_whole_and_checked(remote):
+    """Straight on the store: a round trip gives the bytes back; a block of another length
+    or KV layout fails the checks; a missing one is FileNotFoundError; a save replaces."""
+    cfg = RemoteTierConfig(**remote)
+    store = MooncakeBlockStore(cfg, "direct-1")
+    reader = MooncakeBlockStore(cfg, "direct-1", segment=False)
+    try:
+        key, payload = "ab" * 16, bytearray(range(256)) * 4
+        assert store.write(key, [payload[:100], payload[100:]], "layout-a") > len(payload)
+        out = bytearray(len(payload))
+        reader.read_into(key, [memoryview(out)[:512], memoryview(out)[512:]], "layout-a")
+        assert out == payload
+        with pytest.raises(BlockFileError, match="written with KV layout"):
+            reader.read_into(key, bytearray(len(payload)), "layout-b")
+        assert reader.exists(key)  # another layout's block is no damage: left
+        with pytest.raises(BlockFileError, match="payload bytes, expected"):
+            reader.read_into(key, bytearray(len(payload) - 1), "layout-a")
+        with pytest.raises(FileNotFoundError):
+            reader.read_into("cd" * 16, bytearray(8), "layout-a")
+        assert reader.exists_many([key, "cd" * 16, key]) == [True, False, True]
+        # a save replaces what is there (a plain put would keep a bad object for good)
+        store.write(key, payload[:1000], "layout-a")
+        out = bytearray(1000)
+        reader.read_into(key, out, "layout-a")
+        assert out == payload[:1000]
+    finally:
+        reader.close()
+        store.close()

@@ -1,0 +1,220 @@
+"""The remote tier: KV blocks in a Mooncake Store that every instance of a fleet reaches.
+
+`Mooncake Store <https://github.com/kvcache-ai/Mooncake>`_ keeps objects in memory segments
+that its clients contribute (``segment_gb`` each) and a master (``mooncake_master``) that
+knows where each object lives; any client gets any object over the transfer engine (TCP
+here, RDMA where the hardware has it). So a block one instance saved is loadable by every
+other instance with the same model and block size, on any host, for as long as the master
+keeps it (it evicts the oldest objects when the segments fill, and an object lives in the
+segment of one client: when that instance stops, its share is gone; both are misses).
+
+Objects are named ``pdext/<format>/<namespace>/<block key>.r<rank>`` and hold exactly what
+a block file holds (:mod:`~vllm_pd_ext.connectors.flexkv.store`): the header, the keyed MAC
+when the fleet key is set (else an xxh3-64), the payload. A store reaches the master and the
+other clients without authentication, so whoever reaches them can put any object under any
+name: a block is used only when its header, length and MAC (or checksum) check out; any
+other object is a miss, removed (unless a reader holds it: the store refuses then) and
+replaced when the block is saved again (a block of another KV layout is left).
+Without a fleet key nothing proves who wrote a block: run the remote tier with one unless
+the store's network is yours alone. The store's clients listen on ``local_hostname``; keep
+it and the master on a private network.
+
+Calls block (RPCs to the master, transfers to the client holding the object); the worker
+makes them on its I/O threads, and the scheduler asks the master once per lookup for the
+whole run of keys (:meth:`MooncakeBlockStore.exists_many`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from vllm_pd_ext.connectors.flexkv.config import RemoteTierConfig
+from vllm_pd_ext.connectors.flexkv.keys import FORMAT
+from vllm_pd_ext.connectors.flexkv.store import (
+    CHECKSUM_XXH3_64,
+    HEADER_BYTES,
+    LOG_EVERY_S,
+    MAC_BLAKE3_KEYED,
+    MAC_BYTES,
+    OTHER_LAYOUT,
+    BlockFileError,
+    block_header,
+    byte_views,
+    check_header,
+    check_payload,
+    fp16_of,
+    mac_key,
+    payload_hash,
+)
+from vllm_pd_ext.util.throttle import Throttle
+
+logger = logging.getLogger(__name__)
+
+MiB = 1 << 20
+#: Keys asked about in one ``batch_is_exist`` call, at most.
+EXISTS_BATCH = 1024
+
+
+class RemoteStoreError(OSError):
+    """The store refused or failed a call (the block is then a miss)."""
+
+
+class MooncakeBlockStore:
+    """Blocks in a Mooncake Store; the interface of :class:`~.store.FileStore` (``exists``,
+    ``write``, ``read_into``, ``delete``), plus :meth:`exists_many` and :meth:`close`.
+
+    ``segment`` False: a client that contributes no memory (the scheduler's, which only
+    asks what exists). ``key``: the fleet key (blocks then carry a MAC).
+    """
+
+    def __init__(
+        self,
+        cfg: RemoteTierConfig,
+        namespace: str,
+        *,
+        key: bytes | None = None,
+        segment: bool = True,
+    ) -> None:
+        self.namespace = namespace
+        self._prefix = f"pdext/{FORMAT}/{namespace}/"
+        self._mac_key = mac_key(key) if key is not None else None
+        self.algo = CHECKSUM_XXH3_64 if key is None else MAC_BLAKE3_KEYED
+        self.header_bytes = HEADER_BYTES + (MAC_BYTES if key is not None else 0)
+        self._throttle = Throttle(LOG_EVERY_S)
+        self._discarded = 0
+        self._lock = threading.Lock()
+        from mooncake.store import MooncakeDistributedStore
+
+        store: Any = MooncakeDistributedStore()
+        rc = store.setup(
+            {
+                "local_hostname": cfg.local_hostname,
+                "metadata_server": cfg.metadata_server,
+                "global_segment_size": int(cfg.segment_gb * (1 << 30)) if segment else 0,
+                "local_buffer_size": cfg.buffer_mb * MiB,
+                "protocol": cfg.protocol,
+                "master_server_addr": cfg.master,
+            }
+        )
+        if rc != 0:
+            raise RemoteStoreError(
+                f"Mooncake Store at {cfg.master} (metadata {cfg.metadata_server}) "
+                f"refused this client: setup returned {rc}"
+            )
+        self._store = store
+
+    @property
+    def keyed(self) -> bool:
+        """Whether blocks carry a MAC (a fleet key was given)."""
+        return self._mac_key is not None
+
+    def name(self, key: str, rank: int = 0) -> str:
+        """The object name of block ``key``'s rank ``rank``."""
+        return f"{self._prefix}{key}.r{rank}"
+
+    def exists(self, key: str, ranks: int = 1) -> bool:
+        """True when every TP rank's object of ``key`` is in the store."""
+        return self.exists_many([key], ranks)[0]
+
+    def exists_many(self, keys: Sequence[str], ranks: int = 1) -> list[bool]:
+        """For each of ``keys``, whether every TP rank's object is in the store (one call to
+        the master per :data:`EXISTS_BATCH` names); a failed call says False."""
+        names = [self.name(k, r) for k in keys for r in range(ranks)]
+        found: list[int] = []
+        for i in range(0, len(names), EXISTS_BATCH):
+            batch = names[i : i + EXISTS_BATCH]
+            try:
+                got = list(self._store.batch_is_exist(batch))
+            except Exception as e:
+                logger.debug("remote tier: batch_is_exist failed: %s", e)
+                got = []
+            found.extend(got if len(got) == len(batch) else [0] * len(batch))
+        return [all(x == 1 for x in found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
+
+    def write(self, key: str, payload, fingerprint: str, rank: int = 0) -> int:
+        """Put one block, replacing any object under its name (one that failed the checks:
+        a plain put would keep it); returns the bytes put. Raises :class:`RemoteStoreError`."""
+        name = self.name(key, rank)
+        parts = byte_views(payload)
+        header = block_header(self._mac_key, self.namespace, key, rank, fingerprint, parts)
+        rc = self._store.upsert_parts(name, header, *parts)
+        if rc != 0:
+            raise RemoteStoreError(f"put of {name} failed: {rc}")
+        return len(header) + sum(p.nbytes for p in parts)
+
+    def read_into(self, key: str, out, fingerprint: str, rank: int = 0) -> int:
+        """Get and verify one block into ``out`` (one buffer or the block's pieces, in
+        order); returns the bytes got. ``FileNotFoundError`` when the store has no such
+        object; :class:`~.store.BlockFileError` when it has one that fails the checks (it is
+        then removed, except a block of another KV layout). On any error ``out`` holds
+        garbage: never use it."""
+        name = self.name(key, rank)
+        parts = byte_views(out)
+        size = sum(p.nbytes for p in parts)
+        try:
+            raw = self._store.get(name)
+        except Exception as e:
+            raise RemoteStoreError(f"get of {name} failed: {e}") from e
+        if not raw:
+            raise FileNotFoundError(name)
+        view = memoryview(raw)
+        if len(view) < self.header_bytes:
+            self._discard(name, "truncated header")
+        head = view[: self.header_bytes]
+        fp16 = fp16_of(fingerprint)
+        why = check_header(head, key, fp16, size, self.algo)
+        if why is not None and why.startswith(OTHER_LAYOUT):
+            raise BlockFileError(f"{name}: {why}, ours {fingerprint}")
+        if why is None and len(view) != self.header_bytes + size:
+            why = f"payload of {len(view) - self.header_bytes} bytes, expected exactly {size}"
+        if why is None:
+            h = payload_hash(self._mac_key, self.namespace, key, rank, fp16, size)
+            off = self.header_bytes
+            for p in parts:
+                chunk = view[off : off + p.nbytes]
+                h.update(chunk)
+                p[:] = chunk
+                off += p.nbytes
+            why = check_payload(head, h)
+        if why is not None:
+            self._discard(name, why)
+        return self.header_bytes + size
+
+    def _discard(self, name: str, why: str) -> NoReturn:
+        """Remove the object ``name`` (the store refuses while a reader holds it; the block's
+        next save replaces it) and raise :class:`~.store.BlockFileError`; warn at most once
+        per :data:`~.store.LOG_EVERY_S`."""
+        with contextlib.suppress(Exception):  # leased or gone: a miss either way
+            self._store.remove(name)
+        with self._lock:
+            self._discarded += 1
+            n = self._discarded
+            if self._throttle.ready():
+                self._discarded = 0
+            else:
+                n = 0
+        if n:
+            logger.warning(
+                "KV block %s in the remote tier failed its checks (%s): not used, the block is "
+                "recomputed and saved over it (%d such block%s since the last warning)",
+                name,
+                why,
+                n,
+                "" if n == 1 else "s",
+            )
+        raise BlockFileError(f"{name}: {why}")
+
+    def delete(self, key: str, ranks: int = 1) -> None:
+        for r in range(ranks):
+            with contextlib.suppress(Exception):  # leased or gone: the master evicts it
+                self._store.remove(self.name(key, r))
+
+    def close(self) -> None:
+        try:
+            self._store.close()
+        except Exception:
+            logger.debug("remote tier: close failed", exc_info=True)
