@@ -49,13 +49,16 @@ def _listening(port: int) -> bool:
 
 
 @contextmanager
-def mooncake_master(log: Path | None = None, timeout_s: float = 30.0) -> Iterator[Master]:
-    """A ``mooncake_master`` on loopback for as long as the context; ``RuntimeError`` when the
-    binary is missing or it does not listen within ``timeout_s``."""
+def mooncake_master(
+    log: Path | None = None, timeout_s: float = 30.0, rpc_port: int | None = None
+) -> Iterator[Master]:
+    """A ``mooncake_master`` on loopback (``rpc_port``, else a free port) for as long as the
+    context; ``RuntimeError`` when the binary is missing or it does not listen within
+    ``timeout_s``."""
     exe = master_binary()
     if exe is None:
         raise RuntimeError("mooncake_master not found (pip install mooncake-transfer-engine)")
-    m = Master(free_port(HOST))
+    m = Master(rpc_port or free_port(HOST))
     args = [
         exe,
         f"-rpc_address={HOST}",

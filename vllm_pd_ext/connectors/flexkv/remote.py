@@ -21,7 +21,12 @@ it and the master on a private network.
 
 Calls block (RPCs to the master, transfers to the client holding the object); the worker
 makes them on its I/O threads, and the scheduler asks the master once per lookup for the
-whole run of keys (:meth:`MooncakeBlockStore.exists_many`).
+whole run of keys (:meth:`MooncakeBlockStore.exists_many`). A store that stops answering
+(its master gone: each call then takes seconds to fail) must not stall the engine: the first
+failed call marks it down, and until a background probe finds it again (after 1 s, then twice
+as long each time, at most :data:`PROBE_MAX_S`) every block of the tier is a miss and no call
+is made; counted in ``vllm:pdext_flexkv_remote_down_total`` and logged. Its clients reconnect
+to a restarted master by themselves (the objects the old one knew are gone: misses).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any, NoReturn
 
 from vllm_pd_ext.connectors.flexkv.config import RemoteTierConfig
 from vllm_pd_ext.connectors.flexkv.keys import FORMAT
+from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
 from vllm_pd_ext.connectors.flexkv.store import (
     CHECKSUM_XXH3_64,
     HEADER_BYTES,
@@ -57,6 +63,11 @@ logger = logging.getLogger(__name__)
 MiB = 1 << 20
 #: Keys asked about in one ``batch_is_exist`` call, at most.
 EXISTS_BATCH = 1024
+#: What the store answers for a call it could not make (the master unreachable).
+RPC_FAILED = -900
+#: Seconds before the first probe of a store marked down, and the longest wait between two.
+PROBE_FIRST_S = 1.0
+PROBE_MAX_S = 30.0
 
 
 class RemoteStoreError(OSError):
@@ -68,7 +79,8 @@ class MooncakeBlockStore:
     ``write``, ``read_into``, ``delete``), plus :meth:`exists_many` and :meth:`close`.
 
     ``segment`` False: a client that contributes no memory (the scheduler's, which only
-    asks what exists). ``key``: the fleet key (blocks then carry a MAC).
+    asks what exists). ``key``: the fleet key (blocks then carry a MAC). ``stats``: where
+    the times the store went down are counted.
     """
 
     def __init__(
@@ -78,8 +90,13 @@ class MooncakeBlockStore:
         *,
         key: bytes | None = None,
         segment: bool = True,
+        stats: FlexKVRecorder | None = None,
     ) -> None:
         self.namespace = namespace
+        self.master = cfg.master
+        self._stats = stats
+        self._up = True
+        self._closed = threading.Event()
         self._prefix = f"pdext/{FORMAT}/{namespace}/"
         self._mac_key = mac_key(key) if key is not None else None
         self.algo = CHECKSUM_XXH3_64 if key is None else MAC_BLAKE3_KEYED
@@ -127,13 +144,54 @@ class MooncakeBlockStore:
         found: list[int] = []
         for i in range(0, len(names), EXISTS_BATCH):
             batch = names[i : i + EXISTS_BATCH]
-            try:
-                got = list(self._store.batch_is_exist(batch))
-            except Exception as e:
-                logger.debug("remote tier: batch_is_exist failed: %s", e)
-                got = []
+            got: list[int] = []
+            if self._up:
+                try:
+                    got = list(self._store.batch_is_exist(batch))
+                except Exception as e:  # a store failure is a miss
+                    self._down(f"batch_is_exist raised {e}")
+                if any(x < 0 for x in got):
+                    self._down(f"batch_is_exist answered {min(got)}")
             found.extend(got if len(got) == len(batch) else [0] * len(batch))
         return [all(x == 1 for x in found[i * ranks : (i + 1) * ranks]) for i in range(len(keys))]
+
+    @property
+    def up(self) -> bool:
+        """Whether the store is answering (else every block is a miss, no call made)."""
+        return self._up
+
+    def _down(self, why: str) -> None:
+        """A call failed: the store is down until :meth:`_probe` finds it again."""
+        with self._lock:
+            if not self._up or self._closed.is_set():
+                return
+            self._up = False
+        if self._stats is not None:
+            self._stats.add("remote_down")
+        logger.warning(
+            "tiered KV cache: the remote tier's store (master %s) stopped answering (%s); its "
+            "blocks are misses until it answers again (vllm:pdext_flexkv_remote_down_total)",
+            self.master,
+            why,
+        )
+        threading.Thread(target=self._probe, name="flexkv-remote-probe", daemon=True).start()
+
+    def _probe(self) -> None:
+        """Ask the store about one name, after a back-off, until it answers; then up again."""
+        wait = PROBE_FIRST_S
+        while not self._closed.wait(wait):
+            try:
+                ok = all(x >= 0 for x in self._store.batch_is_exist([self._prefix + "probe"]))
+            except Exception:  # still down
+                ok = False
+            if ok:
+                self._up = True
+                logger.warning(
+                    "tiered KV cache: the remote tier's store (master %s) answers again",
+                    self.master,
+                )
+                return
+            wait = min(2 * wait, PROBE_MAX_S)
 
     def write(self, key: str, payload, fingerprint: str, rank: int = 0) -> int:
         """Put one block, replacing any object under its name (one that failed the checks:
@@ -141,7 +199,11 @@ class MooncakeBlockStore:
         name = self.name(key, rank)
         parts = byte_views(payload)
         header = block_header(self._mac_key, self.namespace, key, rank, fingerprint, parts)
+        if not self._up:
+            raise RemoteStoreError(f"put of {name}: the store is down")
         rc = self._store.upsert_parts(name, header, *parts)
+        if rc == RPC_FAILED:
+            self._down(f"a put answered {rc}")
         if rc != 0:
             raise RemoteStoreError(f"put of {name} failed: {rc}")
         return len(header) + sum(p.nbytes for p in parts)
@@ -155,9 +217,12 @@ class MooncakeBlockStore:
         name = self.name(key, rank)
         parts = byte_views(out)
         size = sum(p.nbytes for p in parts)
+        if not self._up:
+            raise RemoteStoreError(f"get of {name}: the store is down")
         try:
             raw = self._store.get(name)
-        except Exception as e:
+        except Exception as e:  # a store failure is a miss
+            self._down(f"get raised {e}")
             raise RemoteStoreError(f"get of {name} failed: {e}") from e
         if not raw:
             raise FileNotFoundError(name)
@@ -214,6 +279,7 @@ class MooncakeBlockStore:
                 self._store.remove(self.name(key, r))
 
     def close(self) -> None:
+        self._closed.set()
         try:
             self._store.close()
         except Exception:

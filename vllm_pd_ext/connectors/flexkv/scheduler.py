@@ -130,7 +130,9 @@ class FlexKVScheduler:
         self.remote_store: MooncakeBlockStore | None = None
         self._remote_known: set[str] = set()
         if cfg.remote is not None:
-            self.remote_store = MooncakeBlockStore(cfg.remote, self.namespace, segment=False)
+            self.remote_store = MooncakeBlockStore(
+                cfg.remote, self.namespace, segment=False, stats=self.stats
+            )
         self._tracked: dict[str, _Tracked] = {}
         self._matched_from: dict[str, int] = {}
         self._plans: dict[str, _Plan] = {}

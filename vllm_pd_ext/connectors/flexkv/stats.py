@@ -4,7 +4,7 @@ Both sides record into a :class:`FlexKVStats` (scheduler: lookups, hits and evic
 tier; worker: bytes and seconds per tier, corrupt blocks, failed loads, dropped writes).
 vLLM aggregates the plain ``data`` dicts, logs :meth:`FlexKVStats.reduce` and feeds
 :class:`FlexKVPromMetrics`, which exports on the engine's ``/metrics``
-(``tier`` is ``cpu``, ``ssd`` or ``shared``):
+(``tier`` is ``cpu``, ``ssd``, ``shared`` or ``remote``):
 
 * ``vllm:pdext_flexkv_lookup_blocks_total``: blocks looked up beyond the local prefix cache;
 * ``vllm:pdext_flexkv_hit_blocks_total{tier}``: blocks loaded from each tier;
@@ -12,7 +12,8 @@ vLLM aggregates the plain ``data`` dicts, logs :meth:`FlexKVStats.reduce` and fe
 * ``vllm:pdext_flexkv_save_bytes_total{tier}``, ``..._save_seconds_total{tier}``;
 * ``vllm:pdext_flexkv_evicted_blocks_total{tier}``;
 * ``vllm:pdext_flexkv_corrupt_blocks_total``, ``..._failed_blocks_total`` (loads that failed,
-  corrupt ones included), ``..._dropped_writes_total`` (I/O queue full).
+  corrupt ones included), ``..._dropped_writes_total`` (I/O queue full),
+  ``..._remote_down_total`` (the remote tier's store stopped answering).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ PER_TIER = (
     "save_seconds",
     "evicted_blocks",
 )
-PLAIN = ("lookup_blocks", "corrupt_blocks", "failed_blocks", "dropped_writes")
+PLAIN = ("lookup_blocks", "corrupt_blocks", "failed_blocks", "dropped_writes", "remote_down")
 
 
 class FlexKVStats(KVConnectorStats):
@@ -108,6 +109,8 @@ class FlexKVPromMetrics(KVConnectorPromMetrics):
             "corrupt_blocks": "Stored KV blocks that failed their checksum, MAC or header check.",
             "failed_blocks": "KV blocks whose load failed (recomputed or failed per policy).",
             "dropped_writes": "Block file writes dropped because the I/O queue was full.",
+            "remote_down": "Times the remote tier's store stopped answering (its blocks are "
+            "misses until a probe finds it again).",
         }
         self._per_tier: dict[str, dict[int, dict[str, Any]]] = {}
         for name in PER_TIER:

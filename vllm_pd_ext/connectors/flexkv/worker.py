@@ -95,7 +95,9 @@ class FlexKVWorker:
         if cfg.shared_dir:
             self.stores[SHARED] = FileStore(cfg.shared_dir, namespace, fsync=cfg.fsync, key=key)
         if cfg.remote is not None:
-            self.stores[REMOTE] = MooncakeBlockStore(cfg.remote, namespace, key=key)
+            self.stores[REMOTE] = MooncakeBlockStore(
+                cfg.remote, namespace, key=key, stats=self.stats
+            )
         if self.stores:
             logger.info(
                 "tiered KV cache block files carry %s",

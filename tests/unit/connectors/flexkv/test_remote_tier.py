@@ -140,3 +140,50 @@ def test_a_block_is_read_only_whole_and_checked(remote):
     finally:
         reader.close()
         store.close()
+
+
+def test_a_store_that_stops_answering_is_skipped_until_it_answers_again(tmp_path):
+    """The master dies: the first call that fails marks the store down (counted, logged),
+    and from then on its blocks are misses with no call made (each would take seconds to
+    fail), until the background probe finds a master again on the same address; then saves
+    and loads work again (the new master knows no old object: those are misses)."""
+    need("mooncake", why="the remote tier's store is Mooncake Store")
+    from tests.unit.proxy.helpers import wait_until
+    from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
+    from vllm_pd_ext.util.mooncake_master import mooncake_master
+
+    stats = FlexKVRecorder()
+    key, payload = "ef" * 16, bytearray(b"kv" * 512)
+    with mooncake_master(tmp_path / "master-1.log") as m:
+        cfg = RemoteTierConfig(master=m.master, segment_gb=1 / 16, buffer_mb=16)
+        store = MooncakeBlockStore(cfg, "down-1", stats=stats)
+        store.write(key, payload, "layout-a")
+        assert store.exists(key)
+    try:
+        assert store.exists_many([key, key]) == [False, False]  # the master is gone
+        assert not store.up
+        with pytest.raises(OSError, match="the store is down"):
+            store.read_into(key, bytearray(len(payload)), "layout-a")
+        with pytest.raises(OSError, match="the store is down"):
+            store.write(key, payload, "layout-a")
+        taken = stats.take()
+        assert taken is not None and taken.data == {"remote_down": 1}  # counted once
+        with mooncake_master(tmp_path / "master-2.log", rpc_port=m.rpc_port):
+            wait_until(lambda: store.up, timeout=60)
+            assert not store.exists(key)  # the new master never knew it
+            wait_until(lambda: _writes(store, key, payload), timeout=30)
+            out = bytearray(len(payload))
+            store.read_into(key, out, "layout-a")
+            assert out == payload
+    finally:
+        store.close()
+
+
+def _writes(store: MooncakeBlockStore, key: str, payload: bytearray) -> bool:
+    """Whether a save succeeds (a client remounts its memory on a new master shortly after
+    it reconnects; until then a put finds no room)."""
+    try:
+        store.write(key, payload, "layout-a")
+    except OSError:
+        return False
+    return True
