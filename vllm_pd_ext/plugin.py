@@ -133,6 +133,7 @@ def register() -> None:
         if _registered:
             return
         check_vllm_version()
+        join_vllm_logging()
         try:
             from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
         except ImportError as exc:
@@ -148,6 +149,24 @@ def register() -> None:
         report_path = os.environ.get(SELF_CHECK_ENV)
         if report_path:
             _write_self_check(report_path, KVConnectorFactory)
+
+
+def join_vllm_logging() -> None:
+    """Log our package's lines through vLLM's handlers, at vLLM's level, in vLLM's processes.
+
+    vLLM configures only its own ``vllm`` logger; without this, our INFO lines (the tiered
+    cache's tiers, transports up, handshakes) are dropped and our warnings go out through
+    Python's last-resort handler, unformatted. Nothing changes when vLLM's logging is off
+    (``VLLM_CONFIGURE_LOGGING=0``: its logger has no handler) or ours has handlers already.
+    """
+    ours = logging.getLogger(__name__.partition(".")[0])
+    theirs = logging.getLogger("vllm")
+    if ours.handlers or not theirs.handlers:
+        return
+    for handler in theirs.handlers:
+        ours.addHandler(handler)
+    if ours.level == logging.NOTSET:
+        ours.setLevel(theirs.level)
 
 
 def _write_self_check(path: str, factory) -> None:

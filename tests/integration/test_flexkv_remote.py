@@ -100,7 +100,10 @@ def saved_bytes(server) -> tuple[float, float]:
 def saved(server, before: tuple[float, float], blocks: int, timeout: float = 30.0) -> bool:
     """Whether ``server`` put ``blocks`` more blocks into the store since ``before`` (it
     saved them into its CPU tier too: each object is those bytes plus a header and MAC),
-    within ``timeout`` seconds."""
+    within ``timeout`` seconds. vLLM reports a connector's counters with engine steps, and an
+    idle engine takes none: each poll sends a one-token request whose prompt has no full
+    block (nothing saved)."""
+    tick = completion_body(server, [11] * (BLOCK - 1), 1)
     deadline = time.monotonic() + timeout
     while True:
         remote, cpu = saved_bytes(server)
@@ -109,6 +112,7 @@ def saved(server, before: tuple[float, float], blocks: int, timeout: float = 30.
             return True
         if time.monotonic() > deadline:
             return False
+        httpx.post(f"{server.base_url}/v1/completions", json=tick, timeout=60).raise_for_status()
         time.sleep(0.2)
 
 

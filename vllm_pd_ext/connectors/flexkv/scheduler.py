@@ -25,6 +25,7 @@ vLLM's scheduling into per-step instructions for the worker side:
 from __future__ import annotations
 
 import logging
+import re
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -64,6 +65,8 @@ HIT_SOURCE = {
     SHARED: CacheHitSource.DISK,
     REMOTE: CacheHitSource.EXTERNAL_UNSPECIFIED,  # vLLM's name for a remote store
 }
+#: How the scheduler's start-up line begins (``%s``: the cache's namespace).
+START_LINE = "tiered KV cache: namespace %s"
 #: A pending SSD write whose file has not appeared after this long is given up.
 PENDING_GIVE_UP_S = 60.0
 _SHARED_KNOWN_MAX = 1 << 16
@@ -142,7 +145,7 @@ class FlexKVScheduler:
         self._sync_recent: deque[_Plan] = deque(maxlen=8)  # settled: their failures may follow
         self._sync_next: dict[str, bool] = {}  # req id -> its lookup said "load synchronously"
         logger.info(
-            "tiered KV cache: namespace %s, CPU %d blocks, SSD %s, shared %s, remote %s",
+            START_LINE + ", CPU %d blocks, SSD %s, shared %s, remote %s",
             self.namespace,
             self.cpu.capacity,
             f"{self.ssd.capacity} blocks in {self.ssd_store.dir}"
@@ -151,6 +154,13 @@ class FlexKVScheduler:
             self.shared_store.dir if self.shared_store else "off",
             f"Mooncake Store at {cfg.remote.master}" if cfg.remote else "off",
         )
+
+    @staticmethod
+    def namespace_in_log(text: str) -> str | None:
+        """The namespace an engine's log says its tiered cache uses (its last start-up
+        line), or None (tools and tests name its blocks in a shared tier or store by it)."""
+        found = re.findall(re.escape(START_LINE).replace("%s", "([0-9a-f]{16})"), text)
+        return found[-1] if found else None
 
     # ---- lookup ----
     def _keys(self, request: Request) -> list[str]:
