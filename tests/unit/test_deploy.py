@@ -494,3 +494,28 @@ def test_dashboard_and_rules_name_metrics_of_our_parts_and_vllm():
     names = deploy_files.all_metric_names()
     assert len(names) >= 20
     assert all(n.startswith(("vllm_pd_", "vllm:")) for n in names), names
+
+
+@pytest.mark.parametrize("component", COMPONENTS)
+def test_kv_events_flags_are_vllms_and_reachable_by_the_proxy_only(render, component):
+    need("vllm", why="vLLM's KVEventsConfig")
+    from vllm.config.kv_events import KVEventsConfig
+
+    docs = render(OVERLAYS[0], component)
+    flag = "--kv-events-config="
+    for name, deployment in _engines(docs).items():
+        [container] = _pod(deployment)["containers"]
+        [arg] = [a for a in container["args"] if a.startswith(flag)]
+        config = KVEventsConfig(**json.loads(arg.removeprefix(flag)))
+        assert config.enable_kv_cache_events and config.publisher == "zmq"
+        ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+        for endpoint, port_name in (
+            (config.endpoint, "kv-events"),
+            (config.replay_endpoint, "kv-replay"),
+        ):
+            assert endpoint == f"tcp://*:{ports[port_name]}", name
+    rules = _named(docs, "NetworkPolicy")["vllm-pd-engines"]["spec"]["ingress"]
+    [events] = [r for r in rules if {"port": "kv-events"} in r.get("ports", [])]
+    assert events["ports"] == [{"port": "kv-events"}, {"port": "kv-replay"}]
+    [source] = events["from"]
+    assert source["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "proxy"
