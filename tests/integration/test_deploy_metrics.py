@@ -33,8 +33,8 @@ ON_EVENT = {
     "vllm_pd_fallbacks_total": "labelled by reason; the first fallback adds its series",
     "vllm_pd_retries_total": "labelled by leg; the first retry adds its series",
     "vllm_pd_rejected_total": "labelled by reason; the first refusal adds its series",
-    "vllm_pd_breaker_open": "labelled by pair; a pair's series appears once the stall guard "
-    "tracks it",
+    "vllm_pd_breaker_open": "labelled by pair; a pair's series appears when its stall breaker "
+    "first opens",
 }
 _SUFFIXES = ("_bucket", "_sum", "_count")
 
@@ -126,5 +126,5 @@ def test_every_dashboard_and_alert_metric_is_exported(stack, tiny_llama):
             continue
         if name in ON_EVENT and _family(name) in declared:
             continue
-        missing.append(f"{name} (not on the {owner}' /metrics)")
+        missing.append(f"{name} (not on /metrics of the {owner})")
     assert missing == []
