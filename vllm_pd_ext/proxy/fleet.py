@@ -288,6 +288,8 @@ class Fleet:
             return
         if not inst.healthy:
             logger.info("fleet: %s is healthy", inst.label)
+            if inst.failures and inst.events is not None:  # back from down: maybe restarted
+                inst.events.resync()
         inst.mark_ok()
         if status != 200 or not self._read_load(inst, text):
             self._drop_stale_load(inst)

@@ -109,8 +109,9 @@ class ProxyMetrics:
         self.kv_events = Gauge(
             "vllm_pd_kv_events",
             "Per instance that publishes KV events: the prefix index's blocks, batches read, "
-            "gaps in their sequence, events skipped (malformed, orphans, dropped), failed (1: "
-            "the subscription stopped); instances without are routed on the estimate",
+            "gaps in their sequence, restarts of the engine seen, events skipped (malformed, "
+            "orphans, dropped), failed (1: the subscription stopped); instances without are "
+            "routed on the estimate",
             ["instance", "figure"],
             registry=r,
         )
