@@ -218,6 +218,7 @@ def test_up_engines_publish_kv_events_the_proxy_follows(built_stack):
         )
         assert inst.kv_events.topic == vllm_side.topic == part.name
     assert len({p.kv_events["endpoint"] for p in engines if p.kv_events}) == 3
+    assert config.decode_policy == config.prefill_policy == "cache-aware"
     stack.stop_all()
     assert not run_dir.exists()
 
@@ -232,6 +233,7 @@ def test_up_without_kv_events_says_so_and_the_proxy_routes_on_the_estimate(
     off = built_stack(kv_events=False)
     assert off.run_dir is None and all(p.kv_events is None for p in off.parts)
     assert all("kv_events" not in i for i in off.proxy_config()["instances"])
+    assert "decode_policy" not in off.proxy_config()  # the proxy's default
 
     monkeypatch.setattr(launcher, "kv_events_missing", lambda: "zmq")
     lacking = built_stack()

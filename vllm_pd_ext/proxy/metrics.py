@@ -115,6 +115,22 @@ class ProxyMetrics:
             ["instance", "figure"],
             registry=r,
         )
+        self.cache_view = Gauge(
+            "vllm_pd_cache_view",
+            "1 for how the proxy knows what the instance's prefix cache holds: events (its KV "
+            "events feed a prefix index) or estimate (prefix affinity: no events, or their "
+            "subscription failed)",
+            ["instance", "view"],
+            registry=r,
+        )
+        self.lookups = Counter(
+            "vllm_pd_prefix_lookups",
+            "Requests routed by the cache-aware policy, by what it scored on: events (the "
+            "prompt's token ids looked up in the prefix indexes), no_token_ids (a text prompt: "
+            "the estimate), no_events (no candidate has an index: the estimate)",
+            ["basis"],
+            registry=r,
+        )
         self.upstream_in_flight = Gauge(
             "vllm_pd_upstream_in_flight",
             "Requests this proxy has in flight per instance",

@@ -378,7 +378,7 @@ class Stack:
                         k: events[k] for k in ("endpoint", "replay_endpoint", "topic")
                     }
                 instances.append(inst)
-        return {
+        config: dict[str, Any] = {
             "host": cfg.host,
             "port": cfg.proxy_port,
             "protocol": PROTOCOLS[cfg.connector],
@@ -389,6 +389,9 @@ class Stack:
                 "cost_model": cfg.cost_model,
             },
         }
+        if self.run_dir is not None:  # the engines publish KV events: route on them
+            config["prefill_policy"] = config["decode_policy"] = "cache-aware"
+        return config
 
     def build(self) -> None:
         cfg = self.config
