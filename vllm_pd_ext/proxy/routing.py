@@ -81,20 +81,22 @@ class Router:
         return pool
 
     def route(self, ctx: RequestContext, decode_pool: list[Instance]) -> Route:
-        """Pick the decode instance, then decide split or colocated (counted by reason)."""
+        """Pick the decode instance, then decide split or colocated (counted by reason) on
+        the prompt's tokens that instance's prefix cache does not hold, when known."""
         lookup = lookup_of(ctx)
         if self._cache_aware:
             self._count_lookup(lookup, decode_pool)
         decode = self.decode_policy.select(ctx.affinity_key, decode_pool, lookup)
         if not decode.serves("decode"):  # no decode instance is healthy: served whole here
             return self._no_decode(ctx, decode, decode_pool)
+        cached = decode.cached_tokens(lookup) if lookup is not None else None
         healthy = [p for p in self.fleet.healthy("prefill") if p is not decode]
         guard = self.guard
         prefill_pool = healthy
         if guard.stalls:
             guarded = guard.guards(ctx.stream, decode)
             prefill_pool = [p for p in healthy if guard.allows(p, decode, guarded)]
-        decision = self.decider.decide(ctx, prefill_pool, decode)
+        decision = self.decider.decide(ctx, prefill_pool, decode, cached)
         if decision.reason == "no_prefill" and healthy:  # there are some: the guard stopped them
             decision = Decision(False, "breaker_open", decision.inputs)
         metrics = self.metrics

@@ -11,7 +11,8 @@ import pytest
 from tests.conftest import requires_vllm
 from tests.unit.proxy.helpers import fleet, metric, proxy, sent, wait_until
 from tests.unit.proxy.test_kv_events import BLOCK, _vllm, block, stored
-from vllm_pd_ext.proxy.config import InstanceConfig, ProxyConfig
+from vllm_pd_ext.proxy.config import DecisionConfig, InstanceConfig, ProxyConfig
+from vllm_pd_ext.proxy.decision import Decider
 from vllm_pd_ext.proxy.fleet import Instance
 from vllm_pd_ext.proxy.kv_events import Lookup, PrefixIndex, Subscriber
 from vllm_pd_ext.proxy.policies import ScoringConfig, make_policy
@@ -146,10 +147,29 @@ def test_token_ids_come_from_a_token_prompt_or_the_render_tier():
     assert found is not None and list(found.token_ids) == PROMPT and found.cache_salt == "t"
 
 
+def test_a_prompt_mostly_cached_on_the_decode_instance_runs_there_colocated():
+    decider = Decider(DecisionConfig(min_split_prompt_tokens=16, cost_model=False))
+    p, d = instance("p"), instance("d")
+    holds(d, PROMPT[:28])
+    long = request({"prompt": PROMPT})
+    cached = d.cached_tokens(Lookup(PROMPT))
+    assert cached == 28
+    decision = decider.decide(long, [p], d, cached)  # 12 tokens left to compute: < 16
+    assert (decision.split, decision.reason) == (False, "cached_on_decode")
+    assert decision.inputs["decode_cached_tokens"] == 28
+    holds(d, PROMPT[:20])  # the same blocks: nothing changes
+    less = d.cached_tokens(Lookup(PROMPT[:8] + list(range(8, 40))))  # diverges after 2 blocks
+    decision = decider.decide(long, [p], d, less)  # 32 left: worth a split
+    assert less == 8 and decision.split
+    assert decider.decide(long, [p], d, None).split  # not known: the prompt's length decides
+    assert decider.decide(request({"prompt": PROMPT[:12]}), [p], d, 12).reason == "short_prompt"
+
+
 def test_the_proxy_routes_on_its_instances_kv_events(engines, tmp_path):
     """A proxy whose two decode instances follow vLLM's own publishers: a token prompt goes to
-    the decode instance whose events say it holds the prompt; a text prompt is routed on the
-    estimate (counted); /metrics says each instance's cache view."""
+    the decode instance whose events say it holds the prompt, colocated there when most of it
+    is cached (decision reason cached_on_decode), split when not; a text prompt is routed on
+    the estimate (counted); /metrics says each instance's cache view."""
     kv = _vllm()
     publishers = {}
     instances = fleet(engines, prefill=("p1",), decode=("d1", "d2"))
@@ -179,10 +199,13 @@ def test_the_proxy_routes_on_its_instances_kv_events(engines, tmp_path):
             cached = {**model, "prompt": [*prompt, *range(9000, 9040)]}  # 40 tokens not cached
             for _ in range(3):
                 assert httpx.post(f"{base}/v1/completions", json=cached).status_code == 200
-            assert sent(engines["d2"]) and not sent(engines["d1"])  # decode legs: all on d2
-            assert metric(base, "vllm_pd_decisions_total", decision="split") == 3
-            fresh = {**model, "prompt": list(range(3000, 3300))}  # cached nowhere
+            assert len(sent(engines["d2"])) == 3 and not sent(engines["d1"])
+            assert not sent(engines["p1"])
+            assert metric(base, "vllm_pd_decisions_total", reason="cached_on_decode") == 3
+            fresh = {**model, "prompt": list(range(3000, 3300))}  # cached nowhere: split
             assert httpx.post(f"{base}/v1/completions", json=fresh).status_code == 200
+            assert metric(base, "vllm_pd_decisions_total", decision="split") == 1
+            assert len(sent(engines["p1"])) == 1
             text = {**model, "prompt": "word " * 100}
             assert httpx.post(f"{base}/v1/completions", json=text).status_code == 200
             assert metric(base, "vllm_pd_prefix_lookups_total", basis="events") == 4
