@@ -138,7 +138,7 @@ class Router:
         else:
             policy, retries = self.decode_policy, self.config.decode_retries
         tried: list[Instance] = []
-        lookup = lookup_of(ctx) if first is None or retries else None
+        lookup = lookup_of(ctx)  # cheap: only cache-aware computes its block keys
         for attempt in range(1 + retries):
             if attempt == 0 and first is not None:
                 inst = first
