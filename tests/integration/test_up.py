@@ -88,7 +88,10 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
             "ignore_eos": True,
             "return_token_ids": True,
         }
-        expected = httpx.post(f"{decode_url}/v1/completions", json=body, timeout=120).json()
+        # its own cache_salt: a prompt the decode engine holds would be served colocated
+        # there (cached_on_decode: up routes on the engines' KV events)
+        direct = {**body, "cache_salt": "direct"}
+        expected = httpx.post(f"{decode_url}/v1/completions", json=direct, timeout=120).json()
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
