@@ -113,6 +113,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         data["vllm_args"] = args.vllm_arg
     if args.no_cost_model:
         data["cost_model"] = False
+    if args.no_kv_events:
+        data["kv_events"] = False
     try:
         config = UpConfig.model_validate(data)
     except ValidationError as exc:
@@ -318,6 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--max-model-len", type=int, default=None)
     up.add_argument("--min-split-prompt-tokens", type=int, default=None)
     up.add_argument("--no-cost-model", action="store_true")
+    up.add_argument(
+        "--no-kv-events",
+        action="store_true",
+        help="engines publish no KV cache events; the proxy routes on the prefix estimate",
+    )
     up.add_argument(
         "--vllm-arg",
         action="append",

@@ -110,29 +110,41 @@ def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, conne
 
         long_prompt = make_prompt_ids(tiny_llama, 120)
         greedy = {"model": model, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        # each path its own cache_salt: a prompt the decode engine already holds would be
+        # served colocated there (cached_on_decode: up routes on the engines' KV events)
+        salted = {"direct": {"cache_salt": "direct"}, "whole": {"cache_salt": "whole"}}
+        salted["stream"] = {"cache_salt": "stream"}
         for prompt in (long_prompt, [long_prompt[0], long_prompt[1], long_prompt[2]]):
             body = {**greedy, "prompt": prompt, "return_token_ids": True}
-            text_mode = httpx.post(f"{decode_url}/v1/completions", json=body, timeout=120)
-            resp = httpx.post(f"{proxy}/completions", json=body, timeout=120)
+            text_mode = httpx.post(
+                f"{decode_url}/v1/completions", json={**body, **salted["direct"]}, timeout=120
+            )
+            resp = httpx.post(f"{proxy}/completions", json={**body, **salted["whole"]}, timeout=120)
             assert resp.status_code == 200, resp.text
             got, want = resp.json()["choices"][0], text_mode.json()["choices"][0]
             assert got["token_ids"] == want["token_ids"]
             assert got["text"] == want["text"]
             assert resp.json()["usage"]["prompt_tokens"] == len(prompt)
             streamed, usage = _stream_text(
-                f"{proxy}/completions", {**body, "stream_options": {"include_usage": True}}
+                f"{proxy}/completions",
+                {**body, **salted["stream"], "stream_options": {"include_usage": True}},
             )
             assert streamed == want["text"]
             assert usage is not None and usage["completion_tokens"] == 12
 
         words = " ".join(f"item{i}" for i in range(80))
         chat = {**greedy, "messages": [{"role": "user", "content": f"List these: {words}"}]}
-        want = httpx.post(f"{decode_url}/v1/chat/completions", json=chat, timeout=120).json()
-        got = httpx.post(f"{proxy}/chat/completions", json=chat, timeout=120).json()
+        want = httpx.post(
+            f"{decode_url}/v1/chat/completions", json={**chat, **salted["direct"]}, timeout=120
+        ).json()
+        got = httpx.post(
+            f"{proxy}/chat/completions", json={**chat, **salted["whole"]}, timeout=120
+        ).json()
         content = want["choices"][0]["message"]["content"]
         assert got["choices"][0]["message"]["content"] == content
         assert got["usage"]["prompt_tokens"] == want["usage"]["prompt_tokens"]
-        assert _stream_text(f"{proxy}/chat/completions", chat)[0] == content
+        stream = {**chat, **salted["stream"]}
+        assert _stream_text(f"{proxy}/chat/completions", stream)[0] == content
 
         bad = httpx.post(f"{proxy}/completions", json={**body, "suffix": "x"}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"

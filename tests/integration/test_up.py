@@ -88,7 +88,10 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
             "ignore_eos": True,
             "return_token_ids": True,
         }
-        expected = httpx.post(f"{decode_url}/v1/completions", json=body, timeout=120).json()
+        # its own cache_salt: a prompt the decode engine holds would be served colocated
+        # there (cached_on_decode: up routes on the engines' KV events)
+        direct = {**body, "cache_salt": "direct"}
+        expected = httpx.post(f"{decode_url}/v1/completions", json=direct, timeout=120).json()
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
@@ -96,6 +99,18 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
         # the warm-up request before the banner, then ours
         assert 'vllm_pd_decisions_total{decision="split",reason="split"} 2.0' in metrics
         assert "warm-up request (long enough to split) served in" in banner
+        # the engines publish their KV events and the proxy follows them: the prompts the
+        # decode engine cached are in its index
+        assert "KV events: the engines publish them on ipc sockets in" in banner, banner
+        deadline = time.monotonic() + 60
+        while (
+            parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics").text).total(
+                "vllm_pd_kv_events", instance="decode-0", figure="blocks"
+            )
+            < 1
+        ):
+            assert time.monotonic() < deadline, httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            time.sleep(0.2)
         for engine in ("prefill-0", "decode-0"):
             if connector == "nixl":  # NIXL's progress thread polls without pause: up calmed it
                 assert f"{engine}: lowered the CPU priority of 1 thread(s)" in banner, banner

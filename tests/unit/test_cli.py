@@ -191,3 +191,53 @@ def test_up_refuses_an_unsafe_fleet_key(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv(fleet_key.KEY_FILE_ENV, str(key))
     assert run_up(UpConfig(model=str(tmp_path), log_dir=tmp_path / "logs")) == 2
     assert "chmod 600" in capsys.readouterr().err
+
+
+def test_up_engines_publish_kv_events_the_proxy_follows(built_stack):
+    """Each engine's --kv-events-config is a valid vLLM KVEventsConfig with its sockets in the
+    stack's private run directory; the proxy config names the same endpoints and topic; the
+    directory goes when the stack stops."""
+    from vllm.config.kv_events import KVEventsConfig
+
+    from vllm_pd_ext.proxy.config import ProxyConfig
+
+    stack = built_stack(decode=2)
+    run_dir = stack.run_dir
+    assert run_dir is not None and run_dir.stat().st_mode & 0o777 == 0o700
+    engines = stack.parts[:-1]
+    config = ProxyConfig.model_validate(stack.proxy_config())
+    for part, inst in zip(engines, config.instances, strict=True):
+        assert part.kv_events is not None
+        vllm_side = KVEventsConfig(**part.kv_events)  # vLLM's own field names
+        assert vllm_side.enable_kv_cache_events and vllm_side.publisher == "zmq"
+        assert vllm_side.endpoint.startswith(f"ipc://{run_dir}/")
+        assert inst.kv_events is not None
+        assert (inst.kv_events.endpoint, inst.kv_events.replay_endpoint) == (
+            vllm_side.endpoint,
+            vllm_side.replay_endpoint,
+        )
+        assert inst.kv_events.topic == vllm_side.topic == part.name
+    assert len({p.kv_events["endpoint"] for p in engines if p.kv_events}) == 3
+    assert config.decode_policy == config.prefill_policy == "cache-aware"
+    stack.stop_all()
+    assert not run_dir.exists()
+
+
+def test_up_without_kv_events_says_so_and_the_proxy_routes_on_the_estimate(
+    built_stack, monkeypatch
+):
+    from pydantic import ValidationError
+
+    from vllm_pd_ext.tools import launcher
+
+    off = built_stack(kv_events=False)
+    assert off.run_dir is None and all(p.kv_events is None for p in off.parts)
+    assert all("kv_events" not in i for i in off.proxy_config()["instances"])
+    assert "decode_policy" not in off.proxy_config()  # the proxy's default
+
+    monkeypatch.setattr(launcher, "kv_events_missing", lambda: "zmq")
+    lacking = built_stack()
+    assert lacking.run_dir is None and all(p.kv_events is None for p in lacking.parts)
+    assert "without zmq" in lacking.no_events and "kv-events" in lacking.no_events
+    with pytest.raises(ValidationError, match="kv_events: false"):
+        launcher.UpConfig(vllm_args=("--no-enable-prefix-caching",))

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from vllm_pd_ext.proxy.client_limits import BodyBudget, BodyReader, plain_protocol
 from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, error_body, error_response
+from vllm_pd_ext.proxy.fleet import CACHE_VIEWS
 from vllm_pd_ext.proxy.front_protocol import fast_cycle, front_protocol, internals_ok
 from vllm_pd_ext.proxy.request import PATHS, ClientRequest, Route
 from vllm_pd_ext.proxy.service import ProxyService
@@ -96,6 +97,8 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
         for inst in service.fleet.instances():
             m.upstream_healthy.labels(inst.label, inst.role).set(1 if inst.healthy else 0)
             m.upstream_in_flight.labels(inst.label, inst.role).set(inst.in_flight)
+            for view in CACHE_VIEWS:
+                m.cache_view.labels(inst.label, view).set(1 if inst.cache_view == view else 0)
             if inst.events is not None:
                 for figure, value in inst.events.figures().items():
                     m.kv_events.labels(inst.label, figure).set(value)
@@ -113,6 +116,7 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
                     "running": i.running,
                     "waiting": i.waiting,
                     "kv_usage": i.kv_usage,
+                    "cache_view": i.cache_view,
                     "failures": i.failures,
                     "last_error": i.last_error,
                 }

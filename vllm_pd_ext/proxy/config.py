@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
-from vllm_pd_ext.proxy.policies import POLICIES
+from vllm_pd_ext.proxy.policies import POLICIES, ScoringConfig
 from vllm_pd_ext.proxy.protocols import PROTOCOLS, make_protocol, split_host_port
 from vllm_pd_ext.util.config_file import read_mapping
 
@@ -201,6 +201,9 @@ class ProxyConfig(_Strict):
     )
     prefill_policy: str = "least-loaded"
     decode_policy: str = "least-loaded"
+    scoring: ScoringConfig = Field(
+        ScoringConfig(), description="the weights of the cache-aware policy"
+    )
     client_kv_transfer_params: Literal["drop", "reject"] = "drop"
     on_prefill_failure: Literal["retry-then-colocated", "retry-then-fail"] = "retry-then-colocated"
     no_decode_fallback: bool = Field(

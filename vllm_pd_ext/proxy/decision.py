@@ -7,9 +7,13 @@ Rules, in order (the first that applies wins):
    are some, but the stall guard stopped splits between each of them and the decode instance).
 3. ``short_prompt``: estimated prompt tokens below ``min_split_prompt_tokens`` (default 256):
    the transfer and the extra hop cost more than a short prefill stalls anyone.
-4. ``prefill_overloaded``: every healthy prefill instance has ``max_prefill_waiting`` (default
+4. ``cached_on_decode``: the chosen decode instance's prefix cache (from its KV events, when
+   the prompt's token ids are known) holds so much of the prompt that the tokens left to
+   compute are below ``min_split_prompt_tokens``: it computes them itself, as it would a short
+   prompt, and nothing is transferred (a split would move the whole prompt's KV for them).
+5. ``prefill_overloaded``: every healthy prefill instance has ``max_prefill_waiting`` (default
    8) or more requests queued: a colocated prefill starts sooner.
-5. ``transfer_cost`` (with ``cost_model``, after ``cost_min_samples`` measured splits): the
+6. ``transfer_cost`` (with ``cost_model``, after ``cost_min_samples`` measured splits): the
    measured transfer gap for this prompt length exceeds the predicted stall, i.e. the measured
    prefill time for this length times the requests running on the chosen decode instance. At
    light load (nothing running on the decode side) this chooses colocated, as the
@@ -90,8 +94,14 @@ class Decider:
         return transfer.value * prompt_tokens
 
     def decide(
-        self, ctx: RequestContext, prefill_pool: Sequence[Loaded], decode: Loaded
+        self,
+        ctx: RequestContext,
+        prefill_pool: Sequence[Loaded],
+        decode: Loaded,
+        cached_tokens: int | None = None,
     ) -> Decision:
+        """Split or colocated for ``ctx`` on ``decode``, whose prefix cache holds the first
+        ``cached_tokens`` of its prompt (None: not known)."""
         cfg = self.config
         tokens = ctx.est_prompt_tokens
         inputs: dict = {
@@ -105,6 +115,10 @@ class Decider:
             return self._log(ctx, Decision(False, "no_prefill", inputs))
         if tokens < cfg.min_split_prompt_tokens:
             return self._log(ctx, Decision(False, "short_prompt", inputs))
+        if cached_tokens is not None:
+            inputs["decode_cached_tokens"] = cached_tokens
+            if tokens - cached_tokens < cfg.min_split_prompt_tokens:
+                return self._log(ctx, Decision(False, "cached_on_decode", inputs))
         min_waiting = min(p.waiting for p in prefill_pool)
         inputs["min_prefill_waiting"] = min_waiting
         if min_waiting >= cfg.max_prefill_waiting:

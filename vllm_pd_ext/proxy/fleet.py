@@ -18,7 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from vllm_pd_ext.proxy.config import InstanceConfig, ProxyConfig
-from vllm_pd_ext.proxy.kv_events import PrefixIndex, Subscriber
+from vllm_pd_ext.proxy.kv_events import Lookup, PrefixIndex, Subscriber
 from vllm_pd_ext.proxy.sources import FileSource, FleetSource, KubernetesSource
 from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
 from vllm_pd_ext.util.prom import parse_metrics
@@ -34,6 +34,10 @@ LOAD_METRICS = (
 #: vLLM's cache settings as labels of a gauge set to 1; the fleet reads whether prefix
 #: caching is on.
 CACHE_INFO = "vllm:cache_config_info"
+
+#: How the proxy knows what an instance's prefix cache holds: from its KV events (a prefix
+#: index), or by the prefix-affinity estimate (no events, or their subscription failed).
+CACHE_VIEWS = ("events", "estimate")
 
 #: Health rounds without a readable ``/metrics`` after which an instance's engine figures
 #: (running, waiting, KV usage) are dropped.
@@ -114,6 +118,22 @@ class Instance:
     def load(self) -> float:
         """In-flight through us, plus what the engine reported running and waiting."""
         return self.in_flight + self.running + 2.0 * self.waiting
+
+    @property
+    def cache_view(self) -> str:
+        """One of ``CACHE_VIEWS``."""
+        events = self.events
+        return "events" if events is not None and not events.failed else "estimate"
+
+    def cached_tokens(self, prompt: Lookup) -> int | None:
+        """How many of the prompt's leading tokens the engine's prefix cache holds, from its
+        KV events; None when it has no prefix index (``cache_view`` is the estimate)."""
+        events = self.events
+        if events is None or events.failed:
+            return None
+        index = events.index
+        size = index.block_size
+        return 0 if size is None else index.held(prompt) * size
 
     def mark_ok(self) -> None:
         self.healthy = True
@@ -288,6 +308,8 @@ class Fleet:
             return
         if not inst.healthy:
             logger.info("fleet: %s is healthy", inst.label)
+            if inst.failures and inst.events is not None:  # back from down: maybe restarted
+                inst.events.resync()
         inst.mark_ok()
         if status != 200 or not self._read_load(inst, text):
             self._drop_stale_load(inst)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,35 @@ def extra_keys(first: bool, cache_salt: str | None, lora_name: str | None) -> tu
     return tuple(keys) or None
 
 
+@dataclass(eq=False)
+class Lookup:
+    """A prompt as the index looks it up: its token ids as the engine sees them, its
+    ``cache_salt`` and LoRA name. Its blocks' keys are computed once per block size, as far as
+    a lookup needs them, and shared by every index it is looked up in."""
+
+    token_ids: Sequence[int]
+    cache_salt: str | None = None
+    lora_name: str | None = None
+    _chains: dict[int, list[int]] = field(default_factory=dict, repr=False)
+
+    def keys(self, size: int) -> Iterator[int]:
+        """The keys of the prompt's full blocks of ``size`` tokens, first block first."""
+        chain = self._chains.setdefault(size, [])
+        ids = self.token_ids
+        i = 0
+        while True:
+            if i == len(chain):
+                start = i * size
+                if start + size > len(ids):
+                    return
+                extra = extra_keys(i == 0, self.cache_salt, self.lora_name)
+                chain.append(
+                    block_key(chain[-1] if chain else ROOT, ids[start : start + size], extra)
+                )
+            yield chain[i]
+            i += 1
+
+
 @dataclass
 class PrefixIndex:
     """The device-tier blocks one engine holds, keyed by content. Not thread-safe."""
@@ -86,6 +115,11 @@ class PrefixIndex:
     def clear(self) -> None:
         self._keys.clear()
         self._held.clear()
+
+    def reset(self) -> None:
+        """Forget everything, the block size too (the engine restarted)."""
+        self.clear()
+        self.block_size = None
 
     def apply(self, event: Any) -> None:
         """One decoded event (a map with ``type``); malformed ones are counted and skipped."""
@@ -163,16 +197,18 @@ class PrefixIndex:
         self, token_ids: Sequence[int], cache_salt: str | None = None, lora_name: str | None = None
     ) -> int:
         """How many of the prompt's leading full blocks the engine holds."""
+        return self.held(Lookup(token_ids, cache_salt, lora_name))
+
+    def held(self, prompt: Lookup) -> int:
+        """How many of ``prompt``'s leading full blocks the engine holds."""
         size = self.block_size
         if size is None or not self._held:
             return 0
-        parent, n = ROOT, 0
-        for start in range(0, len(token_ids) - size + 1, size):
-            extra = extra_keys(start == 0, cache_salt, lora_name)
-            key = block_key(parent, token_ids[start : start + size], extra)
-            if key not in self._held:
+        held, n = self._held, 0
+        for key in prompt.keys(size):
+            if key not in held:
                 break
-            parent, n = key, n + 1
+            n += 1
         return n
 
 
@@ -187,15 +223,25 @@ def _frozen(extra: Any) -> tuple[Any, ...] | None:
 
 def decode_batch(payload: bytes) -> list[Any]:
     """A batch's events; raises ``ValueError`` for anything but ``[ts, events, ...]``."""
+    return _decode(payload)[1]
+
+
+def _decode(payload: bytes) -> tuple[float, list[Any]]:
+    """A batch's timestamp and events; raises ``ValueError`` for anything else."""
     import msgspec
 
     try:
         batch = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as exc:
         raise ValueError(str(exc)) from None
-    if not (isinstance(batch, list) and len(batch) >= 2 and isinstance(batch[1], list)):
+    if not (
+        isinstance(batch, list)
+        and len(batch) >= 2
+        and type(batch[0]) in (int, float)
+        and isinstance(batch[1], list)
+    ):
         raise ValueError("not an event batch")
-    return batch[1]
+    return float(batch[0]), batch[1]
 
 
 class Subscriber:
@@ -203,7 +249,11 @@ class Subscriber:
     given, replay requests to ``replay_endpoint``: at the start, for what was stored before;
     for the batches a gap in ``seq`` missed; and after ``catch_up_s`` without a message, for
     what was published while the subscription was on its way, which ZeroMQ drops and no later
-    batch has shown as a gap yet); ZeroMQ reconnects by itself."""
+    batch has shown as a gap yet); ZeroMQ reconnects by itself. A ``seq`` lower than the next
+    one expected in a batch newer than the last one applied is a restarted engine (its counter
+    starts at 0 again and its cache is empty; an older one is a duplicate a replay brought):
+    the index is reset and rebuilt from the replay, as it is when the fleet finds the instance
+    back after it was down (``resync``)."""
 
     def __init__(
         self,
@@ -224,7 +274,13 @@ class Subscriber:
         self.next_seq: int | None = None
         self.batches = 0
         self.gaps = 0
+        self.restarts = 0
         self.failed = False
+        self._resync = False
+        #: The engine's timestamp of the last batch applied: a batch below ``next_seq`` but
+        #: newer than it comes from a restarted engine; an older one was queued while a
+        #: replay brought it.
+        self.last_ts: float | None = None
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -236,6 +292,11 @@ class Subscriber:
             task.cancel()
             await asyncio.wait((task,))  # a cancellation of the caller itself propagates
 
+    def resync(self) -> None:
+        """Rebuild the index from the replay soon (the engine was down: it may have restarted
+        with an empty cache, its new ``seq`` already past the old one)."""
+        self._resync = True
+
     def figures(self) -> dict[str, int]:
         """What ``/metrics`` shows of it (``vllm_pd_kv_events{instance,figure}``)."""
         index = self.index
@@ -243,6 +304,7 @@ class Subscriber:
             "blocks": len(index),
             "batches": self.batches,
             "gaps": self.gaps,
+            "restarts": self.restarts,
             "malformed": index.malformed,
             "orphans": index.orphans,
             "dropped": index.dropped,
@@ -272,6 +334,11 @@ class Subscriber:
             if self.replay_endpoint is not None:  # what was stored before we listened
                 await self._replay(ctx, 0)
             while True:
+                if self._resync:
+                    self._resync = False
+                    self._restarted()
+                    if self.replay_endpoint is not None:
+                        await self._replay(ctx, 0)
                 if not await sub.poll(self.catch_up_s * 1000):
                     # quiet: batches published while the subscription was still on its way
                     # (ZeroMQ drops them) show no gap until a later one; ask for them now
@@ -283,21 +350,43 @@ class Subscriber:
                     self.index.malformed += 1
                     continue
                 seq = int.from_bytes(frames[1], "big")
-                if self.next_seq is not None and seq > self.next_seq:
+                expected = self.next_seq
+                if expected is not None and seq < expected:
+                    if not self._newer(frames[2]):
+                        continue  # queued while a replay brought it
+                    self._restarted()
+                    if self.replay_endpoint is not None:
+                        await self._replay(ctx, 0)
+                elif expected is not None and seq > expected:
                     self.gaps += 1
                     if self.replay_endpoint is not None:
-                        await self._replay(ctx, self.next_seq)
+                        await self._replay(ctx, expected)
                 if self.next_seq is None or seq >= self.next_seq:
                     self._apply(seq, frames[2])
         finally:
             sub.close(linger=0)
 
+    def _restarted(self) -> None:
+        logger.info("kv events from %s: engine restarted: index rebuilt", self.endpoint)
+        self.restarts += 1
+        self.index.reset()
+        self.next_seq = self.last_ts = None
+
+    def _newer(self, payload: bytes) -> bool:
+        """Whether the batch ``payload`` was published after the last one applied."""
+        try:
+            ts, _ = _decode(payload)
+        except ValueError:
+            return False
+        return self.last_ts is None or ts > self.last_ts
+
     def _apply(self, seq: int, payload: bytes) -> None:
         try:
-            events = decode_batch(payload)
+            ts, events = _decode(payload)
         except ValueError:
             self.index.malformed += 1
         else:
+            self.last_ts = ts
             for event in events:
                 self.index.apply(event)
         self.batches += 1

@@ -109,9 +109,26 @@ class ProxyMetrics:
         self.kv_events = Gauge(
             "vllm_pd_kv_events",
             "Per instance that publishes KV events: the prefix index's blocks, batches read, "
-            "gaps in their sequence, events skipped (malformed, orphans, dropped), failed (1: "
-            "the subscription stopped); instances without are routed on the estimate",
+            "gaps in their sequence, restarts of the engine seen, events skipped (malformed, "
+            "orphans, dropped), failed (1: the subscription stopped); instances without are "
+            "routed on the estimate",
             ["instance", "figure"],
+            registry=r,
+        )
+        self.cache_view = Gauge(
+            "vllm_pd_cache_view",
+            "1 for how the proxy knows what the instance's prefix cache holds: events (its KV "
+            "events feed a prefix index) or estimate (prefix affinity: no events, or their "
+            "subscription failed)",
+            ["instance", "view"],
+            registry=r,
+        )
+        self.lookups = Counter(
+            "vllm_pd_prefix_lookups",
+            "Requests routed by the cache-aware policy, by what it scored on: events (the "
+            "prompt's token ids looked up in the prefix indexes), no_token_ids (a text prompt: "
+            "the estimate), no_events (no candidate has an index: the estimate)",
+            ["basis"],
             registry=r,
         )
         self.upstream_in_flight = Gauge(

@@ -12,6 +12,7 @@ from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.decision import Decider, Decision
 from vllm_pd_ext.proxy.errors import ProxyError
 from vllm_pd_ext.proxy.fleet import Fleet, Instance
+from vllm_pd_ext.proxy.kv_events import Lookup
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.policies import make_policy
 from vllm_pd_ext.proxy.request import RequestContext
@@ -19,6 +20,25 @@ from vllm_pd_ext.proxy.stall_guard import StallGuard
 from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
+
+
+def lookup_of(ctx: RequestContext) -> Lookup | None:
+    """The prompt as the engines' prefix indexes look it up, when its token ids are known:
+    token mode's (from the render tier), or a text-mode completion whose prompt is token ids.
+    None for a text prompt or a chat in text mode (a tokenizer in the proxy would give them:
+    not built; those requests are routed on the estimate)."""
+    tokens = ctx.tokens
+    if tokens is not None:
+        if tokens.more:  # several prompts: served together where the first goes
+            return None
+        salt = tokens.generate.get("cache_salt")
+        return Lookup(tokens.prompt_ids, salt if isinstance(salt, str) else None)
+    if ctx.route != "completions":
+        return None
+    prompt, salt = ctx.body.get("prompt"), ctx.body.get("cache_salt")
+    if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
+        return None  # parse_request checked a list's items: all ints, or a batch of prompts
+    return Lookup(prompt, salt if isinstance(salt, str) else None)
 
 
 @dataclass(slots=True)
@@ -41,8 +61,9 @@ class Router:
         self.decider = Decider(config.decision)
         self.guard = StallGuard(config.stall_guard, self.decider, metrics)
         self._no_decode_log = Throttle(10.0)
-        self.prefill_policy = make_policy(config.prefill_policy)
-        self.decode_policy = make_policy(config.decode_policy)
+        self.prefill_policy = make_policy(config.prefill_policy, config.scoring)
+        self.decode_policy = make_policy(config.decode_policy, config.scoring)
+        self._cache_aware = config.decode_policy == "cache-aware"
 
     def decode_pool(self) -> list[Instance]:
         """The healthy decode instances; with none, the healthy prefill instances
@@ -60,22 +81,34 @@ class Router:
         return pool
 
     def route(self, ctx: RequestContext, decode_pool: list[Instance]) -> Route:
-        """Pick the decode instance, then decide split or colocated (counted by reason)."""
-        decode = self.decode_policy.select(ctx.affinity_key, decode_pool)
+        """Pick the decode instance, then decide split or colocated (counted by reason) on
+        the prompt's tokens that instance's prefix cache does not hold, when known."""
+        lookup = lookup_of(ctx)
+        if self._cache_aware:
+            self._count_lookup(lookup, decode_pool)
+        decode = self.decode_policy.select(ctx.affinity_key, decode_pool, lookup)
         if not decode.serves("decode"):  # no decode instance is healthy: served whole here
             return self._no_decode(ctx, decode, decode_pool)
+        cached = decode.cached_tokens(lookup) if lookup is not None else None
         healthy = [p for p in self.fleet.healthy("prefill") if p is not decode]
         guard = self.guard
         prefill_pool = healthy
         if guard.stalls:
             guarded = guard.guards(ctx.stream, decode)
             prefill_pool = [p for p in healthy if guard.allows(p, decode, guarded)]
-        decision = self.decider.decide(ctx, prefill_pool, decode)
+        decision = self.decider.decide(ctx, prefill_pool, decode, cached)
         if decision.reason == "no_prefill" and healthy:  # there are some: the guard stopped them
             decision = Decision(False, "breaker_open", decision.inputs)
         metrics = self.metrics
         metrics.child(metrics.decisions, decision.label, decision.reason).inc()
         return Route(decode, decode_pool, prefill_pool, decision)
+
+    def _count_lookup(self, lookup: Lookup | None, pool: list[Instance]) -> None:
+        if not any(i.cache_view == "events" for i in pool):
+            basis = "no_events"
+        else:
+            basis = "events" if lookup is not None else "no_token_ids"
+        self.metrics.child(self.metrics.lookups, basis).inc()
 
     def _no_decode(self, ctx: RequestContext, inst: Instance, pool: list[Instance]) -> Route:
         metrics = self.metrics
@@ -105,6 +138,7 @@ class Router:
         else:
             policy, retries = self.decode_policy, self.config.decode_retries
         tried: list[Instance] = []
+        lookup = lookup_of(ctx)  # cheap: only cache-aware computes its block keys
         for attempt in range(1 + retries):
             if attempt == 0 and first is not None:
                 inst = first
@@ -112,7 +146,7 @@ class Router:
                 left = [p for p in pool if p not in tried and p.healthy]
                 if not left:
                     return
-                inst = policy.select(ctx.affinity_key, left)
+                inst = policy.select(ctx.affinity_key, left, lookup)
                 if attempt:
                     self.metrics.retries.labels(leg).inc()
             tried.append(inst)

@@ -106,6 +106,26 @@ def with_tiered_cache(kv: dict, flexkv: dict[str, Any]) -> dict:
     }
 
 
+def kv_events_config(run_dir: Path, name: str) -> dict[str, Any]:
+    """``--kv-events-config`` of engine ``name`` (vLLM's ``KVEventsConfig``): its publisher
+    and replay sockets in the stack's private ``run_dir``, topic ``name``."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"ipc://{run_dir / name}.pub",
+        "replay_endpoint": f"ipc://{run_dir / name}.replay",
+        "topic": name,
+    }
+
+
+def kv_events_missing() -> str | None:
+    """What the proxy lacks to follow KV events (the ``kv-events`` extra), or None."""
+    import importlib.util
+
+    lacking = [m for m in ("zmq", "msgspec") if importlib.util.find_spec(m) is None]
+    return " and ".join(lacking) or None
+
+
 def _one_of(what: str, value: str, names: dict[str, Any]) -> str:
     if value not in names:
         raise ValueError(f"unknown {what} {value!r}; choose one of {', '.join(names)}")
@@ -160,6 +180,13 @@ class UpConfig(BaseModel):
         "the cores the engines compute on",
     )
     max_restarts: int = Field(3, ge=0)
+    kv_events: bool = Field(
+        True,
+        description="engines publish their KV cache events (--kv-events-config, ZeroMQ over "
+        "ipc sockets in the stack's private run directory) and the proxy routes on what each "
+        "engine's prefix cache holds; needs the kv-events extra (pyzmq, msgspec), else the "
+        "stack says so and routes on the estimate",
+    )
 
     @field_validator("connector")
     @classmethod
@@ -180,6 +207,13 @@ class UpConfig(BaseModel):
 
     @model_validator(mode="after")
     def _gpus(self) -> UpConfig:
+        if self.kv_events:
+            for flag in ("--kv-events-config", "--no-enable-prefix-caching"):
+                if any(a.split("=")[0] == flag for a in self.vllm_args):
+                    raise ValueError(
+                        f"vllm_args has {flag}: set kv_events: false (up starts the engines' "
+                        "KV events itself, and they need prefix caching)"
+                    )
         if self.flexkv is not None:
             from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
 
@@ -204,6 +238,7 @@ class Part:
     started_at: float = field(default_factory=time.monotonic)
     side_port: int | None = None  # engines: the KV side channel
     kv_transfer_config: dict[str, Any] | None = None  # engines: their --kv-transfer-config
+    kv_events: dict[str, Any] | None = None  # engines: their --kv-events-config
     calm: bool = False  # lower the priority of its idle pollers once healthy
     calmed: bool = False  # done for the running process
 
@@ -256,6 +291,10 @@ class Stack:
         self.key_env: dict[str, str] = {}
         self.key_dir: Path | None = None
         self.key_source = ""  # where the key came from, for the log
+        #: Private (0700) directory of the engines' KV events sockets, removed at stop.
+        self.run_dir: Path | None = None
+        #: Why the engines run without KV events although ``kv_events`` asks for them.
+        self.no_events = ""
 
     # -- building ----------------------------------------------------------------------
 
@@ -283,6 +322,10 @@ class Stack:
         if cfg.max_model_len:
             base += ["--max-model-len", str(cfg.max_model_len)]
         name = f"{role}-{index}"
+        events = None
+        if self.run_dir is not None:
+            events = kv_events_config(self.run_dir, name)
+            extra += ["--kv-events-config", json.dumps(events)]
 
         def start() -> VllmServer:
             return start_vllm_serve(
@@ -302,6 +345,7 @@ class Stack:
         part = Part(name=name, url=f"http://127.0.0.1:{port}", start=start)
         part.side_port = side_port
         part.kv_transfer_config = kv
+        part.kv_events = events
         part.calm = cfg.device == "cpu" and cfg.calm_idle_pollers
         return part
 
@@ -328,8 +372,13 @@ class Stack:
                 inst: dict[str, Any] = {"url": part.url, "role": role, "name": part.name}
                 if cfg.connector == "pdext" and role == "prefill":
                     inst["bootstrap_addr"] = f"127.0.0.1:{part.side_port}"
+                if part.kv_events is not None:
+                    events = part.kv_events
+                    inst["kv_events"] = {
+                        k: events[k] for k in ("endpoint", "replay_endpoint", "topic")
+                    }
                 instances.append(inst)
-        return {
+        config: dict[str, Any] = {
             "host": cfg.host,
             "port": cfg.proxy_port,
             "protocol": PROTOCOLS[cfg.connector],
@@ -340,6 +389,9 @@ class Stack:
                 "cost_model": cfg.cost_model,
             },
         }
+        if self.run_dir is not None:  # the engines publish KV events: route on them
+            config["prefill_policy"] = config["decode_policy"] = "cache-aware"
+        return config
 
     def build(self) -> None:
         cfg = self.config
@@ -347,6 +399,15 @@ class Stack:
         local = Path(self.model_dir)
         self.served_name = local.name if local.is_dir() else self.model_dir
         self.key_env = self._fleet_key()
+        if cfg.kv_events:
+            missing = kv_events_missing()
+            if missing is None:
+                self.run_dir = Path(tempfile.mkdtemp(prefix="vllm-pd-run-"))
+            else:
+                self.no_events = (
+                    f"KV events off: the proxy cannot follow them without {missing} (pip "
+                    "install 'vllm-pd-ext[kv-events]'); it routes on the prefix estimate"
+                )
         slot = 0
         parts: list[Part] = []
         if cfg.mode == "token":
@@ -415,6 +476,13 @@ class Stack:
             )
         else:
             self._say(f"fleet key {self.key_source} (vLLM's NixlConnector does not use it)")
+        if self.run_dir is not None:
+            self._say(
+                f"KV events: the engines publish them on ipc sockets in {self.run_dir}; the "
+                "proxy routes on what each one's prefix cache holds"
+            )
+        elif self.no_events:
+            self._say(self.no_events)
 
     def start_proxy(self) -> None:
         proxy = self.parts[-1]
@@ -518,8 +586,9 @@ class Stack:
             if part.handle is not None:
                 with contextlib.suppress(Exception):
                     part.handle.stop()
-        if self.key_dir is not None:
-            shutil.rmtree(self.key_dir, ignore_errors=True)
+        for private in (self.key_dir, self.run_dir):
+            if private is not None:
+                shutil.rmtree(private, ignore_errors=True)
         self._say("stopped everything it started")
 
     def request_stop(self, *_args) -> None:

@@ -190,3 +190,47 @@ def test_a_kv_events_endpoint_must_be_a_zeromq_address():
         InstanceConfig(url="http://e:1", kv_events={"endpoint": "http://e:5557"})
     ok = InstanceConfig(url="http://e:1", kv_events={"endpoint": "tcp://e:5557"})
     assert ok.kv_events is not None and ok.kv_events.replay_endpoint is None
+
+
+def test_a_restarted_engine_resets_the_index(tmp_path):
+    """vLLM's publisher stopped and started again on the same endpoints (an engine restart):
+    its seq counts from 0 again, so the subscriber forgets what the old engine held and
+    keeps what the new one stores."""
+    kv = _vllm()
+    endpoint, replay = f"ipc://{tmp_path}/kv", f"ipc://{tmp_path}/kv-replay"
+    old = kv.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
+    other = list(range(500, 512))
+    for _ in range(20):  # seq 0..19
+        old.publish(
+            kv.KVEventBatch(ts=time.time(), events=[block([b"h0", b"h1", b"h2"], None, PROMPT)])
+        )
+
+    async def go() -> tuple[int, int, int]:
+        index = PrefixIndex()
+        sub = Subscriber(index, endpoint, replay, catch_up_s=0.5)
+        sub.start()
+        new = None
+        try:
+            deadline = time.monotonic() + 30
+            while index.cached_blocks(PROMPT) < 3 or sub.next_seq != 20:
+                assert time.monotonic() < deadline, sub.figures()
+                await asyncio.sleep(0.05)
+            old.shutdown()
+            new = kv.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
+            for _ in range(19):  # seq 0..18: any one seen tells the restart
+                new.publish(
+                    kv.KVEventBatch(ts=time.time(), events=[block([b"n0"], None, other[:4])])
+                )
+                if sub.restarts:
+                    break
+                await asyncio.sleep(0.05)
+            while not (sub.restarts and index.cached_blocks(other)):
+                assert time.monotonic() < deadline, sub.figures()
+                await asyncio.sleep(0.05)
+            return sub.restarts, index.cached_blocks(PROMPT), index.cached_blocks(other)
+        finally:
+            await sub.close()
+            if new is not None:
+                new.shutdown()
+
+    assert asyncio.run(go()) == (1, 0, 1)

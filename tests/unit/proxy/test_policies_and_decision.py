@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from vllm_pd_ext.proxy.config import DecisionConfig, ProxyConfig, read_instances
 from vllm_pd_ext.proxy.decision import Decider
+from vllm_pd_ext.proxy.kv_events import Lookup
 from vllm_pd_ext.proxy.policies import make_policy
 from vllm_pd_ext.proxy.policies.power_of_two import PowerOfTwo
 from vllm_pd_ext.proxy.request import RequestContext
@@ -21,9 +22,14 @@ class Node:
     running: float = 0.0
     waiting: float = 0.0
     in_flight: int = 0
+    kv_usage: float = 0.0
+    failures: int = 0
 
     def load(self) -> float:
         return self.busy
+
+    def cached_tokens(self, prompt: Lookup) -> int | None:
+        return None  # no prefix index (these policies do not look)
 
 
 def nodes(n: int) -> list[Node]:

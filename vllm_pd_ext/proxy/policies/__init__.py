@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from vllm_pd_ext.proxy.policies.base import Candidate, Policy
+from vllm_pd_ext.proxy.policies.cache_aware import CacheAware, ScoringConfig
 from vllm_pd_ext.proxy.policies.least_loaded import LeastLoaded
 from vllm_pd_ext.proxy.policies.power_of_two import PowerOfTwo
 from vllm_pd_ext.proxy.policies.prefix_affinity import PrefixAffinity
@@ -13,15 +14,19 @@ POLICIES: dict[str, type[Policy]] = {
     "least-loaded": LeastLoaded,
     "power-of-two": PowerOfTwo,
     "prefix-affinity": PrefixAffinity,
+    "cache-aware": CacheAware,
 }
 
 
-def make_policy(name: str) -> Policy:
-    """A fresh policy object by its configured name."""
+def make_policy(name: str, scoring: ScoringConfig | None = None) -> Policy:
+    """A fresh policy object by its configured name (``scoring``: the weights of
+    ``cache-aware``)."""
+    if name == "cache-aware":
+        return CacheAware(scoring)
     try:
         return POLICIES[name]()
     except KeyError:
         raise ValueError(f"unknown policy {name!r}; choose one of {', '.join(POLICIES)}") from None
 
 
-__all__ = ["POLICIES", "Candidate", "Policy", "make_policy"]
+__all__ = ["POLICIES", "Candidate", "Policy", "ScoringConfig", "make_policy"]
