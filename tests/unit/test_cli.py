@@ -241,3 +241,36 @@ def test_up_without_kv_events_says_so_and_the_proxy_routes_on_the_estimate(
     assert "without zmq" in lacking.no_events and "kv-events" in lacking.no_events
     with pytest.raises(ValidationError, match="kv_events: false"):
         launcher.UpConfig(vllm_args=("--no-enable-prefix-caching",))
+
+
+def test_up_with_its_own_mooncake_master_gives_every_engine_a_remote_tier_on_it(built_stack):
+    """``mooncake_master: true``: every engine's tiered cache gets the stack's master as its
+    remote tier; the master starts before the engines, listens on loopback only, and stops
+    with the stack. Without flexkv (or with a remote of its own) the config is refused."""
+    import socket
+
+    from tests.skips import need
+    from vllm_pd_ext.tools.launcher import UpConfig
+
+    with pytest.raises(ValueError, match="mooncake_master needs flexkv"):
+        UpConfig(mooncake_master=True)
+    with pytest.raises(ValueError, match="mooncake_master needs flexkv"):
+        UpConfig(mooncake_master=True, flexkv={"remote": {"master": "10.0.0.1:50051"}})
+    stack = built_stack(mooncake_master=True, flexkv={"cpu_capacity_gb": 0.25})
+    assert stack.master_port is not None
+    master = f"127.0.0.1:{stack.master_port}"
+    engines = [p for p in stack.parts if p.kv_transfer_config is not None]
+    assert len(engines) == 2
+    for part in engines:
+        multi = part.kv_transfer_config["kv_connector_extra_config"]["connectors"]
+        (flexkv,) = [c for c in multi if c["kv_connector"] == "PdExtFlexKVConnector"]
+        assert flexkv["kv_connector_extra_config"]["remote"] == {"master": master}
+    need("mooncake", why="the stack's master is Mooncake Store's")
+
+    def listening() -> bool:
+        with socket.socket() as s:
+            return s.connect_ex(("127.0.0.1", stack.master_port)) == 0
+
+    assert stack.start_master() and listening()
+    stack.stop_all()
+    assert not listening()

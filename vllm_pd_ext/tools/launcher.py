@@ -161,6 +161,13 @@ class UpConfig(BaseModel):
         description="tiered KV cache next to the P/D connector: PdExtFlexKVConnector's "
         "kv_connector_extra_config; the engines then run MultiConnector [P/D, FlexKV]",
     )
+    mooncake_master: bool = Field(
+        False,
+        description="start a mooncake_master for the stack (listening on 127.0.0.1 only) and "
+        "give every engine's tiered cache (flexkv) a remote tier on it: a prefix one engine "
+        "computed loads on the others from it; needs flexkv (without a remote of its own) "
+        "and the mooncake-cpu extra",
+    )
     device: Literal["cpu", "cuda"] = "cpu"
     gpus: tuple[str, ...] = Field(
         (), description="CUDA_VISIBLE_DEVICES per instance, prefill first then decode"
@@ -218,6 +225,11 @@ class UpConfig(BaseModel):
             from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
 
             FlexKVConfig.model_validate(self.flexkv)
+        if self.mooncake_master and (self.flexkv is None or "remote" in self.flexkv):
+            raise ValueError(
+                "mooncake_master needs flexkv without a remote of its own (the stack's "
+                "master becomes every engine's remote tier)"
+            )
         if self.device == "cuda" and self.gpus and len(self.gpus) != self.prefill + self.decode:
             raise ValueError(
                 f"gpus lists {len(self.gpus)} entries for {self.prefill + self.decode} instances"
@@ -295,6 +307,11 @@ class Stack:
         self.run_dir: Path | None = None
         #: Why the engines run without KV events although ``kv_events`` asks for them.
         self.no_events = ""
+        #: The tiered cache's config for every engine (``flexkv``, with the stack's master as
+        #: the remote tier when ``mooncake_master``), and that master's port.
+        self.flexkv: dict[str, Any] | None = None
+        self.master_port: int | None = None
+        self._services = contextlib.ExitStack()  # the master, stopped after the engines
 
     # -- building ----------------------------------------------------------------------
 
@@ -302,8 +319,8 @@ class Stack:
         cfg = self.config
         side_port = free_port()
         kv = kv_transfer_config(cfg.connector, role, cfg.device, side_port, cfg.pdext_backend)
-        if cfg.flexkv is not None:
-            kv = with_tiered_cache(kv, cfg.flexkv)
+        if self.flexkv is not None:
+            kv = with_tiered_cache(kv, self.flexkv)
         env = {
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_port),
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
@@ -408,6 +425,10 @@ class Stack:
                     f"KV events off: the proxy cannot follow them without {missing} (pip "
                     "install 'vllm-pd-ext[kv-events]'); it routes on the prefix estimate"
                 )
+        self.flexkv = cfg.flexkv
+        if cfg.mooncake_master and cfg.flexkv is not None:
+            self.master_port = free_port()
+            self.flexkv = {**cfg.flexkv, "remote": {"master": f"127.0.0.1:{self.master_port}"}}
         slot = 0
         parts: list[Part] = []
         if cfg.mode == "token":
@@ -484,6 +505,25 @@ class Stack:
         elif self.no_events:
             self._say(self.no_events)
 
+    def start_master(self) -> bool:
+        """Start the stack's mooncake_master when ``mooncake_master`` asks for one; False
+        (said why) when it cannot run."""
+        if self.master_port is None:
+            return True
+        from vllm_pd_ext.util.mooncake_master import mooncake_master
+
+        log = self.config.log_dir / "mooncake_master.log"
+        try:
+            self._services.enter_context(mooncake_master(log, rpc_port=self.master_port))
+        except RuntimeError as e:
+            self._say(f"cannot start the stack's mooncake_master: {e}; see {log}")
+            return False
+        self._say(
+            f"mooncake_master on 127.0.0.1:{self.master_port} (log {log}): every engine's "
+            "tiered cache has a remote tier on it"
+        )
+        return True
+
     def start_proxy(self) -> None:
         proxy = self.parts[-1]
         proxy.handle = proxy.start()
@@ -493,6 +533,8 @@ class Stack:
         """Start the engines (and render servers), wait until they are healthy, then the
         proxy, and wait for it to see them all; False if a part died, time ran out or the
         stack was asked to stop. The caller stops the stack (:meth:`stop_all`) either way."""
+        if not self.start_master():
+            return False
         self.start_engines()
         if not self.wait_ready(self.parts[:-1]):
             return False
@@ -586,6 +628,8 @@ class Stack:
             if part.handle is not None:
                 with contextlib.suppress(Exception):
                     part.handle.stop()
+        with contextlib.suppress(Exception):
+            self._services.close()
         for private in (self.key_dir, self.run_dir):
             if private is not None:
                 shutil.rmtree(private, ignore_errors=True)
