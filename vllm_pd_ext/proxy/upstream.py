@@ -181,11 +181,17 @@ class _Conn(asyncio.Protocol):
                         raise _Protocol("chunk size line too long")
                     break
                 size = int(data[:end].split(b";", 1)[0], 16)
-                data = data[end + 2 :]
-                if size:
-                    self.left, self.state = size, _CHUNK_DATA
-                else:
+                start = end + 2
+                if not size:
+                    data = data[start:]
                     self.state = _TRAILER
+                elif data[start + size : start + size + 2] == b"\r\n":
+                    # the whole chunk is here (a streamed event, as a rule): taken at once
+                    self._payload(data[start : start + size])
+                    data = data[start + size + 2 :]
+                else:
+                    data = data[start:]
+                    self.left, self.state = size, _CHUNK_DATA
             elif state == _CHUNK_DATA:
                 n = self.left
                 if len(data) >= n:
