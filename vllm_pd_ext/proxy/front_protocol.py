@@ -89,6 +89,9 @@ class _HeadWithBody:
         self._flush()
         self._transport.close()
 
+    def is_closing(self) -> bool:  # asked after every response: not through __getattr__
+        return self._transport.is_closing()
+
     def __getattr__(self, name: str):
         return getattr(self._transport, name)
 
@@ -307,8 +310,7 @@ class FastCycle:
         return self._build_head(status, headers)
 
     def _build_head(self, status: int, headers) -> bytes:
-        parts = [STATUS_LINE[status]]
-        parts.extend(b"%b: %b\r\n" % nv for nv in self._defaults.default_headers)
+        parts = [STATUS_LINE[status], _default_lines(self._defaults.default_headers)]
         chunked = None
         close = False
         for name, value in headers:
@@ -331,6 +333,19 @@ class FastCycle:
         self.chunked_encoding = bool(chunked)
         parts.append(b"\r\n")
         return b"".join(parts)
+
+
+#: The server's default headers (``ServerState.default_headers``, a list uvicorn replaces
+#: when the date changes, once a second) and their lines, as last written.
+_DEFAULTS: list = [None, b""]
+
+
+def _default_lines(default_headers: list[tuple[bytes, bytes]]) -> bytes:
+    """The response head lines of the server's default headers (made once per list)."""
+    if default_headers is not _DEFAULTS[0]:
+        _DEFAULTS[1] = b"".join(b"%b: %b\r\n" % nv for nv in default_headers)
+        _DEFAULTS[0] = default_headers  # held here, so its identity is not reused
+    return _DEFAULTS[1]
 
 
 #: What this module uses of uvicorn, by where it lives. Methods and attributes are checked

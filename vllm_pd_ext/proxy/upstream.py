@@ -86,8 +86,8 @@ class _Conn(asyncio.Protocol):
 
     ``data_received`` parses in place: the head once, then the body's payload bytes go to
     ``chunks`` (chunk framing removed) and whoever waits is woken. A ``sink`` (see
-    ``UpstreamResponse.set_sink``) may take payload pieces first, as they are parsed; what it
-    takes wakes nobody.
+    ``UpstreamResponse.set_sink``) may take the payload first, as one piece per read (what
+    the read's chunks carried, joined); what it takes wakes nobody.
     """
 
     def __init__(self, loop: asyncio.AbstractEventLoop):
@@ -127,6 +127,8 @@ class _Conn(asyncio.Protocol):
         if self.state == _DONE or self.error is not None:
             self.keep_alive = False  # bytes nobody asked for: never reuse this connection
             return
+        chunks = self.chunks
+        left = len(chunks)  # pieces the waiting task has not taken yet
         try:
             self._parse(self.buf + data if self.buf else data)
         except (_Protocol, ValueError, IndexError) as exc:
@@ -134,15 +136,26 @@ class _Conn(asyncio.Protocol):
             self.keep_alive = False
             if self.transport is not None:
                 self.transport.close()
+        sink = self.sink  # (a head parsed just now may have installed it)
+        if sink is not None:
+            self.rx_at = self.loop.time()
+            if not left and chunks:  # nothing left before: this read's payload, offered whole
+                piece = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+                if sink(piece):
+                    chunks.clear()
+                    self.buffered = 0
         if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
             self.paused = True
             self.transport.pause_reading()
-        if self.sink is not None:
-            self.rx_at = self.loop.time()
-            if not self.chunks and self.state not in (_HEAD, _DONE) and self.error is None:
-                # The sink took it all (a head that installed it included): nothing for the
-                # waiting task, which wakes for what the sink leaves, the end or an error.
-                return
+        if (
+            sink is not None
+            and not chunks
+            and self.state not in (_HEAD, _DONE)
+            and self.error is None
+        ):
+            # The sink took it all (a head that installed it included): nothing for the
+            # waiting task, which wakes for what the sink leaves, the end or an error.
+            return
         self._wake()
 
     def eof_received(self) -> bool:
@@ -168,11 +181,17 @@ class _Conn(asyncio.Protocol):
                         raise _Protocol("chunk size line too long")
                     break
                 size = int(data[:end].split(b";", 1)[0], 16)
-                data = data[end + 2 :]
-                if size:
-                    self.left, self.state = size, _CHUNK_DATA
-                else:
+                start = end + 2
+                if not size:
+                    data = data[start:]
                     self.state = _TRAILER
+                elif data[start + size : start + size + 2] == b"\r\n":
+                    # the whole chunk is here (a streamed event, as a rule): taken at once
+                    self._payload(data[start : start + size])
+                    data = data[start + size + 2 :]
+                else:
+                    data = data[start:]
+                    self.left, self.state = size, _CHUNK_DATA
             elif state == _CHUNK_DATA:
                 n = self.left
                 if len(data) >= n:
@@ -228,9 +247,6 @@ class _Conn(asyncio.Protocol):
 
     def _payload(self, data: bytes) -> None:
         if data:
-            sink = self.sink
-            if sink is not None and not self.chunks and sink(data):
-                return
             self.chunks.append(data)
             self.buffered += len(data)
 
@@ -413,7 +429,8 @@ class UpstreamResponse:
         return True
 
     def set_sink(self, sink: Callable[[bytes], bool] | None) -> None:
-        """Offer each body piece to ``sink`` as it is parsed, before ``chunks`` sees it.
+        """Offer the body to ``sink`` as it arrives, before ``chunks`` sees it: one piece per
+        read from the connection (the payload of every chunk that read completed, joined).
 
         ``sink(piece)`` returns True when it took the piece (``chunks`` never yields it), False
         to leave it to ``chunks``; once a piece is left there, later ones are too until

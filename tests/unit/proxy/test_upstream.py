@@ -7,7 +7,7 @@ import contextlib
 
 import pytest
 
-from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
+from vllm_pd_ext.proxy.upstream import _DONE, Timeouts, Upstream, UpstreamError, _Conn
 from vllm_pd_ext.util.vllm_process import free_port
 
 HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -269,6 +269,48 @@ def test_a_sink_takes_pieces_in_order_and_what_it_takes_counts_as_read():
     assert b"data: 5\n\n" in events and len(taken) >= 5
     assert taken == sorted(taken)
     assert error.kind == "read_timeout"
+
+
+def test_a_chunked_body_cut_anywhere_between_two_reads_parses_to_the_same_payload():
+    """Whole chunks in one read are taken at once, cut ones piece by piece: the payload is
+    the same wherever the cut falls, and a chunk not followed by CRLF is an error both
+    ways."""
+    body = _chunk(b"data: a\n\n") + _chunk(b"data: bb\n\n") + b"0\r\n\r\n"
+    bad = _chunk(b"data: a\n\n")[:-2] + b"XX" + b"0\r\n\r\n"
+
+    async def go(reply: bytes, cut: int) -> _Conn:
+        conn = _Conn(asyncio.get_running_loop())
+        conn.data_received(HEAD + reply[:cut])
+        conn.data_received(reply[cut:])
+        return conn
+
+    for cut in range(len(body) + 1):
+        conn = asyncio.run(go(body, cut))
+        assert (conn.take(), conn.state, conn.error) == (b"data: a\n\ndata: bb\n\n", _DONE, None)
+    for cut in range(len(bad) + 1):
+        conn = asyncio.run(go(bad, cut))
+        assert "chunk not followed by CRLF" in str(conn.error), cut
+
+
+def test_a_sink_gets_one_piece_per_read_and_once_it_refuses_one_later_reads_stay_in_order():
+    """The chunks one read completes reach the sink together, as one piece (one write to
+    the client); a piece it refuses stays in ``chunks``, and so does every later read until
+    the reader has taken them. Fed to the connection's ``data_received`` directly, so what
+    one read holds is fixed."""
+
+    async def go():
+        conn = _Conn(asyncio.get_running_loop())
+        taken: list[bytes] = []
+        conn.sink_on_ok = _sink_into(taken, refuse=b"data: c\n\n")
+        conn.data_received(HEAD + _chunk(b"data: a\n\n") + _chunk(b"data: b\n\n"))
+        conn.data_received(_chunk(b"data: c\n\n"))
+        conn.data_received(_chunk(b"data: d\n\n") + b"0\r\n\r\n")
+        left = conn.take()
+        return taken, left, conn.chunks
+
+    taken, left, chunks = asyncio.run(go())
+    assert taken == [b"data: a\n\ndata: b\n\n"]
+    assert left == b"data: c\n\ndata: d\n\n" and not chunks
 
 
 def test_sink_on_ok_takes_the_body_that_comes_with_a_200_head_and_not_an_error_body():
