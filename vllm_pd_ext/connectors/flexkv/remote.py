@@ -208,6 +208,21 @@ class MooncakeBlockStore:
             raise RemoteStoreError(f"put of {name} failed: {rc}")
         return len(header) + sum(p.nbytes for p in parts)
 
+    def fetch_many(self, keys: Sequence[str], rank: int = 0) -> dict[str, bytes]:
+        """The objects of ``keys`` (rank ``rank``) in one call to the store (``b""`` for a
+        missing one; every one of them when the store is down or the call fails), for
+        :meth:`check_into`."""
+        if not self._up or not keys:
+            return {}
+        try:
+            got = self._store.get_batch([self.name(k, rank) for k in keys])
+        except Exception as e:  # a store failure is a miss
+            self._down(f"get_batch raised {e}")
+            return {}
+        if len(got) != len(keys):
+            return {}
+        return dict(zip(keys, got, strict=True))
+
     def read_into(self, key: str, out, fingerprint: str, rank: int = 0) -> int:
         """Get and verify one block into ``out`` (one buffer or the block's pieces, in
         order); returns the bytes got. ``FileNotFoundError`` when the store has no such
@@ -215,8 +230,6 @@ class MooncakeBlockStore:
         then removed, except a block of another KV layout). On any error ``out`` holds
         garbage: never use it."""
         name = self.name(key, rank)
-        parts = byte_views(out)
-        size = sum(p.nbytes for p in parts)
         if not self._up:
             raise RemoteStoreError(f"get of {name}: the store is down")
         try:
@@ -224,6 +237,13 @@ class MooncakeBlockStore:
         except Exception as e:  # a store failure is a miss
             self._down(f"get raised {e}")
             raise RemoteStoreError(f"get of {name} failed: {e}") from e
+        return self.check_into(key, raw, out, fingerprint, rank)
+
+    def check_into(self, key: str, raw: bytes, out, fingerprint: str, rank: int = 0) -> int:
+        """:meth:`read_into` for an object already got (``raw``, from :meth:`fetch_many`)."""
+        name = self.name(key, rank)
+        parts = byte_views(out)
+        size = sum(p.nbytes for p in parts)
         if not raw:
             raise FileNotFoundError(name)
         view = memoryview(raw)

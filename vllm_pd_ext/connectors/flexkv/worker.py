@@ -273,11 +273,18 @@ class FlexKVWorker:
             with self._lock:
                 self._pending_writes -= 1
 
-    def _read(self, tier: str, key: str, out) -> str | None:
+    def _read(
+        self, tier: str, key: str, out, fetched: Mapping[str, bytes] | None = None
+    ) -> str | None:
         """Read one block file into ``out`` (a row, or the block's pieces); None on
-        success, else why it failed (``out`` then holds garbage)."""
+        success, else why it failed (``out`` then holds garbage). ``fetched``: the remote
+        tier's objects of this load, got in one call (:meth:`_fetch_remote`)."""
         try:
-            self.stores[tier].read_into(key, out, self.fingerprint, self.tp_rank)
+            store = self.stores[tier]
+            if isinstance(store, MooncakeBlockStore) and fetched is not None:
+                store.check_into(key, fetched.get(key, b""), out, self.fingerprint, self.tp_rank)
+            else:
+                store.read_into(key, out, self.fingerprint, self.tp_rank)
             return None
         except BlockFileError as e:
             self.stats.add("corrupt_blocks")
@@ -318,13 +325,24 @@ class FlexKVWorker:
             self.stats.add("failed_blocks", len(failed))
         return failed
 
-    def _read_in_place(self, items: list[LoadItem]) -> list[tuple[LoadItem, str | None]]:
+    def _fetch_remote(self, items: list[LoadItem]) -> dict[str, bytes] | None:
+        """The remote tier's objects among ``items``, got in one call to the store (one
+        round to the master for all of them, instead of one per block); None when none."""
+        store = self.stores.get(REMOTE)
+        keys = [it.key for it in items if it.tier == REMOTE]
+        if not keys or not isinstance(store, MooncakeBlockStore):
+            return None
+        return store.fetch_many(keys, self.tp_rank)
+
+    def _read_in_place(
+        self, items: list[LoadItem], fetched: Mapping[str, bytes] | None = None
+    ) -> list[tuple[LoadItem, str | None]]:
         """I/O pool: read each block file straight into its block's pieces in the (CPU)
         cache, verify it, and promote the block into its CPU row; (item, None on success
         or why it failed) per item."""
         out = []
         for it in items:
-            err = self._read(it.tier, it.key, self._blocks.pieces(it.block_id))
+            err = self._read(it.tier, it.key, self._blocks.pieces(it.block_id), fetched)
             if err is None and it.promote_slot >= 0:
                 self._blocks.gather([it.block_id], self._blocks.pool, [it.promote_slot])
             out.append((it, err))
@@ -343,10 +361,11 @@ class FlexKVWorker:
         failed: set[int] = set()
         loaded: dict[str, int] = {}
         promoted: set[int] = set()
+        fetched = self._fetch_remote(items)
         if self._blocks.in_place:  # one task per I/O thread, a contiguous share of blocks each
             k = min(self.cfg.io_threads, len(items))
             shares = [items[i * len(items) // k : (i + 1) * len(items) // k] for i in range(k)]
-            futures = [self._io.submit(self._read_in_place, share) for share in shares]
+            futures = [self._io.submit(self._read_in_place, share, fetched) for share in shares]
             results = [r for f in futures for r in f.result()]
         else:
             results = []
@@ -357,7 +376,7 @@ class FlexKVWorker:
             for at in range(0, len(items), per):
                 chunk = items[at : at + per]
                 reads = [
-                    self._io.submit(self._read, it.tier, it.key, buf[j].numpy())
+                    self._io.submit(self._read, it.tier, it.key, buf[j].numpy(), fetched)
                     for j, it in enumerate(chunk)
                 ]
                 errors = [f.result() for f in reads]
