@@ -18,6 +18,7 @@ from fastapi.responses import Response
 
 from vllm_pd_ext import derender_stream as wire
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier, TokenRequest
+from vllm_pd_ext.render_server import app as render_app
 from vllm_pd_ext.render_server import derender as derender_module
 from vllm_pd_ext.render_server.app import create_app
 from vllm_pd_ext.render_server.parsers import base as parsers_base
@@ -194,6 +195,16 @@ def test_streaming_call_is_byte_identical_to_per_event_calls(
     assert all(c["id"] == ("chatcmpl-abc" if route == "chat" else "cmpl-abc") for c in chunks)
     if logprobs:
         assert any(c["choices"] and c["choices"][0]["logprobs"] for c in chunks)
+
+
+def test_streaming_call_off_the_event_loop_is_byte_identical(fixed, monkeypatch, plain_url):
+    """Chunks the render server hands to its CPU thread (not derendered inline) answer the
+    same bytes."""
+    monkeypatch.setattr(render_app, "INLINE_BYTES", 0)
+    ids = _ids(plain_url, ANSWER)
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+    streamed, per_event = _both(plain_url, "chat", body, _engine_events(ids, True))
+    assert streamed == per_event
 
 
 def test_streaming_call_with_reasoning_and_tool_parsers_is_byte_identical(fixed, parser_url):
