@@ -11,9 +11,9 @@ together (while the previous call was in flight) go as one (``coalesce``), so a 
 does not queue a call per token behind it. A render server of ours also takes a streamed
 answer as one long-lived call (``vllm_pd_ext.derender_stream``: the context once, then each
 chunk as a line, its derendered events read back as they come), so a token costs incremental
-detokenisation only, not a request that resends the prompt; a render tier without that route
-(vLLM's) is derendered per event, counted by reason (``per_event``). The client sees normal
-OpenAI responses.
+detokenisation only, not a request that resends the prompt, and every engine event stays its
+own client event, as in text mode; a render tier without that route (vLLM's) is derendered per
+event, counted by reason (``per_event``). The client sees normal OpenAI responses.
 
 Everything here runs on the proxy's event loop; the render servers are plain upstreams with
 the same pooled client and error kinds as the engines.
@@ -433,9 +433,11 @@ MAX_STREAM_ANSWER_BYTES = 16 * 1024 * 1024
 class DerenderStream:
     """One streamed answer's derender side: engine SSE events in, OpenAI SSE events out.
 
-    The first token chunk opens a long-lived streaming call (``RenderTier.open_stream``);
-    where none opens, every chunk is one per-event call carrying the ``stream_state`` kept
-    here. Either way each (coalesced) chunk becomes the same event. Engine events that are
+    The first token chunk opens a long-lived streaming call (``RenderTier.open_stream``), on
+    which each engine event becomes one client event, however the events arrived; where none
+    opens, token events that arrived together are merged (``coalesce``) and each is one
+    per-event call carrying the ``stream_state`` kept here. For the same chunks both give
+    the same bytes. Engine events that are
     not token chunks (an error event, ``[DONE]``) pass through unchanged; ``[DONE]`` ends
     the streaming call. ``close`` drops a call still open (the answer broke off).
     """
@@ -457,13 +459,18 @@ class DerenderStream:
         """Complete SSE events (each ending in a blank line) as the client's events."""
         if self.failed:
             return events
-        items = coalesce(events[:-2].split(b"\n\n"))
-        chunks = [item for item in items if isinstance(item, dict)]
-        for chunk in chunks:
-            chunk["request_id"] = self.tokens.response_id
+        raw = events[:-2].split(b"\n\n")
         answers: list[bytes] = []
-        if chunks and self.streaming is not False:
-            answers = await self._stream(chunks)
+        items: list[bytes | dict[str, Any]] = []
+        if self.streaming is not False:
+            # one event per engine event, as text mode sends them: on the streaming call an
+            # event costs a line, so nothing is gained by merging those that came together
+            items = [_token_chunk(event) or event for event in raw]
+            chunks = [item for item in items if isinstance(item, dict)]
+            if chunks:
+                answers = await self._stream(chunks)
+        if self.streaming is False:  # per event: a call each, so merge what came together
+            items = coalesce(raw)
         out: list[bytes] = []
         at = 0
         for item in items:
@@ -492,6 +499,8 @@ class DerenderStream:
         """The events for ``chunks`` over the streaming call (opened by the first); [] when
         none could open (the chunks go per event). After a failure: the events before it,
         then one error event."""
+        for chunk in chunks:
+            chunk["request_id"] = self.tokens.response_id
         body = b"".join(wire.line(chunk) for chunk in chunks)
         try:
             if self.streaming is None:
@@ -578,6 +587,7 @@ class DerenderStream:
     # -- per event ---------------------------------------------------------------------
 
     async def _one(self, chunk: dict[str, Any]) -> bytes:
+        chunk["request_id"] = self.tokens.response_id
         req: dict[str, Any] = {
             "stream": True,
             "model": self.body.get("model"),

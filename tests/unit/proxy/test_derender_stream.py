@@ -122,9 +122,11 @@ def _engine_events(ids: list[int], logprobs: bool) -> list[bytes]:
     return [*out, b"data: [DONE]\n\n"]
 
 
-def _reads(events: list[bytes]) -> list[bytes]:
-    """The events as the proxy reads them: mostly one by one, some arriving together (the
-    proxy coalesces those into one chunk)."""
+def _reads(events: list[bytes], together: bool) -> list[bytes]:
+    """The events as the proxy reads them: one by one, or some arriving together (1, 2, 3,
+    1, 2, 3, ... at a time; per event, the proxy merges those into one chunk)."""
+    if not together:
+        return events
     reads, i, size = [], 0, 1
     while i < len(events):
         reads.append(b"".join(events[i : i + size]))
@@ -134,7 +136,12 @@ def _reads(events: list[bytes]) -> list[bytes]:
 
 
 async def _derender(
-    url: str, route: str, body: dict, events: list[bytes], stream_calls: bool
+    url: str,
+    route: str,
+    body: dict,
+    events: list[bytes],
+    stream_calls: bool,
+    together: bool = False,
 ) -> tuple[bytes, DerenderStream, list[str]]:
     reasons: list[str] = []
     tier = RenderTier(
@@ -149,7 +156,7 @@ async def _derender(
     tokens = TokenRequest({}, list(range(100, 140)), prefix + "abc")
     stream = DerenderStream(tier, route, body, tokens, "r1")
     try:
-        out = b"".join([await stream.feed(read) for read in _reads(events)])
+        out = b"".join([await stream.feed(read) for read in _reads(events, together)])
     finally:
         stream.close()
         await tier.close()
@@ -183,8 +190,14 @@ def test_streaming_call_is_byte_identical_to_per_event_calls(
         body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
     else:
         body = {"model": "m", "prompt": "hi", "stream": True}
-    streamed, per_event = _both(url, route, body, _engine_events(ids, logprobs))
+    events = _engine_events(ids, logprobs)
+    streamed, per_event = _both(url, route, body, events)
     assert streamed == per_event
+    # on the streaming call, events that arrived together are still one event each
+    together, stream, _ = asyncio.run(_derender(url, route, body, events, True, together=True))
+    assert stream.streaming and together == streamed
+    merged, stream, _ = asyncio.run(_derender(url, route, body, events, False, together=True))
+    assert not stream.streaming and merged.count(b"data: ") < streamed.count(b"data: ")
     chunks = _chunks(streamed)
     if route == "chat":
         text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks if c["choices"])
@@ -315,7 +328,7 @@ def test_render_tier_without_the_route_goes_per_event_counted_once(fixed, plain_
             outs = []
             for _ in range(2):
                 stream = DerenderStream(tier, "chat", body, tokens, "r1")
-                out = b"".join([await stream.feed(read) for read in _reads(events)])
+                out = b"".join([await stream.feed(read) for read in _reads(events, True)])
                 stream.close()
                 outs.append((out, stream))
             await tier.close()
@@ -326,7 +339,7 @@ def test_render_tier_without_the_route_goes_per_event_counted_once(fixed, plain_
     assert s1.streaming is False and s2.streaming is False
     assert first == second
     assert probes.count(wire.PATHS["chat"]) == 1  # asked once, remembered
-    direct, _ = _both(plain_url, "chat", body, events)
+    direct, _, _ = asyncio.run(_derender(plain_url, "chat", body, events, False, together=True))
     assert first == direct
 
 
