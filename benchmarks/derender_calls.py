@@ -1,21 +1,23 @@
-"""Streaming derender calls as token mode makes them: this tree's render server vs a baseline.
+"""Streaming derender as token mode does it: this tree's render server vs a baseline.
 
-Token mode derenders a streamed answer with one render-server call per engine event (token
-events that arrived together go as one): each call carries the generate chunk, the
-``stream_state``, the prompt's token ids and the client's request (vLLM's derender wire
-format). This measures that call from the proxy's side with the proxy's own
+Per event (vLLM's wire format, and what the baseline always gets), each engine event is one
+render-server call carrying the generate chunk, the ``stream_state``, the prompt's token ids
+and the client's request. Over our streaming call (``vllm_pd_ext.derender_stream``, what
+``ours`` gets unless ``--per-event``), the context goes once and each event is one line of
+the call's body. This measures each event from the proxy's side with the proxy's own
 :class:`~vllm_pd_ext.proxy.token_mode.DerenderStream` and :class:`RenderTier` (one-token engine
 events, as the engine writes them), against two ``vllm-pd render`` servers of tiny-llama:
 ``ours`` (this tree) and ``baseline`` (``--baseline`` git ref, default ``main``, exported with
 ``git archive``), alternating server every stream. No engine runs.
 
-Per server and prompt length: the proxy-side latency of each call (``DerenderStream.feed``
-of one event: p50/p90/p99) and the proxy's CPU for it (``thread_time``: encoding the call,
-the HTTP client, decoding the answer), the server's own time per call (its ``/metrics``), the server
-process group's CPU per call (user+sys, ``/proc``), the request bytes of a call. The derendered
-text of each stream must be equal between the servers, or the run fails.
+Per server and prompt length: the proxy-side latency of each event (``DerenderStream.feed``
+of one event: p50/p90/p99; keys say ``call``) and the proxy's CPU for it (``thread_time``:
+encoding, the HTTP client, decoding the answer), the server's own time per event (its
+``/metrics``), the server process group's CPU per event (user+sys, ``/proc``), the request
+bytes of an event. The derendered text of each stream must be equal between the servers, or
+the run fails.
 
-    .venv/bin/python benchmarks/derender_calls.py [--baseline REF] [--streams 40]
+    .venv/bin/python benchmarks/derender_calls.py [--baseline REF] [--streams 40] [--per-event]
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ import numpy as np
 from pd_backends import RunError, git, machine
 from token_vs_text import chat_prompt
 
+from vllm_pd_ext import derender_stream as wire
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier
 from vllm_pd_ext.util.proc_cpu import group_cpu_s
 from vllm_pd_ext.util.prom import parse_metrics
@@ -90,10 +93,12 @@ def start_render(path: Path, model: Path, log: Path) -> tuple[subprocess.Popen, 
 
 
 def server_seconds(url: str) -> tuple[float, float]:
+    """Derender calls (or batches of chunks on a streaming call) and their seconds."""
     metrics = parse_metrics(httpx.get(f"{url}/metrics", timeout=5).text)
+    routes = ("chat_derender", "chat_derender_stream")
     return (
-        metrics.total(f"{SECONDS}_count", route="chat_derender"),
-        metrics.total(f"{SECONDS}_sum", route="chat_derender"),
+        sum(metrics.total(f"{SECONDS}_count", route=r) for r in routes),
+        sum(metrics.total(f"{SECONDS}_sum", route=r) for r in routes),
     )
 
 
@@ -107,11 +112,17 @@ def chat(prompt_words: int, tag: str, tokens: int) -> dict[str, Any]:
     }
 
 
-async def one_stream(url: str, body: dict[str, Any], token_ids: list[int]) -> dict[str, Any]:
-    """One streamed answer derendered event by event: seconds per call, the proxy's CPU
-    seconds per call (this thread), request bytes per call, prompt tokens, the text."""
-    tier = RenderTier((url,), timeout_s=30, connect_s=5, max_connections=4)
+async def one_stream(
+    url: str, body: dict[str, Any], token_ids: list[int], stream_calls: bool
+) -> dict[str, Any]:
+    """One streamed answer derendered event by event: seconds per event, the proxy's CPU
+    seconds per event (this thread), request bytes per event (a per-event call, or the line
+    on the streaming call), prompt tokens, the text."""
+    tier = RenderTier(
+        (url,), timeout_s=30, connect_s=5, max_connections=4, stream_calls=stream_calls
+    )
     sizes: list[int] = []
+    lines: list[int] = []
     call = tier.call
 
     async def measured(path: str, req: dict[str, Any], request_id: str) -> Any:
@@ -132,6 +143,7 @@ async def one_stream(url: str, body: dict[str, Any], token_ids: list[int]) -> di
                 ],
             }
             raw = b"data: " + json.dumps(event).encode() + b"\n\n"
+            lines.append(len(wire.line({**event, "request_id": tokens.response_id})))
             started, thread = time.perf_counter(), time.thread_time()
             out = await stream.feed(raw)
             seconds.append(time.perf_counter() - started)
@@ -140,10 +152,13 @@ async def one_stream(url: str, body: dict[str, Any], token_ids: list[int]) -> di
             if "error" in chunk:
                 raise RunError(f"{url}: derender failed: {chunk['error']}")
             text.append(chunk["choices"][0]["delta"].get("content") or "")
+        if stream.streaming != stream_calls:
+            raise RunError(f"{url}: streaming call {stream.streaming}, wanted {stream_calls}")
+        stream.close()
         return {
             "seconds": seconds,
             "proxy_cpu_s": cpu,
-            "sizes": sizes[1:],  # sizes[0]: the render call
+            "sizes": lines if stream_calls else sizes[1:],  # sizes[0]: the render call
             "prompt_tokens": len(tokens.prompt_ids),
             "text": "".join(text),
         }
@@ -168,7 +183,8 @@ def measure(args: argparse.Namespace, urls: dict[str, str], procs: dict[str, Any
                 url = urls[server]
                 calls0, server_s0 = server_seconds(url)
                 cpu0 = group_cpu_s(procs[server].pid)
-                got = asyncio.run(one_stream(url, body, token_ids))
+                streams = server == "ours" and not args.per_event
+                got = asyncio.run(one_stream(url, body, token_ids, streams))
                 texts[server] = got["text"]
                 cpu1 = group_cpu_s(procs[server].pid)
                 calls1, server_s1 = server_seconds(url)
@@ -222,6 +238,12 @@ def summarize(rounds: list[dict], prompt_words: list[int]) -> dict[str, Any]:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline", default="main", help="git ref of the baseline render server")
+    ap.add_argument(
+        "--per-event",
+        action="store_true",
+        help="ours per event too (default: ours over one streaming call per stream, the "
+        "baseline always per event)",
+    )
     ap.add_argument("--streams", type=int, default=40, help="streams per server and prompt")
     ap.add_argument("--tokens", type=int, default=64, help="one-token events per stream")
     ap.add_argument("--prompt-words", type=int, nargs="+", default=[120, 1500])
@@ -259,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": started,
         "git_commit": git("rev-parse", "--short", "HEAD"),
         "baseline": {"ref": args.baseline, "commit": git("rev-parse", "--short", args.baseline)},
+        "ours_over": "per-event calls" if args.per_event else "one streaming call per stream",
         "uncommitted_in_vllm_pd_ext": git(
             "status", "--porcelain", "--", "vllm_pd_ext"
         ).splitlines(),

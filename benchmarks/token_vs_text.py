@@ -21,9 +21,11 @@ must be equal, or the run fails.
 
 The render server's own timings (its ``/metrics``, ``vllm_pd_render_request_seconds``) over
 the measured requests, per route (``chat_render``: one call per token-mode request;
-``chat_derender``: the streaming calls): calls per token-mode request, server-side ms per
-call, the share of calls slower than 10 and 25 ms; and each part's CPU over the measured
-requests.
+``chat_derender``: per-event streaming calls, made where the render server lacks the
+long-lived streaming call; ``chat_derender_stream``: the chunks handled on that one call per
+request, counted per batch of chunks that arrived together): calls per token-mode request,
+server-side ms per call, the share of calls slower than 10 and 25 ms; the proxy's streamed
+answers derendered per event, by reason; and each part's CPU over the measured requests.
 
 Summary per mode: TTFT p50/p90/p99, ITL p50/p99 over every gap between content events,
 TPOT p50/p90/p99 (first to last content event over the tokens after the first: the pace per
@@ -73,6 +75,8 @@ from vllm_pd_ext.util.vllm_process import free_port
 REPO = Path(__file__).resolve().parent.parent
 MODES = ("token", "text")
 RENDER_SECONDS = "vllm_pd_render_request_seconds"
+#: The token-mode proxy's streamed answers derendered per event, by reason.
+PER_EVENT = "vllm_pd_derender_per_event_total"
 #: Words the prompts are drawn from (a prompt's tokens then vary with its words).
 WORDS = (
     "cache",
@@ -306,9 +310,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 )
                 for m in MODES
             },
+            "derendered_per_event": delta(
+                after["token"].by_label(PER_EVENT, "reason"),
+                before["token"].by_label(PER_EVENT, "reason"),
+            ),
             "render_server": {
                 route: render_route(render_before, render_after, route, measured_token)
-                for route in ("chat_render", "chat_derender")
+                for route in ("chat_render", "chat_derender", "chat_derender_stream")
             },
             "greedy_checks": checks,
         }

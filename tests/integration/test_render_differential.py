@@ -12,6 +12,7 @@ that it is not a ``MistralTokenizer``), which is what ``vllm launch render`` ser
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import os
@@ -26,6 +27,7 @@ import httpx
 import pytest
 
 from tests.skips import need
+from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier, TokenRequest
 from vllm_pd_ext.util.tiny_model import add_think_tokens, add_tokens
 from vllm_pd_ext.util.vllm_process import CPU_ENV, VllmServer, free_port, vllm_executable
 
@@ -431,6 +433,75 @@ def test_chat_derender_stream_identical(servers, which, pattern):
         path = "/v1/chat/completions/derender"
         a = _stream(ours, ids, itertools.cycle(pattern), extra, path, logprobs=True)
         b = _stream(ref, ids, itertools.cycle(pattern), extra, path, logprobs=True)
+        assert a == b, text
+
+
+def _proxy_stream(server: VllmServer, ids: list[int], body: dict) -> tuple[dict, bool, list]:
+    """``ids`` derendered by the proxy's ``DerenderStream`` (one engine event per token) via
+    ``server``: the accumulated answer, whether one streaming call served it, and the
+    reasons it went per event."""
+    events = [
+        {
+            "request_id": "g",
+            "choices": [{"index": 0, "token_ids": [t], "finish_reason": "stop" if last else None}],
+        }
+        for t, last in zip(ids, [False] * (len(ids) - 1) + [True], strict=True)
+    ]
+    raw = [b"data: " + json.dumps(e).encode() + b"\n\n" for e in events] + [b"data: [DONE]\n\n"]
+
+    async def run() -> tuple[bytes, bool, list]:
+        reasons: list[str] = []
+        tier = RenderTier(
+            (server.base_url,),
+            timeout_s=60,
+            connect_s=5,
+            max_connections=2,
+            per_event=reasons.append,
+        )
+        stream = DerenderStream(
+            tier, "chat", body, TokenRequest({}, [151644, 77091, 198], "c"), "r"
+        )
+        try:
+            out = b"".join([await stream.feed(event) for event in raw])
+        finally:
+            stream.close()
+            await tier.close()
+        return out, bool(stream.streaming), reasons
+
+    out, streamed, reasons = asyncio.run(run())
+    acc: dict[str, Any] = {"content": "", "reasoning": "", "calls": {}, "finish": None}
+    for event in out.decode().split("\n\n")[:-2]:
+        data = json.loads(event[6:])
+        assert "error" not in data, data
+        choice = data["choices"][0]
+        delta = choice["delta"]
+        acc["finish"] = choice["finish_reason"] or acc["finish"]
+        acc["content"] += delta.get("content") or ""
+        acc["reasoning"] += delta.get("reasoning") or ""
+        for tc in delta.get("tool_calls") or []:
+            slot = acc["calls"].setdefault(tc["index"], {"name": "", "arguments": ""})
+            slot["name"] += tc["function"].get("name") or ""
+            slot["arguments"] += tc["function"].get("arguments") or ""
+    acc["calls"] = [
+        (c["name"], json.loads(c["arguments"])) for _, c in sorted(acc["calls"].items())
+    ]
+    return acc, streamed, reasons
+
+
+@pytest.mark.parametrize("which", ["plain", "parsed"])
+def test_proxy_streams_from_ours_and_goes_per_event_on_vllms(servers, which):
+    """The proxy's streamed derender: one long-lived call to ours; vLLM's render server has no
+    such route, so per event there (the reason counted); the same answer either way."""
+    ours, ref = servers[which]
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "weather?"}]}
+    if which == "parsed":
+        body["tools"] = TOOLS
+    for text in OUTPUTS:
+        ids = [*_ids(ref, text), 151645]
+        a, a_streamed, a_reasons = _proxy_stream(ours, ids, body)
+        b, b_streamed, b_reasons = _proxy_stream(ref, ids, body)
+        assert (a_streamed, a_reasons) == (True, [])
+        assert (b_streamed, b_reasons) == (False, ["no_stream_route"])
         assert a == b, text
 
 

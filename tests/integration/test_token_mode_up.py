@@ -100,7 +100,9 @@ def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, conne
         found = re.search(r"decode-0: (http://\S+)", banner)
         assert found, banner
         decode_url = found.group(1)
-        assert re.search(r"render-0: http://\S+", banner)
+        found = re.search(r"render-0: (http://\S+)", banner)
+        assert found, banner
+        render_url = found.group(1)
         children = psutil.Process(proc.pid).children(recursive=True)
         assert len(children) >= 4  # render server, two engines (and their workers), proxy
         found = re.search(r"\(model '([^']+)'", banner)
@@ -154,6 +156,16 @@ def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, conne
         # colocated
         assert 'vllm_pd_decisions_total{decision="split",reason="split"} 5.0' in metrics
         assert 'vllm_pd_decisions_total{decision="colocated"' in metrics
+        # every streamed answer went over one streaming derender call, none per event
+        assert "vllm_pd_derender_per_event_total{" not in metrics
+        served = parse_metrics(httpx.get(f"{render_url}/metrics", timeout=30).text)
+        for route, n in (
+            ("completion_derender_stream", 2),
+            ("chat_derender_stream", 1),
+            ("completion_derender", 3),  # the warm-up and two whole answers: none per event
+            ("chat_derender", 1),
+        ):
+            assert served.total("vllm_pd_render_requests_total", route=route) == n, route
 
         _client_cannot_steer_the_decode_connector(proxy, decode_url, body)
 

@@ -180,14 +180,17 @@ class Batch:
     ) -> AsyncGenerator[tuple[int, bytes], None]:
         """Prompt ``index``'s derendered events, one at a time."""
         buffer = b""
-        async for chunk in resp.chunks():
-            buffer += chunk
-            end = buffer.rfind(b"\n\n") + 2
-            if end < 2:
-                continue
-            ready, buffer = buffer[:end], buffer[end:]
-            for event in (await derender.feed(ready))[:-2].split(b"\n\n"):
-                yield index, event
+        try:
+            async for chunk in resp.chunks():
+                buffer += chunk
+                end = buffer.rfind(b"\n\n") + 2
+                if end < 2:
+                    continue
+                ready, buffer = buffer[:end], buffer[end:]
+                for event in (await derender.feed(ready))[:-2].split(b"\n\n"):
+                    yield index, event
+        finally:
+            derender.close()
 
 
 def _renumber(event: bytes, prompt: int, n: int, usage: dict[str, int]) -> bytes | None:

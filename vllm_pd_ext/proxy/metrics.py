@@ -74,6 +74,13 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
+        self.derender_per_event = Counter(
+            "vllm_pd_derender_per_event",
+            "Streamed token-mode answers derendered with one render call per event instead "
+            "of one streaming call, by reason",
+            ["reason"],
+            registry=r,
+        )
         self.breaker_open = Gauge(
             "vllm_pd_breaker_open",
             "1 while the stall guard gives a prefill-decode pair no splits",

@@ -3,7 +3,8 @@
 Both hide ``kv_transfer_params`` from the client and report the prefill side's cache hits as
 ``cached_tokens`` (the decode instance counts the KV it received as cached; the client cares
 about what the prefill instance found in its prefix cache). In token mode the engine's tokens
-go through derender first (one call for a whole answer, one per event when streaming).
+go through derender first (one call for a whole answer; when streaming, one long-lived call
+or one per event: ``token_mode.DerenderStream``).
 
 A stream measures the time to first token, the gaps between writes to the client (ITL) and,
 for a split, the gap between the prefill leg's end and the first token (the KV transfer plus
@@ -167,6 +168,8 @@ class Relay:
             raise
         finally:
             resp.close()
+            if derender is not None:
+                derender.close()
             relay.writer = None
             call.finish(outcome, f"{outcome} via {inst.label}")
             call.close()

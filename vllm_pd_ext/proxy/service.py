@@ -4,7 +4,7 @@
       limits (app.py, front_protocol.py, client_limits.py) -> parse and check (request.py)
       -> admit (admission.py) -> [render (token_mode.py)]
       -> route and decide (routing.py, decision.py) -> [prefill leg (prefill.py)]
-      -> decode leg (decode.py) -> relay the answer (relay.py) [derender per event]
+      -> decode leg (decode.py) -> relay the answer (relay.py) [derender]
 
 (token mode, a completion with several prompts: route -> batch.py, which sends and answers
 them together).
@@ -15,7 +15,8 @@ behind when its client goes (drains, aborts) runs in ``background.py``.
 
 Text mode forwards OpenAI requests to the engines' OpenAI routes. Token mode (a render tier
 configured) renders the request first, runs both legs on the engines'
-``/inference/v1/generate`` and derenders the answer (per event when streaming).
+``/inference/v1/generate`` and derenders the answer (streamed: one long-lived call, or one
+call per event).
 
 Failure semantics (all timeouts come from ``TimeoutConfig``):
 
@@ -139,6 +140,7 @@ class ProxyService:
                     if self.config.render_api_key
                     else None
                 ),
+                per_event=lambda reason: self.metrics.derender_per_event.labels(reason).inc(),
             )
         await self.fleet.start()
 

@@ -8,7 +8,12 @@ GenerateRequest; both legs then go to the engines' ``POST /inference/v1/generate
 one ``/derender`` call for a whole answer, or streaming derender calls with the ``stream_state``
 carried from call to call: one per engine event, except that token events which arrived
 together (while the previous call was in flight) go as one (``coalesce``), so a slow call
-does not queue a call per token behind it. The client sees normal OpenAI responses.
+does not queue a call per token behind it. A render server of ours also takes a streamed
+answer as one long-lived call (``vllm_pd_ext.derender_stream``: the context once, then each
+chunk as a line, its derendered events read back as they come), so a token costs incremental
+detokenisation only, not a request that resends the prompt, and every engine event stays its
+own client event, as in text mode; a render tier without that route (vLLM's) is derendered per
+event, counted by reason (``per_event``). The client sees normal OpenAI responses.
 
 Everything here runs on the proxy's event loop; the render servers are plain upstreams with
 the same pooled client and error kinds as the engines.
@@ -19,12 +24,14 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_pd_ext import derender_stream as wire
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
 from vllm_pd_ext.proxy.request import RequestContext
-from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError
+from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError, UpstreamResponse
 from vllm_pd_ext.transfer_params import STEERING_FIELDS, without_steering
 
 logger = logging.getLogger(__name__)
@@ -113,7 +120,10 @@ class RenderTier:
     """The render servers: round-robin, failing over to the next on a connection error.
 
     A render server that refuses connections is skipped for ``backoff_s``. 4xx answers are the
-    client's mistakes and pass through; anything else is a 502 ``render_failed``.
+    client's mistakes and pass through; anything else is a 502 ``render_failed``. A render
+    server found without the long-lived streaming derender route is not asked again for
+    ``recheck_s``; ``per_event(reason)`` is told of each streamed answer derendered per
+    event instead.
     """
 
     def __init__(
@@ -125,13 +135,24 @@ class RenderTier:
         max_connections: int,
         backoff_s: float = 2.0,
         api_key: str | None = None,
+        per_event: Callable[[str], None] | None = None,
+        recheck_s: float = 300.0,
+        stream_calls: bool = True,
     ):
         self.upstreams = [Upstream(u, max_connections=max_connections) for u in urls]
         self._down_until = [0.0] * len(urls)
+        #: until when each render server is taken to lack the streaming route
+        self._no_stream_until = [0.0] * len(urls)
         self._next = 0
         self._backoff_s = backoff_s
+        self._recheck_s = recheck_s
         self._timeout = Timeouts(total=timeout_s, connect=connect_s).client()
+        #: a streaming call: no limit on its life, ``timeout_s`` on each wait for its answer
+        self._stream_timeout = Timeouts(connect=connect_s, read=timeout_s).client()
         self._auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._per_event = per_event
+        #: False: streamed answers always go per event (a comparison's baseline)
+        self.stream_calls = stream_calls
 
     async def close(self) -> None:
         for upstream in self.upstreams:
@@ -186,6 +207,77 @@ class RenderTier:
         raise ProxyError(
             502, "no render server reachable: " + "; ".join(errors), code="render_failed"
         )
+
+    async def open_stream(
+        self, route: str, lines: bytes, request_id: str
+    ) -> UpstreamResponse | None:
+        """Open a long-lived streaming derender call whose body starts with ``lines`` (the
+        context, then chunks); its 200 response, the body left open. None when no render
+        server serves the route (or all are full): the caller derenders per event, and
+        ``per_event`` has been told why. Raises ``ProxyError``."""
+        reason = "no_stream_route" if self.stream_calls else "stream_calls_off"
+        errors: list[str] = []
+        headers = {"X-Request-Id": request_id, "Content-Type": wire.CONTENT_TYPE, **self._auth}
+        for i in self._order() if self.stream_calls else ():
+            if self._no_stream_until[i] > time.monotonic():
+                continue
+            upstream = self.upstreams[i]
+            try:
+                resp = await upstream.send(
+                    "POST", wire.PATHS[route], self._stream_timeout, lines, headers, body_open=True
+                )
+            except UpstreamError as exc:
+                if exc.down:
+                    self._down_until[i] = time.monotonic() + self._backoff_s
+                    errors.append(f"{upstream.base_url}: {exc.kind}")
+                    continue
+                raise ProxyError(
+                    502, f"render server {upstream.base_url}: {exc.kind}", code="render_failed"
+                ) from None
+            if resp.status == 200:
+                return resp
+            try:
+                raw = await resp.read()
+            except UpstreamError:
+                raw = b""
+            finally:
+                resp.close()
+            if resp.status in wire.ROUTE_MISSING:
+                self._no_stream_until[i] = time.monotonic() + self._recheck_s
+                logger.warning(
+                    "render server %s has no streaming derender route (HTTP %d): streamed "
+                    "answers it derenders go per event; asking again in %.0f s",
+                    upstream.base_url,
+                    resp.status,
+                    self._recheck_s,
+                )
+                continue
+            if resp.status == 503:
+                reason = "stream_refused"
+                errors.append(f"{upstream.base_url}: HTTP 503")
+                continue
+            if resp.status == 401:
+                raise ProxyError(
+                    502,
+                    f"render server {upstream.base_url} refused the proxy's render_api_key",
+                    code="render_failed",
+                )
+            if 400 <= resp.status < 500:
+                raise passthrough(resp.status, raw)
+            text = raw[:500].decode("utf-8", "replace")
+            raise ProxyError(
+                502,
+                f"render server {upstream.base_url}: HTTP {resp.status}: {text}",
+                code="render_failed",
+            )
+        if errors and reason == "no_stream_route" and len(errors) == len(self.upstreams):
+            raise ProxyError(
+                502, "no render server reachable: " + "; ".join(errors), code="render_failed"
+            )
+        logger.debug("request %s: derendered per event (%s)", request_id, reason)
+        if self._per_event is not None:
+            self._per_event(reason)
+        return None
 
     async def render_request(self, ctx: RequestContext) -> TokenRequest:
         """Render the client's request; the prompt's exact length replaces the estimate."""
@@ -329,12 +421,25 @@ def coalesce(events: list[bytes]) -> list[bytes | dict[str, Any]]:
     return out
 
 
+def _broken(what: str) -> ProxyError:
+    return ProxyError(502, f"streaming derender: {what}", code="render_failed")
+
+
+#: The most bytes of derendered events read back for one ``DerenderStream.feed``.
+MAX_STREAM_ANSWER_BYTES = 16 * 1024 * 1024
+
+
 @dataclass
 class DerenderStream:
     """One streamed answer's derender side: engine SSE events in, OpenAI SSE events out.
 
-    Keeps the ``stream_state`` between calls. Engine events that are not token chunks (an
-    error event, ``[DONE]``) pass through unchanged.
+    The first token chunk opens a long-lived streaming call (``RenderTier.open_stream``), on
+    which each engine event becomes one client event, however the events arrived; where none
+    opens, token events that arrived together are merged (``coalesce``) and each is one
+    per-event call carrying the ``stream_state`` kept here. For the same chunks both give
+    the same bytes. Engine events that are
+    not token chunks (an error event, ``[DONE]``) pass through unchanged; ``[DONE]`` ends
+    the streaming call. ``close`` drops a call still open (the answer broke off).
     """
 
     tier: RenderTier
@@ -344,20 +449,142 @@ class DerenderStream:
     request_id: str
     state: dict[str, Any] | None = None
     failed: bool = field(default=False)
+    #: None until the first chunk; then True (one streaming call) or False (per event)
+    streaming: bool | None = None
+    _call: UpstreamResponse | None = None
+    _answers: AsyncIterator[bytes] | None = None
+    _buffer: bytes = b""
 
     async def feed(self, events: bytes) -> bytes:
         """Complete SSE events (each ending in a blank line) as the client's events."""
         if self.failed:
             return events
+        raw = events[:-2].split(b"\n\n")
+        answers: list[bytes] = []
+        items: list[bytes | dict[str, Any]] = []
+        if self.streaming is not False:
+            # one event per engine event, as text mode sends them: on the streaming call an
+            # event costs a line, so nothing is gained by merging those that came together
+            items = [_token_chunk(event) or event for event in raw]
+            chunks = [item for item in items if isinstance(item, dict)]
+            if chunks:
+                answers = await self._stream(chunks)
+        if self.streaming is False:  # per event: a call each, so merge what came together
+            items = coalesce(raw)
         out: list[bytes] = []
-        for event in coalesce(events[:-2].split(b"\n\n")):
-            if isinstance(event, bytes):  # an error event or [DONE]: as the engine wrote it
-                out.append(event)
+        at = 0
+        for item in items:
+            if isinstance(item, bytes):  # an error event or [DONE]: as the engine wrote it
+                out.append(item)
+                if item == b"data: [DONE]":
+                    await self._end()
+            elif at < len(answers):
+                out.append(answers[at])
+                at += 1
             elif self.failed:  # after a failed call: the engine's tokens as they came
-                out.append(b"data: " + json.dumps(event, separators=(",", ":")).encode())
+                out.append(b"data: " + json.dumps(item, separators=(",", ":")).encode())
             else:
-                out.append(await self._one(event))
+                out.append(await self._one(item))
         return b"\n\n".join(out) + b"\n\n"
+
+    def close(self) -> None:
+        """Drop a streaming call still open (the render server sees the disconnect)."""
+        call, self._call = self._call, None
+        if call is not None:
+            call.close()
+
+    # -- one streaming call ------------------------------------------------------------
+
+    async def _stream(self, chunks: list[dict[str, Any]]) -> list[bytes]:
+        """The events for ``chunks`` over the streaming call (opened by the first); [] when
+        none could open (the chunks go per event). After a failure: the events before it,
+        then one error event."""
+        for chunk in chunks:
+            chunk["request_id"] = self.tokens.response_id
+        body = b"".join(wire.line(chunk) for chunk in chunks)
+        try:
+            if self.streaming is None:
+                context: dict[str, Any] = {
+                    "model": self.body.get("model"),
+                    "prompt_tokens": len(self.tokens.prompt_ids),
+                    "prompt_token_ids": self.tokens.prompt_ids,
+                    "chat_request" if self.route == "chat" else "completion_request": self.body,
+                }
+                call = await self.tier.open_stream(
+                    self.route, wire.line(context) + body, self.request_id
+                )
+                self.streaming = call is not None
+                if call is None:
+                    return []
+                self._call, self._answers = call, call.chunks()
+            else:
+                if self._call is None:
+                    raise _broken("the call is closed")
+                self._call.write(body)
+            return await self._read(len(chunks))
+        except ProxyError as exc:
+            self.streaming = True  # no per-event calls after a failure
+            self.failed = True
+            self.close()
+            logger.warning("request %s: streaming derender failed: %s", self.request_id, exc)
+            return [sse_error(exc.status, exc.message)[:-2]]
+
+    async def _read(self, n: int) -> list[bytes]:
+        """The next ``n`` events of the call, each as the per-event path writes it. Raises
+        ``ProxyError``."""
+        assert self._answers is not None
+        events: list[bytes] = []
+        while len(events) < n:
+            while b"\n\n" not in self._buffer:
+                if len(self._buffer) > MAX_STREAM_ANSWER_BYTES:
+                    raise _broken("event too long")
+                try:
+                    piece = await self._answers.__anext__()
+                except StopAsyncIteration:
+                    piece = b""
+                except UpstreamError as exc:
+                    raise _broken(exc.kind) from None
+                if not piece:
+                    raise _broken("the answer ended early")
+                self._buffer += piece
+            raw, self._buffer = self._buffer.split(b"\n\n", 1)
+            if not raw.startswith(b"data: "):
+                raise _broken("not an SSE event")
+            try:
+                payload = json.loads(raw[6:])
+            except ValueError:
+                raise _broken("not JSON") from None
+            error = wire.error_of(payload)
+            if error is not None:
+                code = error.get("code")
+                status = code if isinstance(code, int) and 400 <= code < 600 else 502
+                if status < 500:
+                    raise passthrough(status, raw[6:])
+                raise _broken(str(error.get("message"))[:500])
+            if not isinstance(payload, dict):
+                raise _broken("no chunk")
+            events.append(b"data: " + json.dumps(payload, separators=(",", ":")).encode())
+        return events
+
+    async def _end(self) -> None:
+        """End the call's body and read its answer to the end (the connection is then
+        reused); a call that does not end cleanly is closed."""
+        call = self._call
+        if call is None or self._answers is None:
+            return
+        call.end_body()
+        try:
+            async for piece in self._answers:
+                if piece.strip():
+                    break  # an event nobody asked for: close
+            else:
+                return
+        except UpstreamError:
+            pass
+        finally:
+            self.close()
+
+    # -- per event ---------------------------------------------------------------------
 
     async def _one(self, chunk: dict[str, Any]) -> bytes:
         chunk["request_id"] = self.tokens.response_id

@@ -116,6 +116,8 @@ class _Conn(asyncio.Protocol):
         #: Becomes ``sink`` when the head says 200 (``Upstream.send(sink_on_ok=...)``).
         self.sink_on_ok: Callable[[bytes], bool] | None = None
         self.rx_at = 0.0  # when the sink last got bytes (loop time)
+        #: a chunked request body still being written (``Upstream.send(body_open=True)``)
+        self.body_open = False
 
     # -- asyncio.Protocol --------------------------------------------------------------
 
@@ -372,6 +374,19 @@ class UpstreamResponse:
 
     __slots__ = ("_conn", "_deadline", "_pool", "_read_s", "status")
 
+    def write(self, data: bytes) -> None:
+        """One more piece of a request body sent with ``body_open`` (a chunk of it)."""
+        conn = self._conn
+        if data and conn.body_open and conn.transport is not None:
+            conn.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+
+    def end_body(self) -> None:
+        """End a request body sent with ``body_open``."""
+        conn = self._conn
+        if conn.body_open and conn.transport is not None:
+            conn.body_open = False
+            conn.transport.write(b"0\r\n\r\n")
+
     def __init__(self, pool: Upstream, conn: _Conn, read_s: float | None, deadline: float | None):
         self._pool = pool
         self._conn = conn
@@ -449,7 +464,8 @@ class UpstreamResponse:
         if conn is None:
             return
         conn.sink = None
-        if conn.state == _DONE and not conn.chunks and conn.keep_alive and not conn.closed:
+        done = conn.state == _DONE and not conn.chunks and not conn.body_open
+        if done and conn.keep_alive and not conn.closed:
             self._pool._release(conn)
         else:
             conn.close()
@@ -537,6 +553,7 @@ class Upstream:
         path: str,
         body: dict[str, Any] | bytes | None,
         headers: dict[str, str] | None,
+        body_open: bool = False,
     ) -> bytes:
         head = method + " " + self._prefix + path
         lines = ""
@@ -550,6 +567,10 @@ class Upstream:
                 lines += "Content-Length: 0\r\n"
             return head.encode("latin-1") + self._head_tail + lines.encode("latin-1") + b"\r\n"
         data = body if isinstance(body, bytes) else json.dumps(body, separators=(",", ":")).encode()
+        if body_open:
+            lines += "Transfer-Encoding: chunked\r\n\r\n"
+            data = b"%x\r\n%b\r\n" % (len(data), data) if data else b""
+            return head.encode("latin-1") + self._head_tail + lines.encode("latin-1") + data
         lines += f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n"
         return head.encode("latin-1") + self._head_tail + lines.encode("latin-1") + data
 
@@ -561,6 +582,7 @@ class Upstream:
         body: dict[str, Any] | bytes | None = None,
         headers: dict[str, str] | None = None,
         sink_on_ok: Callable[[bytes], bool] | None = None,
+        body_open: bool = False,
     ) -> UpstreamResponse:
         """Send one request; return once the head is in, the body unread. ``body``: an
         object sent as JSON, or JSON already encoded. ``sink_on_ok``: when the head says 200,
@@ -568,12 +590,17 @@ class Upstream:
         go to it as they come, and this returns only once the sink leaves some, the body
         ends or the connection fails (a stream the sink takes whole needs no task woken).
 
+        ``body_open``: ``body`` (bytes; its ``Content-Type`` in ``headers``) is the first
+        piece of a chunked body that the response's ``write`` continues and ``end_body`` ends,
+        while the answer is read (a full-duplex exchange); the connection is reused only if
+        the body was ended.
+
         ``timeouts`` comes from ``Timeouts.client()``. Raises ``UpstreamError``. Cancelling
         the caller closes the connection.
         """
         if self._closed:
             raise UpstreamError("disconnected", f"{self.base_url}: client closed")
-        payload = self._request(method, path, body, headers)
+        payload = self._request(method, path, body, headers, body_open)
         loop = asyncio.get_running_loop()
         deadline = None if timeouts.total is None else loop.time() + timeouts.total
         read_s = timeouts.read
@@ -588,6 +615,7 @@ class Upstream:
             while True:
                 conn.head_only = method == "HEAD"
                 conn.sink_on_ok = sink_on_ok
+                conn.body_open = body_open
                 conn.transport.write(payload)  # type: ignore[union-attr]
                 while conn.state == _HEAD:
                     if conn.error is not None:

@@ -20,8 +20,10 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, SecretStr, ValidationError
+from starlette.routing import Route
 
-from vllm_pd_ext.render_server.derender import Derenderer
+from vllm_pd_ext import derender_stream as wire
+from vllm_pd_ext.render_server.derender import Derenderer, StreamSession
 from vllm_pd_ext.render_server.errors import (
     RenderError,
     SchemaError,
@@ -73,6 +75,16 @@ def _json_response(content: Any, status_code: int = 200) -> Response:
         except TypeError:
             pass  # e.g. ints beyond 64 bits: the stdlib encoder handles them
     return JSONResponse(content, status_code=status_code)
+
+
+def _json_bytes(content: Any) -> bytes:
+    """``content`` encoded as ``_json_response`` sends it."""
+    if _orjson is not None:
+        try:
+            return _orjson.dumps(content)
+        except TypeError:
+            pass
+    return bytes(JSONResponse(content).body)
 
 
 class _Metrics:
@@ -138,6 +150,10 @@ def _check_reasoning_parser(settings: RenderSettings, tok: Any) -> None:
 
 #: Requests whose rendering waits for the CPU thread, at most; more are answered 503.
 MAX_PENDING = 1024
+#: Chunks of a streaming derender call up to this many bytes (a few tokens' worth, well under
+#: a millisecond of work) are derendered on the event loop when the CPU thread is idle (still
+#: one tokenizer user at a time), sparing every streamed token two thread hand-offs.
+INLINE_BYTES = 16 * 1024
 
 
 class _State:
@@ -159,7 +175,10 @@ class _State:
         #: stays free for reading bodies, /health and /metrics while a large request computes
         #: (the process's parallelism is its worker processes, not threads).
         self.cpu = ThreadPoolExecutor(max_workers=1, thread_name_prefix="render-cpu")
+        #: jobs on (or waiting for) the CPU thread
         self.pending = 0
+        #: long-lived streaming derender calls open now
+        self.streams = 0
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -187,6 +206,41 @@ def _validate(model: type[BaseModel], data: Any) -> Any:
     except ValidationError as exc:
         message, param = validation_message(exc.errors(include_url=False, include_input=False))
         raise SchemaError(message, param=param) from None
+
+
+class _Gone(Exception):
+    """The caller of a streaming call disconnected."""
+
+
+class _Lines:
+    """The lines of a request body as they arrive (a partial line waits for its end or for
+    the body's end); no line longer than ``limit`` bytes."""
+
+    def __init__(self, receive: Any, limit: int) -> None:
+        self.receive = receive
+        self.limit = limit
+        self.buf = b""
+        self.ended = False
+
+    async def take(self, timeout: float) -> list[bytes]:
+        """The complete non-blank lines buffered, waiting up to ``timeout`` seconds for at
+        least one (``TimeoutError``); ``[]`` once the body has ended."""
+        while True:
+            if b"\n" in self.buf:
+                *lines, self.buf = self.buf.split(b"\n")
+                lines = [ln for ln in lines if ln.strip()]
+                if lines:
+                    return lines
+            if len(self.buf) > self.limit:
+                raise RenderError(f"a line of the body exceeds the limit of {self.limit} bytes")
+            if self.ended:
+                last, self.buf = self.buf, b""
+                return [last] if last.strip() else []
+            message = await asyncio.wait_for(self.receive(), timeout)
+            if message["type"] != "http.request":
+                raise _Gone
+            self.buf += message.get("body", b"")
+            self.ended = not message.get("more_body", False)
 
 
 def create_app(settings: RenderSettings) -> FastAPI:
@@ -297,6 +351,140 @@ def create_app(settings: RenderSettings) -> FastAPI:
 
         return await handle("completion_derender", request, run)
 
+    async def derender_stream(kind: str, scope: Any, receive: Any, send: Any) -> None:
+        """The long-lived streaming derender call (``vllm_pd_ext.derender_stream``)."""
+        st = state()
+        route = f"{'chat' if kind == 'chat' else 'completion'}_derender_stream"
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + st.settings.derender_stream_max_s
+        max_events = st.renderer.max_model_len + 64
+        lines = _Lines(receive, st.settings.max_body_bytes)
+        status = 200
+        started = False
+
+        async def respond(exc: RenderError) -> None:
+            nonlocal status
+            status = exc.status
+            if started:
+                payload = _json_bytes(body_for(exc))
+                await send(
+                    {"type": "http.response.body", "body": wire.event(payload), "more_body": True}
+                )
+            else:
+                await JSONResponse(body_for(exc), status_code=exc.status)(scope, receive, send)
+
+        async def next_lines() -> list[bytes]:
+            left = deadline - loop.time()
+            idle = st.settings.derender_stream_idle_s
+            try:
+                return await lines.take(max(0.0, min(idle, left)))
+            except asyncio.TimeoutError:
+                what = f"no line within {idle:g} s" if idle < left else "the call's time is up"
+                raise RenderError(
+                    f"streaming derender: {what}", status=408, err_type="TimeoutError"
+                ) from None
+
+        def run(session: StreamSession, raw: list[bytes]) -> tuple[bytes, RenderError | None]:
+            out = []
+            t0, tokens = time.perf_counter(), session.tokens
+            try:
+                for one in raw:
+                    try:
+                        data = _json_loads(one)
+                    except (ValueError, RecursionError) as exc:
+                        raise SchemaError(f"malformed JSON line: {exc}") from None
+                    out.append(wire.event(_json_bytes(session.chunk(data))))
+            except RenderError as exc:
+                return b"".join(out), exc
+            except Exception as exc:  # a bug of ours: still an OpenAI body, logged with a stack
+                logger.exception("unexpected error on %s", route)
+                error = RenderError(
+                    f"internal error: {type(exc).__name__}",
+                    status=500,
+                    err_type="InternalServerError",
+                )
+                return b"".join(out), error
+            finally:
+                st.metrics.output_tokens.inc(session.tokens - tokens)
+                st.metrics.seconds.labels(route).observe(time.perf_counter() - t0)
+            return b"".join(out), None
+
+        if st.streams >= st.settings.max_derender_streams:
+            await respond(
+                RenderError(
+                    f"{st.settings.max_derender_streams} streaming derender calls are open "
+                    "already; derender per event",
+                    status=503,
+                    err_type="ServiceUnavailableError",
+                )
+            )
+            st.metrics.requests.labels(route, str(status)).inc()
+            return
+        st.streams += 1
+        try:
+            pending = await next_lines()
+            if not pending:
+                raise SchemaError("empty body: line 1 must be the stream's context")
+            try:
+                context = _json_loads(pending[0])
+            except (ValueError, RecursionError) as exc:
+                raise SchemaError(f"malformed JSON in line 1: {exc}") from None
+            if not isinstance(context, dict):
+                raise SchemaError("line 1 must be a JSON object")
+            st.pending += 1
+            try:
+                session = await loop.run_in_executor(
+                    st.cpu, StreamSession, st.derenderer, kind, context
+                )
+            finally:
+                st.pending -= 1
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [
+                        (b"content-type", b"text/event-stream"),
+                        (b"cache-control", b"no-cache"),
+                    ],
+                }
+            )
+            started = True
+            events, pending = 0, pending[1:]
+            while True:
+                if not pending:
+                    pending = await next_lines()
+                    if not pending:
+                        break
+                events += len(pending)
+                if events > max_events:
+                    raise RenderError(f"a streaming call takes at most {max_events} chunks")
+                if st.pending == 0 and sum(map(len, pending)) <= INLINE_BYTES:
+                    out, error = run(session, pending)  # the CPU thread is idle: no hand-off
+                else:
+                    st.pending += 1
+                    try:
+                        out, error = await loop.run_in_executor(st.cpu, run, session, pending)
+                    finally:
+                        st.pending -= 1
+                pending = []
+                if out:
+                    await send({"type": "http.response.body", "body": out, "more_body": True})
+                if error is not None:
+                    raise error
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except RenderError as exc:
+            await respond(exc)
+            if started:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except _Gone:
+            status = 499  # the caller left; nothing to answer
+        finally:
+            st.streams -= 1
+            st.metrics.requests.labels(route, str(status)).inc()
+
+    for kind, path in wire.PATHS.items():
+        app.router.routes.append(Route(path, _Endpoint(derender_stream, kind), methods=["POST"]))
+
     def _count(choices: list[Any]) -> None:
         state().metrics.output_tokens.inc(sum(len(c.token_ids or []) for c in choices))
 
@@ -352,6 +540,17 @@ def create_app(settings: RenderSettings) -> FastAPI:
     if settings.api_key is not None:
         app.add_middleware(_ApiKey, secret=settings.api_key.get_secret_value())
     return app
+
+
+class _Endpoint:
+    """A plain ASGI endpoint (a route that reads its body while it answers)."""
+
+    def __init__(self, handler: Callable[..., Any], kind: str) -> None:
+        self.handler = handler
+        self.kind = kind
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        await self.handler(self.kind, scope, receive, send)
 
 
 class _ApiKey:

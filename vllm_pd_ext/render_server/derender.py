@@ -22,7 +22,7 @@ from vllm_pd_ext.render_server.detokenizer import (
     seed_state,
     token_strings,
 )
-from vllm_pd_ext.render_server.errors import RenderError, validation_message
+from vllm_pd_ext.render_server.errors import RenderError, SchemaError, validation_message
 from vllm_pd_ext.render_server.parsers import ChatParser, make_parser
 from vllm_pd_ext.render_server.parsers.state import StateLimits
 from vllm_pd_ext.render_server.protocol import (
@@ -35,6 +35,7 @@ from vllm_pd_ext.render_server.protocol import (
     DerenderStreamState,
     GenerateLogProbs,
     GenerateResponse,
+    GenerateStreamResponse,
     UsageInfo,
 )
 from vllm_pd_ext.render_server.settings import RenderSettings
@@ -586,6 +587,79 @@ class Derenderer:
             },
             "stream_state": new_state.model_dump(exclude_none=False),
         }
+
+
+class StreamSession:
+    """One streamed answer derendered over one long-lived call (``vllm_pd_ext.derender_stream``).
+
+    The context (line 1) is validated once; each chunk then goes through the same
+    ``chat_stream`` / ``completion_stream`` as a per-event call carrying that context and the
+    ``stream_state`` the previous chunk left, which stays here. Pure CPU, no I/O; run it
+    where the derenderer runs (one tokenizer user at a time).
+    """
+
+    def __init__(self, derenderer: Derenderer, route: str, context: dict[str, Any]) -> None:
+        from vllm_pd_ext.derender_stream import PER_EVENT_KEYS
+
+        carried = [key for key in PER_EVENT_KEYS if key in context]
+        if carried:
+            raise RenderError(
+                f"the first line is the context: it must not carry {', '.join(carried)}",
+                param=carried[0],
+            )
+        self.derenderer = derenderer
+        self.chat = route == "chat"
+        model = DerenderChatStreamRequest if self.chat else DerenderCompletionStreamRequest
+        try:
+            req = model.model_validate(
+                {**context, "stream": True, "generate_chunk": {"choices": []}}
+            )
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False, include_input=False)
+            message, param = validation_message(errors)
+            raise SchemaError(message, param=param) from None
+        # what a per-event call checks before its chunk: fail before the stream starts
+        derenderer._model(req.model)
+        derenderer._check_prompt_ids(req.prompt_token_ids)
+        if self.chat:
+            assert isinstance(req, DerenderChatStreamRequest)
+            _check_chat_request(req.chat_request)
+            if derenderer.has_parser and req.chat_request is None:
+                raise RenderError(
+                    "chat_request is required when a tool or reasoning parser is configured"
+                )
+            if derenderer.has_parser and req.prompt_token_ids is None:
+                raise RenderError(
+                    "prompt_token_ids is required when a tool or reasoning parser is configured"
+                )
+        self.request = req
+        self.state: DerenderStreamState | None = None
+        self.tokens = 0
+
+    def chunk(self, generate_chunk: Any) -> dict[str, Any]:
+        """The derendered ``chunk`` for one generate stream chunk (decoded JSON). Raises
+        ``RenderError``; the session is not to be used after one."""
+        if not isinstance(generate_chunk, dict):
+            raise SchemaError("each line after the first must be a JSON object")
+        try:
+            chunk = GenerateStreamResponse.model_validate(generate_chunk)
+        except ValidationError as exc:
+            errors = exc.errors(include_url=False, include_input=False)
+            message, param = validation_message(errors, prefix="generate_chunk")
+            raise SchemaError(message, param=param) from None
+        self.tokens += sum(len(c.token_ids or []) for c in chunk.choices)
+        d = self.derenderer
+        if self.tokens > d.max_model_len:
+            raise RenderError(
+                f"the stream's tokens ({self.tokens}) exceed max_model_len ({d.max_model_len})."
+            )
+        req = self.request.model_copy(update={"generate_chunk": chunk, "stream_state": self.state})
+        if isinstance(req, DerenderChatStreamRequest):
+            answer = d.chat_stream(req)
+        else:
+            answer = d.completion_stream(req)
+        self.state = DerenderStreamState.model_construct(**answer["stream_state"])
+        return answer["chunk"]
 
 
 def _check_chat_request(chat_request: ChatCompletionRequest | None) -> None:

@@ -98,6 +98,18 @@ class RenderSettings(BaseModel):
         "get 503 (slow or many clients cannot exhaust the worker)",
     )
     max_n: int = Field(default=16384, ge=1)
+    max_derender_streams: int = Field(
+        default=1024,
+        ge=1,
+        description="long-lived streaming derender calls at once per worker process; beyond "
+        "them, 503 (the caller derenders per event)",
+    )
+    derender_stream_idle_s: float = Field(
+        default=300.0, gt=0, description="longest wait for the next line of a streaming call"
+    )
+    derender_stream_max_s: float = Field(
+        default=3600.0, gt=0, description="longest life of one streaming derender call"
+    )
     log_level: str = "info"
 
     @field_validator("model")

@@ -341,7 +341,9 @@ def test_token_events_that_arrive_together_are_derendered_in_one_call(render_url
     ] + ["data: [DONE]\n\n"]
 
     async def derender(burst: bool) -> tuple[list[str], int]:
-        tier = RenderTier((render_url,), timeout_s=30, connect_s=3, max_connections=4)
+        tier = RenderTier(
+            (render_url,), timeout_s=30, connect_s=3, max_connections=4, stream_calls=False
+        )
         calls = 0
         call = tier.call
 
