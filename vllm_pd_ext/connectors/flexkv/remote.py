@@ -26,13 +26,17 @@ whole run of keys (:meth:`MooncakeBlockStore.exists_many`). A store that stops a
 failed call marks it down, and until a background probe finds it again (after 1 s, then twice
 as long each time, at most :data:`PROBE_MAX_S`) every block of the tier is a miss and no call
 is made; counted in ``vllm:pdext_flexkv_remote_down_total`` and logged. Its clients reconnect
-to a restarted master by themselves (the objects the old one knew are gone: misses).
+to a restarted master by themselves (the objects the old one knew are gone: misses). A master
+that does not answer when the instance starts (a client's set-up would wait 90 s, then fail)
+leaves the tier down from the start, the engine serving; the probe sets the client up once
+the master answers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import socket
 import threading
 from collections.abc import Sequence
 from typing import Any, NoReturn
@@ -104,25 +108,44 @@ class MooncakeBlockStore:
         self._throttle = Throttle(LOG_EVERY_S)
         self._discarded = 0
         self._lock = threading.Lock()
+        self._cfg = cfg
+        self._segment = segment
+        self._store: Any = None
+        if _reachable(cfg.master):
+            self._store = self._setup()
+            if self._store is None:
+                raise RemoteStoreError(
+                    f"Mooncake Store at {cfg.master} (metadata {cfg.metadata_server}) "
+                    "refused this client"
+                )
+        else:  # its client would wait 90 s at setup: the tier starts down instead
+            self._up = False
+            if stats is not None:
+                stats.add("remote_down")
+            logger.warning(
+                "tiered KV cache: the remote tier's master %s does not answer; its blocks are "
+                "misses until it does (vllm:pdext_flexkv_remote_down_total)",
+                cfg.master,
+            )
+            threading.Thread(target=self._probe, name="flexkv-remote-probe", daemon=True).start()
+
+    def _setup(self) -> Any:
+        """A store client set up with the config; None when the store refused it."""
         from mooncake.store import MooncakeDistributedStore
 
+        cfg = self._cfg
         store: Any = MooncakeDistributedStore()
         rc = store.setup(
             {
                 "local_hostname": cfg.local_hostname,
                 "metadata_server": cfg.metadata_server,
-                "global_segment_size": int(cfg.segment_gb * (1 << 30)) if segment else 0,
+                "global_segment_size": int(cfg.segment_gb * (1 << 30)) if self._segment else 0,
                 "local_buffer_size": cfg.buffer_mb * MiB,
                 "protocol": cfg.protocol,
                 "master_server_addr": cfg.master,
             }
         )
-        if rc != 0:
-            raise RemoteStoreError(
-                f"Mooncake Store at {cfg.master} (metadata {cfg.metadata_server}) "
-                f"refused this client: setup returned {rc}"
-            )
-        self._store = store
+        return store if rc == 0 else None
 
     @property
     def keyed(self) -> bool:
@@ -180,10 +203,16 @@ class MooncakeBlockStore:
         """Ask the store about one name, after a back-off, until it answers; then up again."""
         wait = PROBE_FIRST_S
         while not self._closed.wait(wait):
-            try:
-                ok = all(x >= 0 for x in self._store.batch_is_exist([self._prefix + "probe"]))
-            except Exception:  # still down
-                ok = False
+            if self._store is None:  # never set up: the master did not answer at start
+                if _reachable(self.master):
+                    self._store = self._setup()
+                ok = self._store is not None
+            else:
+                try:
+                    probe = self._store.batch_is_exist([self._prefix + "probe"])
+                    ok = all(x >= 0 for x in probe)
+                except Exception:  # still down
+                    ok = False
             if ok:
                 self._up = True
                 logger.warning(
@@ -300,7 +329,19 @@ class MooncakeBlockStore:
 
     def close(self) -> None:
         self._closed.set()
+        if self._store is None:
+            return
         try:
             self._store.close()
         except Exception:
             logger.debug("remote tier: close failed", exc_info=True)
+
+
+def _reachable(master: str, timeout_s: float = 2.0) -> bool:
+    """Whether ``master`` (host:port) accepts a TCP connection within ``timeout_s``."""
+    host, _, port = master.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            return True
+    except (OSError, ValueError):
+        return False

@@ -187,3 +187,36 @@ def _writes(store: MooncakeBlockStore, key: str, payload: bytearray) -> bool:
     except OSError:
         return False
     return True
+
+
+def test_a_master_that_does_not_answer_at_start_leaves_the_tier_down_until_it_does(tmp_path):
+    """No master at the configured address when the instance starts: the store client is
+    not set up (its set-up would wait 90 s, then fail the engine's start); the tier is down
+    from the start (counted), every block a miss; once a master answers there, the probe sets
+    the client up and saves and loads work."""
+    need("mooncake", why="the remote tier's store is Mooncake Store")
+    from tests.unit.proxy.helpers import wait_until
+    from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
+    from vllm_pd_ext.util.mooncake_master import mooncake_master
+    from vllm_pd_ext.util.vllm_process import free_port
+
+    stats = FlexKVRecorder()
+    port = free_port()
+    cfg = RemoteTierConfig(master=f"127.0.0.1:{port}", segment_gb=1 / 16, buffer_mb=16)
+    store = MooncakeBlockStore(cfg, "late-1", stats=stats)
+    key, payload = "a1" * 16, bytearray(b"kv" * 256)
+    try:
+        assert not store.up
+        assert store.exists_many([key]) == [False]
+        with pytest.raises(OSError, match="the store is down"):
+            store.write(key, payload, "layout-a")
+        taken = stats.take()
+        assert taken is not None and taken.data == {"remote_down": 1}
+        with mooncake_master(tmp_path / "master.log", rpc_port=port):
+            wait_until(lambda: store.up, timeout=60)
+            wait_until(lambda: _writes(store, key, payload), timeout=30)
+            out = bytearray(len(payload))
+            store.read_into(key, out, "layout-a")
+            assert out == payload
+    finally:
+        store.close()
