@@ -47,11 +47,11 @@ from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
 from vllm_pd_ext.connectors.flexkv.store import (
     CHECKSUM_XXH3_64,
     HEADER_BYTES,
-    LOG_EVERY_S,
     MAC_BLAKE3_KEYED,
     MAC_BYTES,
     OTHER_LAYOUT,
     BlockFileError,
+    DiscardLog,
     block_header,
     byte_views,
     check_header,
@@ -60,7 +60,6 @@ from vllm_pd_ext.connectors.flexkv.store import (
     mac_key,
     payload_hash,
 )
-from vllm_pd_ext.util.throttle import Throttle
 
 logger = logging.getLogger(__name__)
 
@@ -105,8 +104,7 @@ class MooncakeBlockStore:
         self._mac_key = mac_key(key) if key is not None else None
         self.algo = CHECKSUM_XXH3_64 if key is None else MAC_BLAKE3_KEYED
         self.header_bytes = HEADER_BYTES + (MAC_BYTES if key is not None else 0)
-        self._throttle = Throttle(LOG_EVERY_S)
-        self._discarded = 0
+        self._discards = DiscardLog()
         self._lock = threading.Lock()
         self._cfg = cfg
         self._segment = segment
@@ -304,13 +302,7 @@ class MooncakeBlockStore:
         per :data:`~.store.LOG_EVERY_S`."""
         with contextlib.suppress(Exception):  # leased or gone: a miss either way
             self._store.remove(name)
-        with self._lock:
-            self._discarded += 1
-            n = self._discarded
-            if self._throttle.ready():
-                self._discarded = 0
-            else:
-                n = 0
+        n = self._discards.tell()
         if n:
             logger.warning(
                 "KV block %s in the remote tier failed its checks (%s): not used, the block is "

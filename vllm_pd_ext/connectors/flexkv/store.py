@@ -43,7 +43,7 @@ import stat
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -261,6 +261,26 @@ def check_payload(head, h) -> str | None:
     return None
 
 
+class DiscardLog:
+    """Counts blocks discarded for failing their checks; :meth:`tell` says whether to warn
+    now (at most once per :data:`LOG_EVERY_S`) and how many were discarded since the last
+    warning (whoever can write a tier can make reads fail at will: one line, not one each)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._throttle = Throttle(LOG_EVERY_S, clock=clock)
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def tell(self) -> int:
+        """Count one; the count to warn about now, or 0 when not to warn yet."""
+        with self._lock:
+            self._count += 1
+            if not self._throttle.ready():
+                return 0
+            n, self._count = self._count, 0
+            return n
+
+
 class FileStore:
     """Block files under ``root/<namespace>/``; one instance per tier and process.
 
@@ -283,9 +303,7 @@ class FileStore:
         self.algo = CHECKSUM_XXH3_64 if key is None else MAC_BLAKE3_KEYED
         #: Bytes before the payload: the header, and the MAC when keyed.
         self.header_bytes = HEADER_BYTES + (MAC_BYTES if key is not None else 0)
-        self._throttle = Throttle(LOG_EVERY_S)
-        self._discarded = 0  # files discarded since the last warning
-        self._discard_lock = threading.Lock()
+        self._discards = DiscardLog()
         Path(root).mkdir(parents=True, exist_ok=True)
         own_dir(self.dir)
         self._dir = str(self.dir)
@@ -380,13 +398,7 @@ class FileStore:
         """Delete the file at ``path`` and raise :class:`BlockFileError`; warn at most once
         per :data:`LOG_EVERY_S` (with how many files were discarded since)."""
         Path(path).unlink(missing_ok=True)
-        with self._discard_lock:
-            self._discarded += 1
-            n = self._discarded
-            if self._throttle.ready():
-                self._discarded = 0
-            else:
-                n = 0
+        n = self._discards.tell()
         if n:
             logger.warning(
                 "KV block file %s failed its checks (%s): deleted, the block is recomputed "

@@ -325,11 +325,11 @@ def test_the_mac_key_is_derived_for_this_use_only():
 def test_discarded_files_are_logged_at_most_once_per_interval(tmp_path, caplog):
     """Anyone who can write the directory can make reads fail at will: one warning line per
     interval, which counts the files discarded since the last one."""
-    from vllm_pd_ext.util.throttle import Throttle
+    from vllm_pd_ext.connectors.flexkv.store import DiscardLog
 
     store = keyed(tmp_path)
     now = [0.0]
-    store._throttle = Throttle(LOG_EVERY_S, clock=lambda: now[0])
+    store._discards = DiscardLog(clock=lambda: now[0])
     forger = FileStore(tmp_path, "ns")
     keys = [f"{i:02x}" * 16 for i in range(5)]
 
