@@ -41,7 +41,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from pd_backends import RunError, git, machine
+from pd_backends import RunError, git, run_head, run_main
 from token_vs_text import chat_prompt
 
 from vllm_pd_ext import derender_stream as wire
@@ -277,19 +277,9 @@ def main(argv: list[str] | None = None) -> int:
                     os.killpg(proc.pid, signal.SIGTERM)
                 proc.wait(timeout=30)
     result = {
-        "benchmark": "derender_calls",
-        "date": started,
-        "git_commit": git("rev-parse", "--short", "HEAD"),
+        **run_head("derender_calls", started, load_start),
         "baseline": {"ref": args.baseline, "commit": git("rev-parse", "--short", args.baseline)},
         "ours_over": "per-event calls" if args.per_event else "one streaming call per stream",
-        "uncommitted_in_vllm_pd_ext": git(
-            "status", "--porcelain", "--", "vllm_pd_ext"
-        ).splitlines(),
-        "machine": {
-            **machine(),
-            "loadavg_at_start": list(load_start),
-            "loadavg_at_end": list(os.getloadavg()),
-        },
         "streams": args.streams,
         "tokens": args.tokens,
         "prompt_words": args.prompt_words,
@@ -316,8 +306,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except RunError as e:
-        print(f"derender_calls: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_main("derender_calls", main)

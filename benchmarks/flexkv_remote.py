@@ -34,13 +34,12 @@ import datetime
 import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
-from pd_backends import REPO, RunError, git, machine, vllm_serve_processes
+from pd_backends import REPO, RunError, run_head, run_main, vllm_serve_processes
 
 from vllm_pd_ext.connectors.flexkv.config import RemoteTierConfig
 from vllm_pd_ext.connectors.flexkv.keys import chain_keys, root_hash
@@ -249,13 +248,8 @@ def main() -> None:
         raw = raw_rates(raw_master.master, block_bytes, args.raw_objects)
     flops = model_flops_per_token(model)
     med = {p: statistics.median(v) * 1e3 for p, v in ttft.items()}
-    dirty = git("status", "--porcelain", "--", "vllm_pd_ext")
     out = {
-        "benchmark": "flexkv_remote",
-        "date": started,
-        "git_commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_in_vllm_pd_ext": dirty.splitlines(),
-        "machine": {**machine(), "loadavg_at_start": load_start, "loadavg_at_end": os.getloadavg()},
+        **run_head("flexkv_remote", started, load_start),
         "model": args.model,
         "prompt_tokens": args.prefix,
         "loaded_tokens": hit,
@@ -287,7 +281,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except RunError as e:
-        sys.exit(f"flexkv_remote: {e}")
+    run_main("flexkv_remote", main)

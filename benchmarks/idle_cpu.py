@@ -46,9 +46,10 @@ import httpx
 import numpy as np
 from pd_backends import (
     RunError,
-    git,
-    machine,
+    config_name,
     prompts,
+    run_head,
+    run_main,
     scrape,
     stopped_cleanly,
     stream,
@@ -240,20 +241,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}/{args.rounds}: {peer}", file=sys.stderr, flush=True)
             rounds.append(run_stack(args, peer, r, batch))
     result = {
-        "benchmark": "idle_cpu",
-        "date": started,
-        "git_commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_in_vllm_pd_ext": git(
-            "status", "--porcelain", "--", "vllm_pd_ext"
-        ).splitlines(),
-        "machine": {
-            **machine(),
-            "loadavg_at_start": list(load_start),
-            "loadavg_at_end": list(os.getloadavg()),
-        },
-        "config": str(
-            args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config
-        ),
+        **run_head("idle_cpu", started, load_start),
+        "config": config_name(args.config),
         "mode": config.mode,
         "peers": PEERS,
         "calm_idle_pollers": config.calm_idle_pollers,
@@ -274,8 +263,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except RunError as e:
-        print(f"idle_cpu: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_main("idle_cpu", main)

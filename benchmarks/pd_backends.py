@@ -51,6 +51,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +76,41 @@ BUSY_SHARE = 0.2
 DECISIONS = "vllm_pd_decisions_total"
 FALLBACKS = "vllm_pd_fallbacks_total"
 GAP = "vllm_pd_transfer_gap_seconds"
+
+
+def run_head(name: str, started: str, load_start, **host: Any) -> dict[str, Any]:
+    """What every benchmark's JSON starts with: its name, when it started, the commit (and
+    what of ``vllm_pd_ext`` was uncommitted), the machine with its load at start and now
+    (``host``: more about the host)."""
+    return {
+        "benchmark": name,
+        "date": started,
+        "git_commit": git("rev-parse", "--short", "HEAD"),
+        "uncommitted_in_vllm_pd_ext": git(
+            "status", "--porcelain", "--", "vllm_pd_ext"
+        ).splitlines(),
+        "machine": {
+            **machine(),
+            "loadavg_at_start": list(load_start),
+            "loadavg_at_end": list(os.getloadavg()),
+            **host,
+        },
+    }
+
+
+def config_name(path: Path) -> str:
+    """A config file's path as the JSON records it: relative to the repository when inside."""
+    return str(path.relative_to(REPO) if path.is_relative_to(REPO) else path)
+
+
+def run_main(name: str, main: Callable[[], int | None]) -> None:
+    """Run a benchmark's ``main`` and exit with its status; a :class:`RunError` is one line
+    on stderr and status 1."""
+    try:
+        sys.exit(main())
+    except RunError as e:
+        print(f"{name}: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 class RunError(RuntimeError):
@@ -472,21 +508,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}/{args.rounds}: {backend}", file=sys.stderr, flush=True)
             rounds.append(run_stack(args, backend, r, batch))
     result = {
-        "benchmark": "pd_backends",
-        "date": started,
-        "git_commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_in_vllm_pd_ext": git(
-            "status", "--porcelain", "--", "vllm_pd_ext"
-        ).splitlines(),
-        "machine": {
-            **machine(),
-            "loadavg_at_start": list(load_start),
-            "loadavg_at_end": list(os.getloadavg()),
-            "vllm_serve_before": strays,
-        },
-        "config": str(
-            args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config
-        ),
+        **run_head("pd_backends", started, load_start, vllm_serve_before=strays),
+        "config": config_name(args.config),
         "overrides": {"connector": "pdext", "cost_model": False},
         "rounds": args.rounds,
         "requests_per_round": args.requests,
@@ -507,8 +530,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except RunError as e:
-        print(f"pd_backends: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_main("pd_backends", main)

@@ -59,9 +59,11 @@ from pd_backends import (
     DECISIONS,
     FALLBACKS,
     RunError,
+    config_name,
     delta,
     git,
-    machine,
+    run_head,
+    run_main,
     scrape,
     stopped_cleanly,
     vllm_serve_processes,
@@ -447,20 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     record = measure(args)
     result = {
-        "benchmark": "token_vs_text",
-        "date": started,
-        "git_commit": git("rev-parse", "--short", "HEAD"),
-        "uncommitted_in_vllm_pd_ext": git(
-            "status", "--porcelain", "--", "vllm_pd_ext"
-        ).splitlines(),
-        "machine": {
-            **machine(),
-            "loadavg_at_start": list(load_start),
-            "loadavg_at_end": list(os.getloadavg()),
-        },
-        "config": str(
-            args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config
-        ),
+        **run_head("token_vs_text", started, load_start),
+        "config": config_name(args.config),
         "overrides": {"mode": "token", "cost_model": False},
         "rounds": args.rounds,
         "requests_per_round": args.requests,
@@ -479,8 +469,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except RunError as e:
-        print(f"token_vs_text: {e}", file=sys.stderr)
-        sys.exit(1)
+    run_main("token_vs_text", main)
