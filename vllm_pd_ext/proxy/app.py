@@ -99,6 +99,9 @@ def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
             m.upstream_in_flight.labels(inst.label, inst.role).set(inst.in_flight)
             for view in CACHE_VIEWS:
                 m.cache_view.labels(inst.label, view).set(1 if inst.cache_view == view else 0)
+            free = inst.free_blocks()
+            if free is not None:
+                m.kv_room.labels(inst.label, inst.role).set(free)
             if inst.events is not None:
                 for figure, value in inst.events.figures().items():
                     m.kv_events.labels(inst.label, figure).set(value)

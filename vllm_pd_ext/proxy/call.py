@@ -6,7 +6,8 @@ owns:
 * what the stages decided and measured: the decision, the decode leg's
   ``kv_transfer_params`` and the prefill side's cache hits, the leg timings;
 * what the request holds: its admission slot, the in-flight leases of the instances serving
-  it, the disconnect watch, the proxy's in-flight gauge. ``close()`` gives all of it back,
+  it, the KV room it reserved on its decode instance, the disconnect watch, the proxy's
+  in-flight gauge. ``close()`` gives all of it back,
   once, whoever ends the request (the orchestrator, or the relay of a streamed answer);
 * its outcome: ``finish()`` counts it and writes the request's one INFO line, once.
 
@@ -40,6 +41,7 @@ class Call:
         "_closed",
         "_leases",
         "_metrics",
+        "_reserved",
         "cached",
         "ctx",
         "decision",
@@ -66,6 +68,7 @@ class Call:
         self._admission: Admission | None = admission  # its slot, already acquired
         self._metrics = metrics
         self._leases: list[Lease] = []
+        self._reserved: tuple[Instance, int] | None = None
         self._closed = False
         self.decision: Decision | None = None
         #: The decision's metric label ("-" before one is made).
@@ -94,8 +97,30 @@ class Call:
 
     def colocate(self) -> None:
         """From now on the decode leg runs without KV from a prefill."""
+        self.unreserve()
         self.params = self.cached = None
         self.prefill_done = self.prefill_instance = None
+
+    def reserve(self, inst: Instance, blocks: int) -> None:
+        """Count ``blocks`` of KV as taken on ``inst`` until they land (``landed()``) or the
+        call closes, so that splits routed before its next scrape see them."""
+        self.unreserve()
+        inst.reserved_blocks += blocks
+        self._reserved = (inst, blocks)
+
+    def landed(self) -> None:
+        """The reserved KV is on the decode instance: its next scrape's usage shows it."""
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None:
+            inst, blocks = reserved
+            inst.reserved_blocks -= blocks
+            inst.landed_blocks += blocks
+
+    def unreserve(self) -> None:
+        """The reserved KV will not land (the request went colocated, failed or ended)."""
+        reserved, self._reserved = self._reserved, None
+        if reserved is not None:
+            reserved[0].reserved_blocks -= reserved[1]
 
     def hold(self, lease: Lease) -> None:
         """Keep ``lease`` until the call is closed (the block that took it lets it go)."""
@@ -126,6 +151,7 @@ class Call:
         if self._closed:
             return
         self._closed = True
+        self.unreserve()
         self.watch.stop()
         for lease in self._leases:
             lease.release()

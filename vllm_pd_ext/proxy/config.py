@@ -124,6 +124,17 @@ class DecisionConfig(_Strict):
         "stall that prefilling on the decode instance would cause its running requests",
     )
     cost_min_samples: int = Field(5, ge=1, description="measurements before the cost model acts")
+    decode_room: Literal["colocated", "wait", "off"] = Field(
+        "colocated",
+        description="a split whose prompt's KV does not fit in the chosen decode instance's "
+        "free KV blocks (its cache size and usage from its /metrics, less the splits routed "
+        "there since): served colocated there (no prefill's KV is held for a decode that "
+        "cannot take it), or waits for room for up to decode_room_wait_s (then colocated), "
+        "or is split anyway (off)",
+    )
+    decode_room_wait_s: float = Field(
+        5.0, gt=0, description="decode_room wait: the longest a split waits for decode room"
+    )
 
 
 class StallGuardConfig(_Strict):

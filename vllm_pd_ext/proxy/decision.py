@@ -11,9 +11,15 @@ Rules, in order (the first that applies wins):
    the prompt's token ids are known) holds so much of the prompt that the tokens left to
    compute are below ``min_split_prompt_tokens``: it computes them itself, as it would a short
    prompt, and nothing is transferred (a split would move the whole prompt's KV for them).
-5. ``prefill_overloaded``: every healthy prefill instance has ``max_prefill_waiting`` (default
+5. ``decode_full``: the prompt's KV (the blocks its decode instance does not cache, one more
+   for the first token) does not fit in the decode instance's free KV blocks, by its
+   ``/metrics`` (``num_gpu_blocks``, usage) less the splits routed there since
+   (``decode_room``: ``colocated``, the default; with ``wait``, the request waits for room
+   first, see ``routing.py``; ``off`` skips this rule). A split's prefill KV would be held
+   for a decode that cannot take it yet.
+6. ``prefill_overloaded``: every healthy prefill instance has ``max_prefill_waiting`` (default
    8) or more requests queued: a colocated prefill starts sooner.
-6. ``transfer_cost`` (with ``cost_model``, after ``cost_min_samples`` measured splits): the
+7. ``transfer_cost`` (with ``cost_model``, after ``cost_min_samples`` measured splits): the
    measured transfer gap for this prompt length exceeds the predicted stall, i.e. the measured
    prefill time for this length times the requests running on the chosen decode instance. At
    light load (nothing running on the decode side) this chooses colocated, as the
@@ -25,6 +31,7 @@ Otherwise ``split``.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -52,6 +59,12 @@ class Decision:
     @property
     def label(self) -> str:
         return "split" if self.split else "colocated"
+
+
+def blocks_needed(prompt_tokens: int, cached_tokens: int, block_size: int) -> int:
+    """KV blocks a split's decode instance takes for its prompt: the blocks its prefix cache
+    does not hold, and one for the first generated tokens."""
+    return math.ceil(prompt_tokens / block_size) - cached_tokens // block_size + 1
 
 
 class Ewma:
@@ -99,9 +112,11 @@ class Decider:
         prefill_pool: Sequence[Loaded],
         decode: Loaded,
         cached_tokens: int | None = None,
+        room: tuple[int, int] | None = None,
     ) -> Decision:
         """Split or colocated for ``ctx`` on ``decode``, whose prefix cache holds the first
-        ``cached_tokens`` of its prompt (None: not known)."""
+        ``cached_tokens`` of its prompt (None: not known) and which has ``room`` for (free
+        KV blocks, tokens per block; None: not known)."""
         cfg = self.config
         tokens = ctx.est_prompt_tokens
         inputs: dict = {
@@ -119,6 +134,12 @@ class Decider:
             inputs["decode_cached_tokens"] = cached_tokens
             if tokens - cached_tokens < cfg.min_split_prompt_tokens:
                 return self._log(ctx, Decision(False, "cached_on_decode", inputs))
+        if room is not None and cfg.decode_room != "off":
+            free, block_size = room
+            need = blocks_needed(tokens, cached_tokens or 0, block_size)
+            inputs.update(decode_free_blocks=free, kv_blocks_needed=need)
+            if need > free:
+                return self._log(ctx, Decision(False, "decode_full", inputs))
         min_waiting = min(p.waiting for p in prefill_pool)
         inputs["min_prefill_waiting"] = min_waiting
         if min_waiting >= cfg.max_prefill_waiting:

@@ -32,7 +32,7 @@ LOAD_METRICS = (
     "vllm:kv_cache_usage_perc",
 )
 #: vLLM's cache settings as labels of a gauge set to 1; the fleet reads whether prefix
-#: caching is on.
+#: caching is on, and the KV cache's size (blocks, tokens per block).
 CACHE_INFO = "vllm:cache_config_info"
 
 #: How the proxy knows what an instance's prefix cache holds: from its KV events (a prefix
@@ -44,6 +44,13 @@ CACHE_VIEWS = ("events", "estimate")
 STALE_AFTER_ROUNDS = 3
 
 _NEEDLES = tuple(b"\n" + name.encode() for name in (*LOAD_METRICS, CACHE_INFO))
+
+
+def _one_int(values: Iterable[str]) -> int:
+    """The one positive integer among a label's ``values``, else 0 (absent, "None", or several
+    engines that differ)."""
+    found = {v for v in values if v.isdigit() and int(v) > 0}
+    return int(found.pop()) if len(found) == 1 else 0
 
 
 def _follow_events(inst: Instance) -> None:
@@ -99,6 +106,13 @@ class Instance:
     last_error: str = ""
     #: When the engine figures were last read (monotonic; 0: never).
     metrics_at: float = field(default=0.0, repr=False)
+    #: The engine's KV cache: blocks and tokens per block (0: it has not said).
+    kv_blocks: int = 0
+    block_size: int = 0
+    #: KV blocks of splits routed here whose KV has not landed yet (``Call.reserve``), and
+    #: of those that landed since the last scrape (its KV usage does not show them yet).
+    reserved_blocks: int = 0
+    landed_blocks: int = 0
 
     @property
     def url(self) -> str:
@@ -134,6 +148,14 @@ class Instance:
         index = events.index
         size = index.block_size
         return 0 if size is None else index.held(prompt) * size
+
+    def free_blocks(self) -> int | None:
+        """The KV blocks the engine has room for, by its last scrape less what splits routed
+        here since will take; None when its cache size is not known."""
+        if not self.kv_blocks or not self.metrics_at:
+            return None
+        free = int(self.kv_blocks * (1.0 - self.kv_usage))
+        return free - self.reserved_blocks - self.landed_blocks
 
     def mark_ok(self) -> None:
         self.healthy = True
@@ -191,6 +213,8 @@ class Fleet:
             self._sources.append(KubernetesSource(config.kubernetes))
         self._seen: dict[str, list[InstanceConfig]] = {}
         self._retired: list[Instance] = []
+        #: Set when the health round under way ends (then replaced for the next).
+        self._round = asyncio.Event()
         t = config.timeouts
         self._health_timeout = Timeouts(total=t.health_s, connect=t.connect_s).client()
 
@@ -265,6 +289,12 @@ class Fleet:
                 await self.check_all()
             except Exception:  # the loop must survive anything one round throws
                 logger.exception("fleet: health round failed")
+            done, self._round = self._round, asyncio.Event()
+            done.set()
+
+    async def next_round(self) -> None:
+        """Until the next health round has ended (its scrapes read)."""
+        await self._round.wait()
 
     async def _refresh_sources(self) -> None:
         changed = False
@@ -344,8 +374,11 @@ class Fleet:
         inst.running = m.total("vllm:num_requests_running")
         inst.waiting = m.total("vllm:num_requests_waiting")
         inst.kv_usage = m.total("vllm:kv_cache_usage_perc")
+        inst.landed_blocks = 0  # the usage just read shows them
         caching = m.by_label(CACHE_INFO, "enable_prefix_caching")
         if caching:
             inst.prefix_caching = "True" in caching
+        inst.kv_blocks = _one_int(m.by_label(CACHE_INFO, "num_gpu_blocks"))
+        inst.block_size = _one_int(m.by_label(CACHE_INFO, "block_size"))
         inst.metrics_at = time.monotonic()
         return True

@@ -138,6 +138,26 @@ class ProxyMetrics:
             ["basis"],
             registry=r,
         )
+        self.kv_room = Gauge(
+            "vllm_pd_kv_room_blocks",
+            "KV blocks free per instance as the split decision reckons it: its cache size and "
+            "usage from its /metrics, less the splits routed there since (absent while its "
+            "cache size is not known)",
+            ["instance", "role"],
+            registry=r,
+        )
+        self.room_waiting = Gauge(
+            "vllm_pd_room_waiting",
+            "Splits waiting for KV room on their decode instance (decode_room: wait)",
+            registry=r,
+        )
+        self.room_waits = Counter(
+            "vllm_pd_room_waits",
+            "Splits that waited for KV room on their decode instance, by outcome: room (then "
+            "routed again), timeout (served as routed last, colocated when still full)",
+            ["outcome"],
+            registry=r,
+        )
         self.upstream_in_flight = Gauge(
             "vllm_pd_upstream_in_flight",
             "Requests this proxy has in flight per instance",

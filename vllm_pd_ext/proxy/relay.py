@@ -276,7 +276,8 @@ class StreamRelay:
 
 def record_transfer(metrics: ProxyMetrics, decider: Decider, call: Call, now: float) -> None:
     """A split's decode leg had its first token at ``now``: the transfer gap, for the
-    metric and the cost model."""
+    metric and the cost model; the KV room it reserved is now taken on the decode."""
+    call.landed()
     prefill_done = call.prefill_done
     if prefill_done is not None:
         gap = now - prefill_done

@@ -4,7 +4,10 @@ order, when one fails."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -49,6 +52,8 @@ class Route:
     decode_pool: list[Instance]
     prefill_pool: list[Instance]
     decision: Decision
+    #: The split does not fit its decode instance yet and waits for room (``Router.room``).
+    waits: bool = False
 
 
 class Router:
@@ -82,7 +87,42 @@ class Router:
 
     def route(self, ctx: RequestContext, decode_pool: list[Instance]) -> Route:
         """Pick the decode instance, then decide split or colocated (counted by reason) on
-        the prompt's tokens that instance's prefix cache does not hold, when known."""
+        the prompt's tokens that instance's prefix cache does not hold, when known, and on
+        its KV room. A split that does not fit there, with ``decode_room`` ``wait``, is not
+        counted yet: ``Route.waits`` says the caller waits for room (``room()``)."""
+        route = self._route(ctx, decode_pool)
+        if route.waits:
+            return route
+        self._count(route.decision)
+        return route
+
+    async def room(self, ctx: RequestContext, route: Route) -> Route:
+        """``route`` (``waits``) again after each health round that may have freed KV room,
+        for up to ``decode_room_wait_s``; then served as routed last (colocated when there
+        is still no room). Counted once, with its wait's outcome."""
+        deadline = time.monotonic() + self.config.decision.decode_room_wait_s
+        self.metrics.room_waiting.inc()
+        try:
+            while route.waits:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.fleet.next_round(), left)
+                route = self._route(ctx, self.decode_pool())
+        finally:
+            self.metrics.room_waiting.dec()
+        outcome = "timeout" if route.waits else "room"
+        self.metrics.room_waits.labels(outcome).inc()
+        route.waits = False
+        self._count(route.decision)
+        return route
+
+    def _count(self, decision: Decision) -> None:
+        metrics = self.metrics
+        metrics.child(metrics.decisions, decision.label, decision.reason).inc()
+
+    def _route(self, ctx: RequestContext, decode_pool: list[Instance]) -> Route:
         lookup = lookup_of(ctx)
         if self._cache_aware:
             self._count_lookup(lookup, decode_pool)
@@ -96,12 +136,13 @@ class Router:
         if guard.stalls:
             guarded = guard.guards(ctx.stream, decode)
             prefill_pool = [p for p in healthy if guard.allows(p, decode, guarded)]
-        decision = self.decider.decide(ctx, prefill_pool, decode, cached)
+        free = decode.free_blocks()
+        room = (free, decode.block_size) if free is not None else None
+        decision = self.decider.decide(ctx, prefill_pool, decode, cached, room)
         if decision.reason == "no_prefill" and healthy:  # there are some: the guard stopped them
             decision = Decision(False, "breaker_open", decision.inputs)
-        metrics = self.metrics
-        metrics.child(metrics.decisions, decision.label, decision.reason).inc()
-        return Route(decode, decode_pool, prefill_pool, decision)
+        waits = decision.reason == "decode_full" and self.config.decision.decode_room == "wait"
+        return Route(decode, decode_pool, prefill_pool, decision, waits)
 
     def _count_lookup(self, lookup: Lookup | None, pool: list[Instance]) -> None:
         if not any(i.cache_view == "events" for i in pool):
@@ -111,10 +152,8 @@ class Router:
         self.metrics.child(self.metrics.lookups, basis).inc()
 
     def _no_decode(self, ctx: RequestContext, inst: Instance, pool: list[Instance]) -> Route:
-        metrics = self.metrics
-        metrics.fallbacks.labels("no_decode").inc()
+        self.metrics.fallbacks.labels("no_decode").inc()
         decision = Decision(False, "no_decode")
-        metrics.child(metrics.decisions, decision.label, decision.reason).inc()
         if self._no_decode_log.ready():
             logger.warning(
                 "no healthy decode instance: serving requests whole on prefill instances "

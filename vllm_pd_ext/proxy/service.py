@@ -200,7 +200,12 @@ class ProxyService:
         if self.render is not None:
             ctx.tokens = await call.watch.race(self.render.render_request(ctx), "render")
         route = self.router.route(ctx, decode_pool)
+        if route.waits:  # a split its decode instance has no KV room for yet
+            route = await call.watch.race(self.router.room(ctx, route), "room")
         call.decide(route.decision)
+        need = route.decision.inputs.get("kv_blocks_needed")
+        if need is not None and route.decision.split:
+            call.reserve(route.decode, need)
         call.start = time.perf_counter()
         if ctx.tokens is not None and ctx.tokens.more:  # several prompts: never split
             assert self.render is not None

@@ -63,7 +63,11 @@ MODELS = json.dumps(
 
 
 def metrics_text(
-    running: float = 0, waiting: float = 0, kv_usage: float = 0, prefix_caching: bool = True
+    running: float = 0,
+    waiting: float = 0,
+    kv_usage: float = 0,
+    prefix_caching: bool = True,
+    kv_blocks: int = 100_000,
 ) -> str:
     """``/metrics``: the gauges of vLLM's that routers scrape, in Prometheus text (the cache
     settings gauge as vLLM writes it, a few of its labels)."""
@@ -71,7 +75,8 @@ def metrics_text(
     return (
         "# TYPE vllm:cache_config_info gauge\n"
         f'vllm:cache_config_info{{block_size="16",cache_dtype="auto",'
-        f'enable_prefix_caching="{prefix_caching}",engine="0"}} 1.0\n'
+        f'enable_prefix_caching="{prefix_caching}",engine="0",'
+        f'num_gpu_blocks="{kv_blocks}"}} 1.0\n'
         "# TYPE vllm:num_requests_running gauge\n"
         f"vllm:num_requests_running{labels} {running}\n"
         "# TYPE vllm:num_requests_waiting gauge\n"
@@ -104,6 +109,7 @@ class Behavior:
     #: after its head before its first token (an engine frozen after a prefill leg)
     colocated_stall_s: float = 0.0
     prefix_caching: bool = True  # what /metrics says of it (vLLM's default: on)
+    kv_blocks: int = 100_000  # the KV cache's size /metrics says (16 tokens per block)
 
 
 @dataclass
@@ -137,8 +143,13 @@ class FakeEngine:
         async def metrics() -> Response:
             if self.behavior.metrics_status != 200:
                 return Response(status_code=self.behavior.metrics_status)
+            behavior = self.behavior
             text = metrics_text(
-                self.running, 0, len(self.held_blocks) / 100, self.behavior.prefix_caching
+                self.running,
+                0,
+                len(self.held_blocks) / 100,
+                behavior.prefix_caching,
+                behavior.kv_blocks,
             )
             return Response(text, media_type="text/plain")
 
@@ -586,7 +597,7 @@ class ServerThread:
 
     def __enter__(self) -> ServerThread:
         self.thread.start()
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 60
         while not self.server.started:
             if time.monotonic() > deadline or not self.thread.is_alive():
                 raise RuntimeError("server thread did not start")
