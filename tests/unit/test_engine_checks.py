@@ -201,9 +201,13 @@ def test_an_idle_engine_that_polls_is_warned_about_and_a_quiet_one_is_not(start_
     nixl, poller = start_engine(NIXL.format(expired=0, late=0), spin=True)
     quiet, _ = start_engine(PDEXT.format(running=0, expiries=0, held=0, errors=0))
     _wait_listening(nixl, quiet)
-    polling, calm = measure_idle({"prefill": nixl, "decode": quiet}, _scrape, 1.0)
-    assert polling.role == "prefill" and polling.cpu_pct is not None
-    assert polling.cpu_pct > 20  # one spinning thread, on a shared host: a fair share
+    deadline = time.monotonic() + 30
+    while True:  # one spinning thread gets a fair share of a core, on a loaded host not always
+        polling, calm = measure_idle({"prefill": nixl, "decode": quiet}, _scrape, 1.0)
+        assert polling.role == "prefill" and polling.cpu_pct is not None
+        if polling.cpu_pct > 20 and polling.busy_threads:
+            break
+        assert time.monotonic() < deadline, polling
     assert f"({poller}): " in polling.busy_threads[0], polling
     warning = polling.warning(20)
     assert warning is not None and "busy-polls" in warning and "NixlConnector" in warning

@@ -51,6 +51,11 @@ PROTOCOLS: dict[str, str] = {"nixl": "nixl-pull", "pdext": "pdext-read"}
 #: ``cma``, the same with payloads copied by cross-memory attach between the engines (one
 #: host; host memory), and ``mooncake``, the Mooncake transfer engine over its TCP transport
 #: (RDMA on GPU hosts).
+#: Connectors whose engines keep a thread polling while idle (NIXL's progress thread), and
+#: how many samples ``up`` takes to find it before giving up.
+NIXL_CONNECTOR = "NixlConnector"
+POLLING_CONNECTORS = frozenset({NIXL_CONNECTOR})
+POLLER_SAMPLES = 3
 PDEXT_BACKENDS: dict[str, dict[str, Any]] = {
     "tcp": {"host": "127.0.0.1"},
     "cma": {"host": "127.0.0.1"},
@@ -65,7 +70,7 @@ def kv_transfer_config(
     ``pdext_backend`` the transport backend of our connector (``nixl`` ignores it)."""
     if connector == "nixl":
         kv: dict[str, Any] = {
-            "kv_connector": "NixlConnector",
+            "kv_connector": NIXL_CONNECTOR,
             "kv_role": "kv_both",
             # A failed handshake or read (a loaded host) recomputes instead of failing.
             "kv_load_failure_policy": "recompute",
@@ -589,11 +594,16 @@ class Stack:
         return False
 
     def _calm(self, part: Part) -> None:
-        """Once per process of a healthy engine part: lower its idle pollers' priority."""
+        """Once per process of a healthy engine part: lower its idle pollers' priority. An
+        engine whose connector is known to poll (NIXL) is sampled up to ``POLLER_SAMPLES``
+        times: on a loaded host one sample can miss its poller's share of a core."""
         if part.calm and not part.calmed:
             part.calmed = True
-            if calmed := part.handle.calm_idle_pollers():
-                self._say(f"{part.name}: {summary(calmed)}")
+            connector = (part.kv_transfer_config or {}).get("kv_connector")
+            for _ in range(POLLER_SAMPLES if connector in POLLING_CONNECTORS else 1):
+                if calmed := part.handle.calm_idle_pollers():
+                    self._say(f"{part.name}: {summary(calmed)}")
+                    return
 
     def supervise(self) -> int:
         """Restart parts that exit, until stopped. Returns the exit status."""

@@ -15,12 +15,15 @@ def _nice(pid: int, tid: int) -> int:
 
 def test_pollers_in_the_group_are_found_and_waiters_are_not(group):
     pid, ids = group
-    found = {(t.pid, t.tid) for t in busy_threads(pid, window_s=1.0, share=0.2)}
-    # two spinners share the host's cores with everything else: each gets a fair share
-    assert (pid, ids["spinner"]) in found
-    assert (ids["child"], ids["child"]) in found
-    assert (pid, ids["waiter"]) not in found
-    assert (pid, pid) not in found  # the main thread waits
+    spinners = {(pid, ids["spinner"]), (ids["child"], ids["child"])}
+    deadline = time.monotonic() + 30
+    found: set = set()
+    while not spinners <= found:  # on a loaded host one window can miss a spinner's share
+        assert time.monotonic() < deadline, found
+        sample = {(t.pid, t.tid) for t in busy_threads(pid, window_s=1.0, share=0.2)}
+        assert (pid, ids["waiter"]) not in sample
+        assert (pid, pid) not in sample  # the main thread waits
+        found |= sample
 
 
 def test_calming_lowers_the_pollers_priority_only(group):
