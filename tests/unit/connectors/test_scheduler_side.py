@@ -256,6 +256,27 @@ def test_with_a_fleet_key_decode_takes_write_params_the_proxy_signed_only(
         assert out.num_scheduled_tokens[req.request_id] == PROMPT, name  # computed locally
 
 
+def test_decode_refuses_a_prefill_of_another_tp_size_on_arrival(
+    producer_config, consumer_config, caplog
+):
+    """A READ answer from a prefill engine of TP size 2 reaches a TP 1 decode engine: refused
+    on arrival with a message naming both sizes and counted; no block is read, the prompt is
+    computed locally and the prefill is told to free its blocks at once."""
+    caplog.set_level("WARNING", logger="vllm_pd_ext.connectors.common.scheduler")
+    params = {**finished_params(producer_config), "tp_size": 2}
+    sched = make_scheduler(consumer_config)
+    req = make_request(PROMPT, params)
+    sched.add_request(req)
+    assert _refused_on_arrival(sched) == 1
+    out, _ = step(sched)
+    assert out.kv_connector_metadata.recv == []
+    assert out.num_scheduled_tokens[req.request_id] == PROMPT  # computed locally
+    assert [r.request_id for r in out.kv_connector_metadata.release] == [
+        params["remote_request_id"]
+    ]
+    assert "tensor parallel sizes differ (prefill TP 2, decode TP 1)" in caplog.text
+
+
 def test_decode_refuses_too_few_remote_blocks(producer_config, consumer_config):
     params = finished_params(producer_config)
     params["remote_block_ids"] = params["remote_block_ids"][:1]

@@ -74,6 +74,7 @@ def worker(
     clock=None,
     backend: str = "mooncake",
     tp_size: int = 1,
+    tp_rank: int = 0,
     key: bytes | None = None,
     num_blocks: int = NUM_BLOCKS,
     **cfg,
@@ -91,7 +92,7 @@ def worker(
         TransferConfig(**settings),
         engine_id=f"engine-{role}-{port}",
         role=role,
-        tp_rank=0,
+        tp_rank=tp_rank,
         tp_size=tp_size,
         side_host="127.0.0.1",
         side_port=port,
@@ -263,6 +264,51 @@ def test_write_mode_pushes_into_decode_blocks(pair, layerwise):
     assert sending == {"p-req"}
 
 
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(backend, mode):
+    """Two ranks a side, each rank's cache with its own bytes (its own heads): decode rank r
+    reaches prefill rank r at side_channel_port + r and loads that rank's blocks; each prefill
+    rank reports the request finished sending once its own peer is done (vLLM completes the
+    request when every rank has)."""
+    port = free_port()  # prefill rank 1 listens on port + 1
+    ps = [worker("kv_producer", port, backend=backend, tp_size=2, tp_rank=r) for r in (0, 1)]
+    ds = [worker("kv_consumer", free_port(), backend=backend, tp_size=2, tp_rank=r) for r in (0, 1)]
+    pcs, dcs = [caches(True) for _ in ps], [caches(False) for _ in ds]
+    try:
+        for w, c in zip(ps + ds, pcs + dcs, strict=True):
+            w.register_kv_caches(c)
+        assert [p.side_port for p in ps] == [port, port + 1]
+        pairs = ((5, 1), (9, 2))
+        if mode == "read":
+            for p in ps:
+                p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+                assert p.get_finished({"p-req"}) == (None, None)  # held
+            ref = RemoteRef(ps[0].engine_id, "127.0.0.1", port, "p-req")
+            for d in ds:
+                recv(d, RecvSpec("d-req", "read", ref, (pairs,), ((5, 9),)))
+        else:
+            for p in ps:
+                p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-tp", ((1, 2),), PROMPT_HASH)]))
+                p.wait_for_save()
+            for d in ds:
+                write_offer(d, port, "t-tp", tuple((loc, r - 1) for loc, r in pairs))
+            for p in ps:
+                p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), "t-tp")]))
+        for d in ds:
+            assert poll(lambda d=d: d.get_finished(set())[1], "a rank's load") == {"d-req"}
+            assert d.get_block_ids_with_load_errors() == set()
+        for pc, dc in zip(pcs, dcs, strict=True):
+            assert_copied(pc, dc, [(r, loc) for loc, r in pairs])
+        layer = next(iter(dcs[0]))
+        assert not torch.equal(block(dcs[0], layer, 5), block(dcs[1], layer, 5))  # per rank
+        for p in ps:
+            sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's release")
+            assert sending == {"p-req"}
+    finally:
+        for w in ds + ps:
+            w.shutdown()
+
+
 def test_write_mode_prefill_that_lost_its_blocks_reports_failure(pair):
     p, _pc, d, _, port = pair
     p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-2", ((1, 2),), PROMPT_HASH)]))
@@ -399,22 +445,52 @@ def test_a_peer_with_another_tp_size_is_refused_at_handshake(pair, mode, caplog)
     assert poll(lambda: d.get_finished(set())[1], "the refused load") == {"d-req"}
     assert d.get_block_ids_with_load_errors() == {5}
     assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
-    assert "tensor parallel size 1 here, 2 remote" in caplog.text, caplog.text
+    assert "tensor parallel sizes differ (prefill TP 2, decode TP 1)" in caplog.text
+    assert "the same --tensor-parallel-size" in caplog.text
     if mode == "write":  # the offer the decode side would have sent, sent anyway
-        offer = {
-            "transfer_id": "t-tp",
-            "engine_id": d.engine_id,
-            "transport": d.transport.descriptor().to_dict(),
-            "layout": d.layout.to_dict(),
-            "pairs": [[[5, 0]]],
-            "v": HANDSHAKE_VERSION,
-            "tp_size": 1,
-        }
-        with pytest.raises(SideChannelError, match="400"):
+        offer = offer_of(d, "t-tp")
+        with pytest.raises(SideChannelError, match="prefill TP 2, decode TP 1"):
             post_json("127.0.0.1", port, "/write_target", offer, 5.0)
         offer["tp_size"] = 2  # the same offer with the prefill's TP size is taken
         post_json("127.0.0.1", port, "/write_target", offer, 5.0)
         assert "t-tp" in p._targets
+
+
+def offer_of(d: TransferWorker, transfer_id: str, **changes) -> dict:
+    """The WRITE offer decode worker ``d`` sends for block 5 (``changes`` applied)."""
+    assert d.transport is not None and d.layout is not None
+    return {
+        "transfer_id": transfer_id,
+        "engine_id": d.engine_id,
+        "transport": d.transport.descriptor().to_dict(),
+        "layout": d.layout.to_dict(),
+        "pairs": [[[5, 0]]],
+        "v": HANDSHAKE_VERSION,
+        "tp_size": d.tp_size,
+        "tp_rank": d.tp_rank,
+        **changes,
+    }
+
+
+@pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}, "d": {"tp_size": 2}}], indirect=True)
+def test_a_peer_of_another_tp_rank_is_refused_at_handshake(pair, caplog):
+    """Both engines TP 2, but the side channel that answers is another rank's (as when the
+    ports of two engines' ranks interleave): the decode rank refuses it, and the prefill rank
+    refuses an offer from another rank."""
+    p, _, d, dc, port = pair
+    caplog.set_level("WARNING", logger="vllm_pd_ext.connectors.common.worker")
+    d.tp_rank = 1  # decode rank 1 meets prefill rank 0's side channel at its own port
+    d.side_port = port
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1,),))]))
+    ref = RemoteRef(p.engine_id, "127.0.0.1", port - 1, "p-req")  # port - 1 + rank 1
+    recv(d, RecvSpec("d-req", "read", ref, (((5, 1),),), ((5,),)))
+    assert poll(lambda: d.get_finished(set())[1], "the refused load") == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == {5}
+    assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
+    assert "TP rank 1 reached a peer that is TP rank 0" in caplog.text, caplog.text
+    with pytest.raises(SideChannelError, match="TP rank 0 reached a peer that is TP rank 1"):
+        post_json("127.0.0.1", port, "/write_target", offer_of(d, "t-rank"), 5.0)
+    assert "t-rank" not in p._targets
 
 
 @pytest.mark.parametrize("pair", [{"key": KEY, "d_key": OTHER_KEY}], indirect=True)

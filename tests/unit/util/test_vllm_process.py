@@ -31,6 +31,11 @@ def test_cpu_env_binds_core_and_sizes_cache():
     assert "VLLM_CPU_OMP_THREADS_BIND" not in cpu_env()
 
 
+def test_cpu_env_binds_one_core_per_tensor_parallel_rank():
+    assert cpu_env(cpu_core=range(2))["VLLM_CPU_OMP_THREADS_BIND"] == "0|1"
+    assert cpu_env(cpu_core=[1, 0])["VLLM_CPU_OMP_THREADS_BIND"] == "1|0"
+
+
 def test_free_port_is_bindable():
     port = free_port()
     with socket.socket() as s:

@@ -21,13 +21,14 @@ refused, since a state at the wrong position would corrupt every following token
 Params are checked in full once, when a decode request arrives (``on_new_request``, against
 their shapes in :mod:`vllm_pd_ext.transfer_params`). Loads are refused (the prompt is
 recomputed locally instead, and the refusal counted) when the params are malformed or
-incomplete, of another contract version, name too few blocks, or, for a READ, carry a prompt
-hash that differs from this request's prompt; with a fleet key (:mod:`vllm_pd_ext.fleet_key`)
-also when they carry no valid signature (a prefill signs the fields of its answer that a decode
-side acts on, the proxy a WRITE's) or arrive after they expired. A WRITE's params name no
-prompt (the proxy signs them before any prefill runs): the worker side refuses its KV when the
-prefill's "written" notice names the hash of another prompt than this request's
-(``RecvSpec.prompt_hash``, ``PushSpec.prompt_hash``).
+incomplete, of another contract version, name too few blocks, or, for a READ, come from a
+prefill of another tensor parallel size (:mod:`~vllm_pd_ext.connectors.common.parallel`) or
+carry a prompt hash that differs from this request's prompt; with a fleet key
+(:mod:`vllm_pd_ext.fleet_key`) also when they carry no valid signature (a prefill signs the
+fields of its answer that a decode side acts on, the proxy a WRITE's) or arrive after they
+expired. A WRITE's params name no prompt (the proxy signs them before any prefill runs): the
+worker side refuses its KV when the prefill's "written" notice names the hash of another
+prompt than this request's (``RecvSpec.prompt_hash``, ``PushSpec.prompt_hash``).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ from vllm_pd_ext.connectors.common.metadata import (
     RemoteRef,
     SendSpec,
 )
+from vllm_pd_ext.connectors.common.parallel import tp_refusal
 from vllm_pd_ext.connectors.common.stats import StatsRecorder
 from vllm_pd_ext.transfer_params import (
     READ,
@@ -201,6 +203,8 @@ class TransferScheduler:
                 raise InvalidParams("prompt too short to split")
             if mode == READ:
                 answer = PdExtReadAnswer.check(p, self.key, now)
+                if (refusal := tp_refusal(answer.tp_size, self.tp_size)) is not None:
+                    raise InvalidParams(refusal)
                 remote = _read_ref(answer)
                 n = answer.remote_num_tokens
                 if self.backoff and n != want:

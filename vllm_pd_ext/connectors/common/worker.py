@@ -52,6 +52,7 @@ from vllm_pd_ext.connectors.common.metadata import (
     RecvSpec,
     RemoteRef,
 )
+from vllm_pd_ext.connectors.common.parallel import rank_refusal, tp_refusal
 from vllm_pd_ext.connectors.common.side_channel import (
     SideChannelError,
     SideChannelServer,
@@ -74,8 +75,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Handshake document format version.
-HANDSHAKE_VERSION = 1
+#: Handshake document format version. 2: ``/write_target`` offers carry the decode worker's
+#: ``tp_rank``, and both sides refuse a peer of another TP rank (1: TP size checked only).
+HANDSHAKE_VERSION = 2
 #: WRITE offers a prefill worker keeps at once (each waits for its prefill request, or for
 #: ``_prune_offers``); more are refused.
 MAX_OFFERS = 4096
@@ -263,7 +265,12 @@ class TransferWorker:
             "fingerprint": self.layout.fingerprint(),
         }
 
-    def _check_handshake(self, doc: Mapping[str, Any], expect_engine: str | None) -> CacheLayout:
+    def _check_handshake(
+        self, doc: Mapping[str, Any], expect_engine: str | None, *, peer_is_prefill: bool
+    ) -> CacheLayout:
+        """The peer's layout, once its handshake document (``peer_is_prefill``) or WRITE offer
+        matched ours: version, engine id, TP size and rank, KV layout; LayoutMismatch naming
+        the first difference otherwise."""
         if doc.get("v") != HANDSHAKE_VERSION:
             raise LayoutMismatch(
                 f"handshake version {doc.get('v')!r}, expected {HANDSHAKE_VERSION}"
@@ -273,10 +280,12 @@ class TransferWorker:
                 f"side channel answered as engine {doc.get('engine_id')!r}, "
                 f"kv_transfer_params named {expect_engine!r}"
             )
-        if doc.get("tp_size") != self.tp_size:
-            raise LayoutMismatch(
-                f"tensor parallel size {self.tp_size} here, {doc.get('tp_size')} remote"
-            )
+        sizes = (doc.get("tp_size"), self.tp_size)
+        refusal = tp_refusal(*(sizes if peer_is_prefill else sizes[::-1])) or rank_refusal(
+            self.tp_rank, doc.get("tp_rank")
+        )
+        if refusal is not None:
+            raise LayoutMismatch(refusal)
         layout = CacheLayout.from_dict(doc["layout"])
         assert self.layout is not None
         self.layout.check_compatible(layout)
@@ -298,7 +307,7 @@ class TransferWorker:
             doc = fetch_handshake(
                 remote.host, remote.port + self.tp_rank, self.cfg.handshake_timeout_s, self.key
             )
-            layout = self._check_handshake(doc, remote.engine_id or None)
+            layout = self._check_handshake(doc, remote.engine_id or None, peer_is_prefill=True)
             assert self.transport is not None
             peer_id = self.transport.connect(TransportDescriptor.from_dict(doc["transport"]))
             peer = _Peer(peer_id, layout)
@@ -436,6 +445,7 @@ class TransferWorker:
                         "pairs": [[list(pair) for pair in group] for group in spec.pairs],
                         "v": HANDSHAKE_VERSION,
                         "tp_size": self.tp_size,
+                        "tp_rank": self.tp_rank,
                     },
                     self.cfg.handshake_timeout_s,
                     self.key,
@@ -517,7 +527,7 @@ class TransferWorker:
     def _on_write_target(self, body: dict[str, Any]) -> None:
         """Side-channel thread: a decode worker's offer for transfer ``transfer_id``."""
         assert self.transport is not None
-        layout = self._check_handshake(body, None)
+        layout = self._check_handshake(body, None, peer_is_prefill=False)
         peer_id = self.transport.connect(TransportDescriptor.from_dict(body["transport"]))
         target = _Target(
             peer_id=peer_id,
