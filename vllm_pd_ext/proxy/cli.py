@@ -71,6 +71,13 @@ def add_parser(subparsers: Any) -> None:
         "--decode-policy", default=None, help=f"(default {defaults['decode_policy'].default})"
     )
     p.add_argument(
+        "--tokenizer",
+        type=Path,
+        default=None,
+        help="text mode: the served model's directory (its tokenizer.json): text completion "
+        "prompts are tokenized to look them up in the engines' prefix indexes",
+    )
+    p.add_argument(
         "--min-split-prompt-tokens",
         type=int,
         default=None,
@@ -96,7 +103,7 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
         value = os.environ.get(ENV_PREFIX + key.upper())
         if value:
             data[key] = value
-    for key in ("host", "port", "instances_file", "prefill_policy", "decode_policy"):
+    for key in ("host", "port", "instances_file", "prefill_policy", "decode_policy", "tokenizer"):
         value = getattr(args, key)
         if value is not None:
             data[key] = str(value) if isinstance(value, Path) else value

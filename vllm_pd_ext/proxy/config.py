@@ -210,6 +210,13 @@ class ProxyConfig(_Strict):
         "engines then get token ids on /inference/v1/generate (`vllm serve --enable-scale-out` "
         "or `--tokens-only`). Empty: text mode (OpenAI requests forwarded as they are)",
     )
+    tokenizer: Path | None = Field(
+        None,
+        description="text mode: a directory holding the served model's tokenizer.json; a text "
+        "completion's prompt is then tokenized here (special tokens added, as vLLM does) to "
+        "look it up in the engines' prefix indexes (KV events). Without it text prompts are "
+        "routed on the estimate; chat in text mode always is (its template is the engine's)",
+    )
     prefill_policy: str = "least-loaded"
     decode_policy: str = "least-loaded"
     scoring: ScoringConfig = Field(
@@ -287,6 +294,13 @@ class ProxyConfig(_Strict):
     @classmethod
     def _render_urls(cls, value: tuple[str, ...]) -> tuple[str, ...]:
         return tuple(_http_url(u, "render url") for u in value)
+
+    @field_validator("tokenizer")
+    @classmethod
+    def _tokenizer_file(cls, value: Path | None) -> Path | None:
+        if value is not None and not (value / "tokenizer.json").is_file():
+            raise ValueError(f"tokenizer: no tokenizer.json in {value}")
+        return value
 
     @property
     def token_mode(self) -> bool:

@@ -23,6 +23,7 @@ from vllm_pd_ext.proxy.front_protocol import FastCycle
 from vllm_pd_ext.transfer_params import STEERING_FIELDS, without_steering
 
 if TYPE_CHECKING:
+    from vllm_pd_ext.proxy.kv_events import Lookup
     from vllm_pd_ext.proxy.token_mode import TokenRequest
 
 Route = Literal["chat", "completions"]
@@ -67,6 +68,10 @@ class RequestContext:
     raw: bytes | None = None
     #: The client's ``X-Request-Id``, echoed in the answer and logged; nothing else uses it.
     client_request_id: str | None = None
+    #: The prompt as the engines' prefix indexes look it up (``routing.lookup_of``), once
+    #: ``looked_up``.
+    lookup: Lookup | None = None
+    looked_up: bool = False
 
     @property
     def echo_id(self) -> str:

@@ -18,6 +18,7 @@ from vllm_pd_ext.proxy.fleet import Fleet, Instance
 from vllm_pd_ext.proxy.kv_events import Lookup
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.policies import make_policy
+from vllm_pd_ext.proxy.prompt_ids import PromptTokenizer
 from vllm_pd_ext.proxy.request import RequestContext
 from vllm_pd_ext.proxy.stall_guard import StallGuard
 from vllm_pd_ext.util.throttle import Throttle
@@ -27,21 +28,32 @@ logger = logging.getLogger(__name__)
 
 def lookup_of(ctx: RequestContext) -> Lookup | None:
     """The prompt as the engines' prefix indexes look it up, when its token ids are known:
-    token mode's (from the render tier), or a text-mode completion whose prompt is token ids.
-    None for a text prompt or a chat in text mode (a tokenizer in the proxy would give them:
-    not built; those requests are routed on the estimate)."""
+    token mode's (from the render tier), a text-mode completion whose prompt is token ids, or
+    a text completion's prompt the proxy's tokenizer made ids of (``Router.tokenize``). None
+    for a chat in text mode (its template is the engine's) or a text prompt without a
+    tokenizer: those requests are routed on the estimate. Computed once per request."""
+    if not ctx.looked_up:
+        ctx.lookup, ctx.looked_up = _lookup(ctx), True
+    return ctx.lookup
+
+
+def _lookup(ctx: RequestContext) -> Lookup | None:
     tokens = ctx.tokens
     if tokens is not None:
         if tokens.more:  # several prompts: served together where the first goes
             return None
-        salt = tokens.generate.get("cache_salt")
-        return Lookup(tokens.prompt_ids, salt if isinstance(salt, str) else None)
+        return _with_salt(tokens.prompt_ids, tokens.generate)
     if ctx.route != "completions":
         return None
-    prompt, salt = ctx.body.get("prompt"), ctx.body.get("cache_salt")
+    prompt = ctx.body.get("prompt")
     if not (isinstance(prompt, list) and prompt and type(prompt[0]) is int):
         return None  # parse_request checked a list's items: all ints, or a batch of prompts
-    return Lookup(prompt, salt if isinstance(salt, str) else None)
+    return _with_salt(prompt, ctx.body)
+
+
+def _with_salt(ids: list[int], body: dict) -> Lookup:
+    salt = body.get("cache_salt")
+    return Lookup(ids, salt if isinstance(salt, str) else None)
 
 
 @dataclass(slots=True)
@@ -69,6 +81,17 @@ class Router:
         self.prefill_policy = make_policy(config.prefill_policy, config.scoring)
         self.decode_policy = make_policy(config.decode_policy, config.scoring)
         self._cache_aware = config.decode_policy == "cache-aware"
+        self.tokenizer = PromptTokenizer(config.tokenizer) if config.tokenizer else None
+
+    async def tokenize(self, ctx: RequestContext) -> None:
+        """A text completion's prompt made ids by the proxy's ``tokenizer``, off the event
+        loop, for ``lookup_of``; nothing for any other request, or without a tokenizer."""
+        prompt, tokenizer = ctx.body.get("prompt"), self.tokenizer
+        if tokenizer is None or ctx.tokens is not None or not isinstance(prompt, str):
+            return
+        if ctx.route == "completions":
+            ids = await tokenizer.encode(prompt)
+            ctx.lookup, ctx.looked_up = (_with_salt(ids, ctx.body) if ids else None), True
 
     def decode_pool(self) -> list[Instance]:
         """The healthy decode instances; with none, the healthy prefill instances
@@ -177,7 +200,7 @@ class Router:
         else:
             policy, retries = self.decode_policy, self.config.decode_retries
         tried: list[Instance] = []
-        lookup = lookup_of(ctx)  # cheap: only cache-aware computes its block keys
+        lookup = lookup_of(ctx)  # made once; only cache-aware hashes its blocks
         for attempt in range(1 + retries):
             if attempt == 0 and first is not None:
                 inst = first

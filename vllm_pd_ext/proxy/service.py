@@ -149,6 +149,8 @@ class ProxyService:
         await self.fleet.close()
         if self.render is not None:
             await self.render.close()
+        if self.router.tokenizer is not None:
+            self.router.tokenizer.close()
 
     def refusal_now(self) -> ProxyError | None:
         """The 429 a completion request gets from its head alone when admission is full
@@ -199,6 +201,8 @@ class ProxyService:
         decode_pool = self.router.decode_pool()
         if self.render is not None:
             ctx.tokens = await call.watch.race(self.render.render_request(ctx), "render")
+        elif self.router.tokenizer is not None:  # text mode: the prompt's ids for lookups
+            await call.watch.race(self.router.tokenize(ctx), "render")
         route = self.router.route(ctx, decode_pool)
         if route.waits:  # a split its decode instance has no KV room for yet
             route = await call.watch.race(self.router.room(ctx, route), "room")

@@ -413,6 +413,8 @@ class Stack:
         }
         if self.run_dir is not None:  # the engines publish KV events: route on them
             config["prefill_policy"] = config["decode_policy"] = "cache-aware"
+            if not config["render"] and (Path(self.model_dir) / "tokenizer.json").is_file():
+                config["tokenizer"] = self.model_dir  # text prompts looked up by their ids
         return config
 
     def build(self) -> None:

@@ -226,3 +226,53 @@ def test_scoring_weights_are_validated():
         ScoringConfig(estimate_credit=2)
     config = ProxyConfig(instances=[{"url": "http://a"}], decode_policy="cache-aware")
     assert config.scoring == ScoringConfig()
+
+
+def test_a_text_prompt_is_looked_up_by_the_proxys_tokenizer(engines, tmp_path, tiny_llama):
+    """Text mode with ``tokenizer``: a text completion's prompt is made ids as vLLM makes them
+    (the model's tokenizer, special tokens added) and routed on the decode instances' KV
+    events; a chat (its template is the engine's) still goes on the estimate."""
+    from transformers import AutoTokenizer
+
+    kv = _vllm()
+    instances = fleet(engines, prefill=("p1",), decode=("d1", "d2"))
+    endpoint, replay = f"ipc://{tmp_path}/d2", f"ipc://{tmp_path}/d2-replay"
+    publisher = kv.ZmqEventPublisher(0, endpoint=endpoint, replay_endpoint=replay)
+    instances[2]["kv_events"] = {"endpoint": endpoint, "replay_endpoint": replay}
+    text = "the quick brown fox jumps over the lazy dog " * 30
+    ids = AutoTokenizer.from_pretrained(tiny_llama)(text)["input_ids"]  # what vLLM sends
+    n = len(ids) // BLOCK
+    events = [
+        block([f"t{i}".encode()], f"t{i - 1}".encode() if i else None, ids[i * 4 : i * 4 + 4])
+        for i in range(n)
+    ]
+    publisher.publish(kv.KVEventBatch(ts=1.0, events=events))
+    d2 = engines["d2"].url
+    try:
+        with proxy(
+            engines,
+            instances=instances,
+            decode_policy="cache-aware",
+            prefill_policy="cache-aware",
+            tokenizer=str(tiny_llama),
+            decision={"cost_model": False, "min_split_prompt_tokens": 64},
+        ) as (base, _svc):
+            wait_until(
+                lambda: metric(base, "vllm_pd_kv_events", instance=d2, figure="blocks") == n
+            )
+            body = {"model": "m", "max_tokens": 4, "prompt": text}
+            for _ in range(2):
+                assert httpx.post(f"{base}/v1/completions", json=body).status_code == 200
+            assert len(sent(engines["d2"])) == 2 and not sent(engines["d1"])
+            assert metric(base, "vllm_pd_decisions_total", reason="cached_on_decode") == 2
+            assert metric(base, "vllm_pd_prefix_lookups_total", basis="events") == 2
+            chat = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+            assert httpx.post(f"{base}/v1/chat/completions", json=chat).status_code == 200
+            assert metric(base, "vllm_pd_prefix_lookups_total", basis="no_token_ids") == 1
+    finally:
+        publisher.shutdown()
+
+
+def test_a_tokenizer_without_tokenizer_json_is_a_configuration_error(tmp_path):
+    with pytest.raises(ValueError, match="no tokenizer.json"):
+        ProxyConfig(instances=[{"url": "http://a"}], tokenizer=tmp_path)
