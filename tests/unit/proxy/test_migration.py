@@ -10,6 +10,8 @@ import httpx
 import pytest
 
 from tests.unit.proxy.helpers import LONG, SHORT, metric, proxy, wait_until
+from vllm_pd_ext.proxy.migration import Migration
+from vllm_pd_ext.proxy.request import RequestContext
 from vllm_pd_ext.testing.fake_engine import Behavior
 
 ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -182,3 +184,76 @@ def test_a_whole_answer_cut_with_migration_off_is_a_502(engines):
     with proxy(engines, max_migrations=0) as (base, _):
         resp = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
     assert resp.status_code == 502 and resp.json()["error"]["code"] == "decode_failed"
+
+
+# -- the record and the rewriting, on vLLM's own bytes -------------------------------------
+
+
+def _ctx(route: str, **body) -> RequestContext:
+    return RequestContext(
+        route=route,  # type: ignore[arg-type]
+        body=body,
+        request_id="pdx-1",
+        stream=True,
+        est_prompt_tokens=3,
+        affinity_key="",
+        splittable=True,
+    )
+
+
+def test_the_ids_the_proxy_asked_for_read_as_null_as_vllm_writes_them_unasked():
+    m = Migration(_ctx("completions", prompt="abc", max_tokens=5, min_tokens=4), False)
+    asked = (
+        b'data: {"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":'
+        b'[{"index":0,"text":" a","logprobs":null,"finish_reason":null,"stop_reason":null,'
+        b'"prompt_token_ids":[1,2,3],"token_ids":[9,8]}]}\n\n'
+    )
+    unasked = asked.replace(b"[1,2,3]", b"null").replace(b"[9,8]", b"null")
+    assert m.feed(asked) == unasked
+    assert m.prompt_ids == [1, 2, 3] and m.generated == [9, 8]
+    path, body = m.continuation(_ctx("completions", prompt="abc", max_tokens=5, min_tokens=4))
+    assert path == "/v1/completions"
+    assert body["prompt"] == [1, 2, 3, 9, 8] and body["max_tokens"] == 3
+    assert body["min_tokens"] == 2 and body["return_token_ids"] is True
+
+
+def test_a_chat_goes_on_as_a_completion_of_its_rendered_prompt_and_reads_as_the_chat():
+    ctx = _ctx(
+        "chat",
+        messages=[{"role": "user", "content": "hi"}],
+        max_completion_tokens=4,
+        temperature=0,
+        tool_choice="none",
+        stream_options={"include_usage": True},
+    )
+    m = Migration(ctx, False)
+    role = (
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+        b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+        b'"finish_reason":null}],"prompt_token_ids":[5,6]}\n\n'
+    )
+    empty = (
+        b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+        b'"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":null,'
+        b'"token_ids":[11]}]}\n\n'
+    )
+    assert m.feed(role) == role.replace(b"[5,6]", b"null")
+    assert m.feed(empty) == b""  # sent only for its ids
+    path, body = m.continuation(ctx)
+    assert path == "/v1/completions" and "messages" not in body and "tool_choice" not in body
+    assert body["prompt"] == [5, 6, 11] and body["max_tokens"] == 3 and body["temperature"] == 0
+    m.moves, m.before = 1, 1
+    cont = (
+        b'data: {"id":"cmpl-2","object":"text_completion","created":9,"model":"m","choices":'
+        b'[{"index":0,"text":" b","logprobs":null,"finish_reason":"length","stop_reason":null,'
+        b'"prompt_token_ids":[5,6,11],"token_ids":[12]}]}\n\n'
+        b'data: {"id":"cmpl-2","object":"text_completion","created":9,"model":"m","choices":[],'
+        b'"usage":{"prompt_tokens":3,"total_tokens":4,"completion_tokens":1}}\n\n'
+    )
+    token, usage = (json.loads(e[6:]) for e in m.feed(cont).split(b"\n\n")[:2])
+    assert token["id"] == "chatcmpl-1" and token["created"] == 7
+    assert token["object"] == "chat.completion.chunk"
+    assert token["choices"][0]["delta"] == {"content": " b"}
+    assert token["choices"][0]["finish_reason"] == "length"
+    assert token["choices"][0]["token_ids"] is None
+    assert usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
