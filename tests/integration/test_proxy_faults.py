@@ -1,4 +1,7 @@
-"""The proxy when real engines die: a killed decode mid-stream, a killed prefill mid-request."""
+"""The proxy when real engines die: a killed decode mid-stream, a killed prefill mid-request.
+
+Migration is off here (``--max-migrations 0``): a stream whose decode dies has nowhere it is
+allowed to go on, so it ends with the error event (test_proxy_migration.py has it continued)."""
 
 from __future__ import annotations
 
@@ -61,6 +64,8 @@ def proxy_url(fleet, tmp_path_factory):
         "--min-split-prompt-tokens",
         "64",
         "--no-cost-model",
+        "--max-migrations",
+        "0",
     ]
     with running_proxy(args, log) as url:
         yield url

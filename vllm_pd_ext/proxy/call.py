@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from vllm_pd_ext.proxy.decision import Decision
     from vllm_pd_ext.proxy.fleet import Instance, Lease
     from vllm_pd_ext.proxy.metrics import ProxyMetrics
+    from vllm_pd_ext.proxy.migration import Migration
     from vllm_pd_ext.proxy.request import RequestContext
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Call:
         "engines",
         "kv_first",
         "label",
+        "migration",
         "outcome",
         "params",
         "prefill_done",
@@ -87,6 +89,8 @@ class Call:
         self.kv_first = False
         #: Token mode: every engine the request was sent to (aborted if the client leaves).
         self.engines: list[Instance] = []
+        #: A stream that can be continued elsewhere should its engine fail (migration.py).
+        self.migration: Migration | None = None
         self.outcome: str | None = None
         metrics.in_flight.inc()
 

@@ -84,6 +84,13 @@ def add_parser(subparsers: Any) -> None:
         help="prompts shorter than this run colocated (default 256)",
     )
     p.add_argument(
+        "--max-migrations",
+        type=int,
+        default=None,
+        help="times an answer whose engine fails part-way moves to another instance "
+        f"(default {defaults['max_migrations'].default}; 0: an SSE error event instead)",
+    )
+    p.add_argument(
         "--no-cost-model", action="store_true", help="never colocate on measured transfer cost"
     )
     p.add_argument(
@@ -125,6 +132,8 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
         data["decision"] = decision
     if args.no_fast_path:
         data["fast_path"] = False
+    if args.max_migrations is not None:
+        data["max_migrations"] = args.max_migrations
     return ProxyConfig.model_validate(data)
 
 

@@ -74,6 +74,14 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
+        self.migrations = Counter(
+            "vllm_pd_migrations",
+            "Answers whose engine failed part-way, by what the proxy did: continued "
+            "elsewhere, finished by the proxy, asked again (whole answers), or not moved "
+            "(limit, unsupported, no_instance)",
+            ["outcome"],
+            registry=r,
+        )
         self.derender_per_event = Counter(
             "vllm_pd_derender_per_event",
             "Streamed token-mode answers derendered with one render call per event instead "

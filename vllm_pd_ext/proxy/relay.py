@@ -21,7 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
 
@@ -35,6 +35,9 @@ from vllm_pd_ext.proxy.front_protocol import DirectWriter
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier
 from vllm_pd_ext.proxy.upstream import UpstreamError, UpstreamResponse, json_object
+
+if TYPE_CHECKING:
+    from vllm_pd_ext.proxy.migration import Migrator
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +61,10 @@ class Relay:
         background: Background,
         render: Callable[[], RenderTier | None],
         fast_path: bool,
+        migrator: Migrator | None = None,
     ):
         self.fleet = fleet
+        self.migrator = migrator
         self.metrics = metrics
         self.decider = decider
         self.background = background
@@ -77,7 +82,20 @@ class Relay:
     async def whole(self, call: Call, opened: Opened) -> JSONResponse:
         """Read the engine's answer and answer the client with it."""
         ctx = call.ctx
-        data = await call.watch.race(self.read(opened), "decode")
+        moves = 0
+        while True:
+            try:
+                data = await call.watch.race(self.read(opened), "decode")
+                break
+            except ProxyError as exc:  # decode_failed: asked again elsewhere, if it may
+                again = None
+                if self.migrator is not None:
+                    again = await call.watch.race(
+                        self.migrator.rerun(call, opened.instance, exc.message, moves), "decode"
+                    )
+                if again is None:
+                    raise
+                opened, moves = again, moves + 1
         if ctx.tokens is not None:
             render = self._render()
             assert render is not None
@@ -137,21 +155,47 @@ class Relay:
             derender = DerenderStream(render, ctx.route, ctx.body, ctx.tokens, ctx.request_id)
         elif self.fast_path:
             resp.set_sink(relay.sink)
+        migration = call.migration
         try:
-            async for chunk in resp.chunks():
-                if derender is None:
-                    ready = relay.events(chunk, time.perf_counter())
-                    if ready is None:
-                        continue
-                else:
-                    ready = relay.split(chunk)
-                    if ready is None:
-                        continue
-                    ready = await derender.feed(ready)
-                    relay.observe(ready, time.perf_counter())  # after the derender call
-                yield ready
-            if relay.buffer.strip():
-                yield relay.buffer
+            while True:
+                broke: str | None = None
+                try:
+                    async for chunk in resp.chunks():
+                        if derender is None:
+                            ready = relay.events(chunk, time.perf_counter())
+                            if ready is None:
+                                continue
+                        else:
+                            ready = relay.split(chunk)
+                            if ready is None:
+                                continue
+                            ready = await derender.feed(ready)
+                            relay.observe(ready, time.perf_counter())  # after the derender call
+                        yield ready
+                    if migration is not None:
+                        broke = migration.broken()
+                    elif relay.buffer.strip():
+                        yield relay.buffer
+                except UpstreamError as exc:
+                    if migration is None:
+                        raise
+                    self.fleet.upstream_failed(inst, exc)
+                    broke = exc.kind
+                if broke is None:
+                    break
+                # the stream broke: continued elsewhere, else the error event (migration.py)
+                assert self.migrator is not None and migration is not None
+                relay.buffer = b""
+                moved = await self.migrator.resume(call, migration, inst, broke)
+                if isinstance(moved, bytes):
+                    yield moved
+                    break
+                if moved is None:
+                    outcome = "decode_failed_mid_stream"
+                    yield sse_error(502, f"decode instance failed mid-stream: {broke[:100]}")
+                    break
+                resp.close()
+                resp, inst = moved.response, moved.instance
         except UpstreamError as exc:
             outcome = "decode_failed_mid_stream"
             self.fleet.upstream_failed(inst, exc)
@@ -171,7 +215,8 @@ class Relay:
             if derender is not None:
                 derender.close()
             relay.writer = None
-            call.finish(outcome, f"{outcome} via {inst.label}")
+            via = migration.via if migration is not None else ""
+            call.finish(outcome, f"{outcome} via {inst.label}{via}")
             call.close()
 
 
@@ -238,6 +283,11 @@ class StreamRelay:
         ready = self.split(chunk)
         if ready is None:
             return None
+        migration = self.call.migration
+        if migration is not None:  # its record, and the token ids it asked for hidden
+            ready = migration.feed(ready)
+            if not ready:
+                return None
         cached = self.call.cached
         if b'"kv_transfer_params"' in ready or (
             cached is not None and b'"prompt_tokens_details"' in ready

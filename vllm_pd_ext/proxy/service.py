@@ -27,7 +27,9 @@ Failure semantics (all timeouts come from ``TimeoutConfig``):
   (colocated there when the protocol pushed the KV to the first one: ``binds_decode``).
 * a split stream's first token misses the stall guard's deadline (``stall_guard.py``): the
   decode leg is closed and the request served colocated, before the client saw a byte.
-* decode fails mid-stream: one SSE error event, then the stream closes.
+* decode fails mid-stream: the stream is continued on another instance where it broke
+  (``migration.py``, up to ``max_migrations``); when none can, one SSE error event, then
+  the stream closes. A whole answer that breaks after its head is asked again elsewhere.
 * a 4xx from an engine is the client's mistake: passed through unchanged.
 * the client disconnects: waiting for the prefill leg -> that request is cancelled (the engine
   aborts it and frees its KV); between the legs -> the prefill's KV is drained by a background
@@ -55,6 +57,7 @@ from vllm_pd_ext.proxy.decode import DecodeLeg
 from vllm_pd_ext.proxy.errors import ProxyError
 from vllm_pd_ext.proxy.fleet import Fleet
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
+from vllm_pd_ext.proxy.migration import Migrator
 from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg
 from vllm_pd_ext.proxy.protocols import SIGNED_DECODE_PARAMS, make_protocol
 from vllm_pd_ext.proxy.relay import Relay, StreamRelay
@@ -101,13 +104,11 @@ class ProxyService:
         )
         # Each wait for the decode leg's bytes (the head, then every chunk) is bounded; a
         # stream as a whole is not.
-        self.decode = DecodeLeg(
-            protocol,
-            self.router,
-            self.fleet,
-            metrics,
-            Timeouts(connect=t.connect_s, read=max(t.decode_first_byte_s, t.decode_idle_s)),
+        decode_timeout = Timeouts(
+            connect=t.connect_s, read=max(t.decode_first_byte_s, t.decode_idle_s)
         )
+        self.decode = DecodeLeg(protocol, self.router, self.fleet, metrics, decode_timeout)
+        self.migrator = Migrator(config.max_migrations, self.fleet, metrics, decode_timeout)
         self.prefill = PrefillLeg(
             protocol,
             self.router,
@@ -122,6 +123,7 @@ class ProxyService:
             self.background,
             render=lambda: self.render,
             fast_path=fast_path,
+            migrator=self.migrator,
         )
         self.batch = Batch(self.decode, self.relay, self.router, self.fleet)
         #: Token mode's render tier (created on the event loop in ``start``).
@@ -203,6 +205,7 @@ class ProxyService:
             ctx.tokens = await call.watch.race(self.render.render_request(ctx), "render")
         elif self.router.tokenizer is not None:  # text mode: the prompt's ids for lookups
             await call.watch.race(self.router.tokenize(ctx), "render")
+        call.migration = self.migrator.prepare(ctx)  # before any leg is sent
         route = self.router.route(ctx, decode_pool)
         if route.waits:  # a split its decode instance has no KV room for yet
             route = await call.watch.race(self.router.room(ctx, route), "room")

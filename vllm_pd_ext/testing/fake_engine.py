@@ -97,6 +97,7 @@ class Behavior:
     delay_s: float = 0.0  # before answering a completion
     token_delay_s: float = 0.0  # between streamed tokens
     die_after_tokens: int | None = None  # streaming: break the connection after N tokens
+    die_once: bool = False  # die_after_tokens applies to the next stream only
     omit_kv_params: bool = False  # a prefill that forgets kv_transfer_params
     connector: str | None = None  # "moriio-read", "moriio-write", "pdext-read", "pdext-write"
     metrics_status: int = 200  # answer /metrics with this status
@@ -124,6 +125,9 @@ class FakeEngine:
     port: int = 0
     param_errors: list[str] = field(default_factory=list)
     aborted: list[str] = field(default_factory=list)  # request ids sent to abort_requests
+    #: what its streams' ``id`` and ``created`` are made from (tests that tell engines'
+    #: answers apart set it)
+    stamp: int = 0
     #: decode side: how each wait for a transfer_id's KV ended ("ok", "gone", "timeout",
     #: "unreachable"), by transfer_id
     kv_waits: dict[str, str] = field(default_factory=dict)
@@ -252,8 +256,11 @@ class FakeEngine:
                         status_code=500,
                     )
             prompt = _prompt_text(body, chat)
+            prompt_ids = _prompt_ids(body, prompt)
             n_tokens = body.get("max_tokens") or body.get("max_completion_tokens") or 8
-            tokens = [f"t{(len(prompt) + i) % 97}" for i in range(n_tokens)]
+            # token i depends on its position only: a continuation (the prompt plus what
+            # was generated) goes on as an uninterrupted run would
+            tokens = [f"t{(len(prompt_ids) + i) % 97}" for i in range(n_tokens)]
             out_params = None
             if keeps_for_remote(params):
                 self.held_blocks[transfer_id_of(params) or rid] = 4
@@ -275,9 +282,9 @@ class FakeEngine:
                         **PrefillCacheHits(3).params(),
                     }
             usage = {
-                "prompt_tokens": len(prompt.split()),
+                "prompt_tokens": len(prompt_ids),
                 "completion_tokens": len(tokens),
-                "total_tokens": len(prompt.split()) + len(tokens),
+                "total_tokens": len(prompt_ids) + len(tokens),
                 "prompt_tokens_details": {"cached_tokens": len(prompt.split())},
             }
             if body.get("stream"):
@@ -285,7 +292,7 @@ class FakeEngine:
                 if not params:
                     stall = b.colocated_stall_s
                 return StreamingResponse(
-                    self._stream(request, tokens, chat, body, usage, stall),
+                    self._stream(request, tokens, chat, body, usage, stall, prompt_ids),
                     media_type="text/event-stream",
                 )
             if b.kv_stall_s and loads_remote(params):
@@ -294,6 +301,10 @@ class FakeEngine:
                 except _Disconnected:
                     self.disconnects += 1
                     return Response(status_code=499)  # nobody reads it: the client is gone
+            if b.die_after_tokens is not None:  # the head, part of the answer, then a break
+                if b.die_once:
+                    b.die_after_tokens = None
+                return StreamingResponse(_broken_body(), media_type="application/json")
             choice = (
                 {
                     "index": 0,
@@ -412,28 +423,50 @@ class FakeEngine:
         body: dict,
         usage: dict,
         stall_s: float = 0.0,
+        prompt_ids: list[int] | None = None,
     ):
+        """Asked for token ids (``return_token_ids``), vLLM's stream shape: ``id``,
+        ``object``, ``created`` (both from ``stamp``), ``model``, the prompt's ids in the
+        first event (a chat's in its role event, as vLLM's) and each token's id."""
         self.running += 1
+        ask = bool(body.get("return_token_ids"))
+        head: dict[str, Any] = {}
+        if ask:
+            head = {
+                "id": f"{'chatcmpl' if chat else 'cmpl'}-fake{self.stamp}",
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": 1_700_000_000 + self.stamp,
+                "model": body.get("model"),
+            }
         try:
             if stall_s:
                 await asyncio.sleep(stall_s)  # the stall itself (cancelled on a disconnect)
+            if chat and ask:
+                role = {"role": "assistant", "content": ""}
+                first = {"index": 0, "delta": role, "logprobs": None, "finish_reason": None}
+                yield _sse({**head, "choices": [first], "prompt_token_ids": prompt_ids})
             for i, tok in enumerate(tokens):
-                if (
-                    self.behavior.die_after_tokens is not None
-                    and i >= self.behavior.die_after_tokens
-                ):
+                b = self.behavior
+                if b.die_after_tokens is not None and i >= b.die_after_tokens:
+                    if b.die_once:
+                        b.die_after_tokens = None
                     raise RuntimeError("fake engine died mid-stream")
                 delta: dict[str, Any] = (
                     {"delta": {"content": tok + " "}} if chat else {"text": tok + " "}
                 )
-                if body.get("return_token_ids") and not chat:  # as vLLM's completions give
-                    delta["token_ids"] = [int(tok[1:])]
-                yield f"data: {json.dumps({'choices': [{'index': 0, **delta}]})}\n\n"
+                delta["logprobs"] = None
+                delta["finish_reason"] = "length" if i == len(tokens) - 1 else None
+                if not chat:
+                    delta["prompt_token_ids"] = prompt_ids if ask and i == 0 else None
+                delta["token_ids"] = [int(tok[1:])] if ask else None
+                yield _sse({**head, "choices": [{"index": 0, **delta}]})
                 if self.behavior.token_delay_s:
                     await asyncio.sleep(self.behavior.token_delay_s)
+            if self.behavior.die_after_tokens == len(tokens):  # after the last, before [DONE]
+                raise RuntimeError("fake engine died after its last token")
             if (body.get("stream_options") or {}).get("include_usage"):
                 final: dict[str, Any] = {"choices": [], "usage": usage, "kv_transfer_params": None}
-                yield f"data: {json.dumps(final)}\n\n"
+                yield _sse({**head, **final})
             yield "data: [DONE]\n\n"
         except asyncio.CancelledError:
             self.disconnects += 1
@@ -568,6 +601,23 @@ async def _sleep_unless_disconnected(request: Request, seconds: float) -> None:
         if await request.is_disconnected():
             raise _Disconnected
         await asyncio.sleep(0.02)
+
+
+async def _broken_body():
+    yield b'{"id": "cut'
+    raise RuntimeError("fake engine died mid-answer")
+
+
+def _sse(data: dict) -> str:
+    return f"data: {json.dumps(data)}\n\n"
+
+
+def _prompt_ids(body: dict, prompt: str) -> list[int]:
+    """The prompt's token ids: a completion's own, else one per character."""
+    given = body.get("prompt")
+    if isinstance(given, list) and all(type(t) is int for t in given):
+        return given
+    return [ord(c) for c in prompt]
 
 
 def _prompt_text(body: dict, chat: bool) -> str:

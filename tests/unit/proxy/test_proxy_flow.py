@@ -291,10 +291,10 @@ def _stream_events(base: str, max_tokens: int, prompt: str = SHORT) -> list[str]
         return [line for line in r.iter_lines() if line.startswith("data: ")]
 
 
-def test_decode_dying_mid_stream_ends_with_one_error_event(engines):
+def test_decode_dying_mid_stream_ends_with_one_error_event_when_migration_is_off(engines):
     for d in ("d1", "d2"):
         engines[d].behavior.die_after_tokens = 2
-    with proxy(engines) as (base, _):
+    with proxy(engines, max_migrations=0) as (base, _):
         events = _stream_events(base, 8)
         assert len(events) == 3
         assert json.loads(events[-1][6:])["error"]["code"] == 502
@@ -304,12 +304,12 @@ def test_decode_dying_mid_stream_ends_with_one_error_event(engines):
 
 def test_decode_going_silent_mid_stream_ends_with_one_error_event_and_no_retry(engines):
     """The read timeout fires while the stream flows from the engine connection (no task
-    woken since the head): still one error event after the tokens, never a second engine's
-    answer appended to the first's."""
+    woken since the head): with migration off, still one error event after the tokens,
+    never a second engine's answer appended to the first's."""
     for d in ("d1", "d2"):
         engines[d].behavior.token_delay_s = 30.0
     timeouts = {"decode_first_byte_s": 2.0, "decode_idle_s": 2.0}
-    with proxy(engines, timeouts=timeouts) as (base, _):
+    with proxy(engines, timeouts=timeouts, max_migrations=0) as (base, _):
         events = _stream_events(base, 4)
         assert len(events) == 2
         assert json.loads(events[-1][6:])["error"]["code"] == 502

@@ -1,0 +1,541 @@
+"""Request migration: an answer whose decode instance fails part-way is finished on another
+instance, and the client sees one uninterrupted answer.
+
+A streamed answer (text mode). States of its ``Migration``: streaming (each event recorded
+as it passes) -> broken (the engine's connection failed, or its stream ended without
+``[DONE]``, or it sent an error event) -> continued on another instance (its events rewritten
+into the first leg's ``id``, ``created`` and ``model``, usage summed) -> streaming ... ->
+done; or given up: one SSE error event, as without migration. ``Migrator.resume`` moves it.
+
+* The decode leg asks the engine for token ids (vLLM's ``return_token_ids``): the first
+  event carries the prompt's ids (``prompt_token_ids``), every event its new ids
+  (``token_ids``). The relay records them (``Migration.feed``) and shows the client what it
+  would have got without asking: ``null`` in their place, and none of the empty chat
+  events the engine adds for them; a client that asked sees them as they came.
+* On a break, the continuation goes to another healthy instance, colocated: decode
+  instances first, then any that serves. Its body is a completion on ``/v1/completions``:
+  prompt = the prompt's ids + the ids generated so far, ``max_tokens`` what is left,
+  ``min_tokens`` lowered alike, the request's sampling fields as they came. A chat
+  continues the same way (its rendered prompt's ids; the completion's ``text`` goes out as
+  the chat's ``delta.content``), which with greedy sampling gives the very tokens the first
+  instance would have.
+* Nothing generated yet: the request is sent again as it came. The finish already out (the
+  break came before the usage or ``[DONE]``): the proxy writes what is missing itself.
+
+Not continued (the error event, counted ``unsupported``): ``n`` > 1, ``best_of``, ``echo``,
+``logprobs``, ``stop`` strings (vLLM holds back text that may begin one, so the text sent
+can lag the ids sent), a chat with tools or a response format, a stream with reasoning
+content, an engine that sent text without its ids.
+
+A whole (non-streamed) answer whose engine fails after its head is asked again of another
+instance, colocated (``Migrator.rerun``): nothing has reached the client yet.
+
+Each move is counted in ``vllm_pd_migrations_total{outcome}`` and logged; at most
+``max_migrations`` per request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from typing import TYPE_CHECKING, Any
+
+from vllm_pd_ext.proxy.client_channel import STREAM_END
+from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
+from vllm_pd_ext.proxy.legs import decode_body
+from vllm_pd_ext.proxy.relay import Opened
+from vllm_pd_ext.proxy.request import PATHS, RequestContext
+from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
+
+if TYPE_CHECKING:
+    from vllm_pd_ext.proxy.call import Call
+    from vllm_pd_ext.proxy.metrics import ProxyMetrics
+
+logger = logging.getLogger(__name__)
+
+#: ``vllm_pd_migrations_total``'s outcomes: continued on another instance; the finish was
+#: out, the proxy wrote the rest; a whole answer asked again elsewhere; not continued: the
+#: request's limit reached, a request that cannot be continued exactly, no instance answered.
+OUTCOMES = ("continued", "finished", "rerun", "limit", "unsupported", "no_instance")
+
+#: The field vLLM's OpenAI routes take to answer with token ids.
+ASK_IDS = "return_token_ids"
+
+#: What a completion continuation takes from a completion request as it came: all but these.
+_NOT_CARRIED = (
+    "prompt",
+    "max_tokens",
+    "min_tokens",
+    "stream",
+    "stream_options",
+    ASK_IDS,
+    "kv_transfer_params",
+)
+#: What a completion continuation takes from a chat request: its sampling fields.
+_CHAT_CARRIED = (
+    "model",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop_token_ids",
+    "ignore_eos",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "length_penalty",
+    "logit_bias",
+    "bad_words",
+    "allowed_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "priority",
+    "cache_salt",
+    "user",
+    "vllm_xargs",
+)
+#: A chat's fields that make a completion continuation differ from the chat's own answer.
+_CHAT_ONLY = ("tools", "response_format", "structured_outputs", "guided_json", "guided_regex")
+
+# What the relay looks for in an event's bytes (vLLM writes compact JSON; a space after the
+# colon is allowed too)
+_IDS = re.compile(rb'"token_ids": ?\[([0-9, ]*)\]')
+_PROMPT_IDS = re.compile(rb'"prompt_token_ids": ?\[[0-9, ]*\]')
+_FINISH = re.compile(rb'"finish_reason": ?"')
+_TEXT = re.compile(rb'"(?:text|content)": ?"[^"]')
+_UNFINISHED = re.compile(rb'"finish_reason": ?null')
+_EMPTY_DELTA = re.compile(rb'"delta": ?\{\}')
+_FINAL_USAGE = re.compile(rb'"choices": ?\[\]')
+_USAGE = re.compile(rb'"usage": ?\{')
+_ERROR = re.compile(rb'^data: \{"error"')
+
+
+def _unsupported(ctx: RequestContext) -> str | None:
+    """Why the request's stream could not be continued exactly (None: it can)."""
+    body = ctx.body
+    if body.get("n") not in (None, 1) or body.get("best_of") not in (None, 1):
+        return "n > 1"
+    if body.get("echo"):
+        return "echo"
+    if body.get("logprobs") or body.get("top_logprobs"):
+        return "logprobs"
+    if body.get("stop"):
+        return "stop strings"
+    if ctx.route == "chat":
+        if any(body.get(k) for k in _CHAT_ONLY) and body.get("tool_choice") != "none":
+            return "tools or a response format"
+    elif not isinstance(body.get("prompt"), (str, list)) or (
+        isinstance(body["prompt"], list) and body["prompt"] and type(body["prompt"][0]) is not int
+    ):
+        return "several prompts"
+    return None
+
+
+def _limit(body: dict[str, Any]) -> int | None:
+    value = body.get("max_completion_tokens")
+    if value is None:
+        value = body.get("max_tokens")
+    return value if type(value) is int else None
+
+
+class Migration:
+    """One stream's record: enough to continue it elsewhere, and to make the continuation's
+    events read as the first leg's. See the module docstring for its states."""
+
+    def __init__(self, ctx: RequestContext, client_ids: bool):
+        body = ctx.body
+        self.chat = ctx.route == "chat"
+        #: Did the client ask for token ids itself (then it sees them)?
+        self.client_ids = client_ids
+        options = body.get("stream_options") or {}
+        self.include_usage = bool(options.get("include_usage"))
+        self.continuous = bool(options.get("continuous_usage_stats"))
+        self.limit = _limit(body)
+        self.min_tokens = body.get("min_tokens") if type(body.get("min_tokens")) is int else None
+        #: The first event's ``id``, ``created``, ``model`` (the continuation's are replaced).
+        self.head: dict[str, Any] | None = None
+        self.prompt_ids: list[int] | None = None
+        self.generated: list[int] = []
+        #: Ids generated before the current leg (its usage counts from here).
+        self.before = 0
+        self.finish: str | None = None  # the finish_reason sent
+        self.usage_sent = False
+        self.done = False  # [DONE] seen
+        self.role_sent = False
+        self.error: str | None = None  # an error event from the engine (dropped)
+        self.why_not: str | None = None  # found while streaming: cannot be continued
+        self.moves = 0
+        #: The current leg is a completion continuing a chat (its events converted).
+        self.convert = False
+        self.via = ""  # "from a via b" for the request's log line
+
+    # -- events on their way to the client ---------------------------------------------
+
+    def feed(self, ready: bytes) -> bytes:
+        """Complete events from the current leg, recorded; what the client gets of them
+        (may be empty). Runs inside the engine connection's ``data_received``: never
+        raises."""
+        out: list[bytes] = []
+        for event in ready[:-2].split(b"\n\n"):
+            if self.error is not None:
+                continue  # after an engine's error event: its [DONE]
+            if event.startswith(b"data: {"):
+                kept = self._event(event) if self.moves == 0 else self._rewrite(event)
+                if kept is not None:
+                    out.append(kept + b"\n\n")
+            elif event.startswith(b"data: [DONE]"):
+                self.done = True
+                out.append(event + b"\n\n")
+            else:
+                out.append(event + b"\n\n")
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes | None:
+        """The first leg's event, recorded (bytes only but for the first event)."""
+        if self.head is None:
+            data = _loads(event)
+            if data is None or "error" in data:
+                return self._engine_error(event)
+            self._first(data)
+        elif _ERROR.match(event):
+            return self._engine_error(event)
+        found = False
+        for m in _IDS.finditer(event):
+            found = True
+            self.generated.extend(int(t) for t in m.group(1).split(b",") if t.strip())
+        if not found and _TEXT.search(event):
+            self.why_not = "text without token ids"
+        if b'"reasoning' in event:
+            self.why_not = "reasoning content"
+        if _FINISH.search(event):
+            self.finish = "sent"
+        if _USAGE.search(event) and _FINAL_USAGE.search(event):
+            self.usage_sent = True
+        if self.client_ids:
+            return event
+        if self.chat and _EMPTY_DELTA.search(event) and _UNFINISHED.search(event):
+            return None  # sent only for its ids
+        event = _IDS.sub(b'"token_ids":null', event)
+        return _PROMPT_IDS.sub(b'"prompt_token_ids":null', event)
+
+    def _engine_error(self, event: bytes) -> bytes | None:
+        """An engine's error event: kept back (the stream is broken), nothing shown."""
+        self.error = event[6:200].decode("utf-8", "replace")
+        return None
+
+    def _first(self, data: dict[str, Any]) -> None:
+        self.head = {k: data[k] for k in ("id", "created", "model") if k in data}
+        ids = data.get("prompt_token_ids")
+        choices = data.get("choices")
+        if ids is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            ids = choices[0].get("prompt_token_ids")
+        if isinstance(ids, list):
+            self.prompt_ids = ids
+        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+            delta = choices[0].get("delta")
+            self.role_sent = isinstance(delta, dict) and "role" in delta
+
+    def _rewrite(self, event: bytes) -> bytes | None:
+        """A continuation's event as the first leg's would read."""
+        data = _loads(event)
+        if data is None:
+            return None
+        if "error" in data:
+            return self._engine_error(event)
+        head = self.head or {}
+        data.update(head)
+        if self.convert:
+            data["object"] = "chat.completion.chunk"
+        data.pop("prompt_token_ids", None)
+        choices = []
+        for choice in data.get("choices") or []:
+            if not isinstance(choice, dict):
+                continue
+            kept = self._choice(choice)
+            if kept is not None:
+                choices.append(kept)
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            if not data.get("choices") and not self.include_usage:
+                return None  # asked for by the proxy only
+            self._usage(usage)
+            if not data.get("choices"):
+                self.usage_sent = True
+        elif not choices:
+            return None
+        data["choices"] = choices
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode()
+
+    def _choice(self, choice: dict[str, Any]) -> dict[str, Any] | None:
+        ids = choice.get("token_ids")
+        ids = ids if isinstance(ids, list) else []
+        self.generated.extend(ids)
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            self.finish = str(finish)
+        choice["index"] = 0
+        shown = ids if self.client_ids else None
+        if self.convert:
+            text = choice.get("text") or ""
+            if not text and finish is None and not (shown and ids):
+                return None
+            out: dict[str, Any] = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": finish,
+            }
+            if "stop_reason" in choice:
+                out["stop_reason"] = choice["stop_reason"]
+            out["token_ids"] = shown
+            return out
+        if "prompt_token_ids" in choice:
+            choice["prompt_token_ids"] = None  # the client has them from the first leg
+        choice["token_ids"] = shown
+        delta = choice.get("delta")
+        if isinstance(delta, dict):
+            if "role" in delta and self.role_sent:
+                del delta["role"]
+                if not delta.get("content") and finish is None:
+                    return None
+            self.role_sent = self.role_sent or "role" in delta
+            if not delta and finish is None and not shown:
+                return None
+        return choice
+
+    def _usage(self, usage: dict[str, Any]) -> None:
+        completion = self.before + int(usage.get("completion_tokens") or 0)
+        prompt = len(self.prompt_ids) if self.prompt_ids is not None else usage.get("prompt_tokens")
+        usage["prompt_tokens"] = prompt
+        usage["completion_tokens"] = completion
+        usage["total_tokens"] = int(prompt or 0) + completion
+        usage.pop("prompt_tokens_details", None)
+
+    # -- the break -----------------------------------------------------------------------
+
+    def broken(self) -> str | None:
+        """After a leg's body ended cleanly: why the stream is incomplete (None: it is
+        whole)."""
+        if self.error is not None:
+            return f"error event {self.error}"
+        return None if self.done else "stream ended before [DONE]"
+
+    def left(self) -> int | None:
+        """Tokens the request may still generate (None: no limit given)."""
+        return None if self.limit is None else max(0, self.limit - len(self.generated))
+
+    def ending(self) -> bytes:
+        """What the client still needs once everything was generated: the finish (when the
+        limit was reached unsaid), the usage (when asked for), ``[DONE]``."""
+        head = self.head or {}
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        out = b""
+        if self.finish is None:
+            choice: dict[str, Any] = {"index": 0, "finish_reason": "length"}
+            if self.chat:
+                choice["delta"] = {}
+            else:
+                choice["text"] = ""
+            out += _event({**head, "object": obj, "choices": [choice]})
+        if self.include_usage and not self.usage_sent:
+            prompt = len(self.prompt_ids) if self.prompt_ids is not None else 0
+            done = len(self.generated)
+            usage = {"prompt_tokens": prompt, "completion_tokens": done}
+            usage["total_tokens"] = prompt + done
+            out += _event({**head, "object": obj, "choices": [], "usage": usage})
+        return out + STREAM_END
+
+    def continuation(self, ctx: RequestContext) -> tuple[str, dict[str, Any]]:
+        """The next leg: its engine route and body (see the module docstring)."""
+        body = ctx.body
+        if not self.generated:  # nothing generated yet: the request again
+            self.convert = False
+            return PATHS[ctx.route], {k: v for k, v in body.items() if k != "kv_transfer_params"}
+        assert self.prompt_ids is not None
+        self.convert = self.chat
+        if self.chat:
+            out = {k: body[k] for k in _CHAT_CARRIED if k in body}
+        else:
+            out = {k: v for k, v in body.items() if k not in _NOT_CARRIED}
+        out["prompt"] = self.prompt_ids + self.generated
+        left = self.left()
+        if left is not None:
+            out["max_tokens"] = left
+        if self.min_tokens is not None:
+            out["min_tokens"] = max(0, self.min_tokens - len(self.generated))
+        out["stream"] = True
+        out[ASK_IDS] = True
+        out["stream_options"] = {"include_usage": True, "continuous_usage_stats": self.continuous}
+        return PATHS["completions"], out
+
+
+class Migrator:
+    """Moves requests whose engine failed part-way (one per proxy)."""
+
+    def __init__(
+        self,
+        max_migrations: int,
+        fleet: Fleet,
+        metrics: ProxyMetrics,
+        timeout: Timeouts,
+    ):
+        self.max_migrations = max_migrations
+        self.fleet = fleet
+        self.metrics = metrics
+        self.timeout = timeout
+
+    def prepare(self, ctx: RequestContext) -> Migration | None:
+        """Before a text-mode stream's legs are sent: its record, and the engines asked for
+        token ids (the body changed in place, its bytes kept in step); None when it will not
+        be continued (migration off, or a request that cannot be continued exactly)."""
+        if self.max_migrations == 0 or not ctx.stream or ctx.tokens is not None:
+            return None
+        if _unsupported(ctx) is not None:
+            return None
+        body = ctx.body
+        asked = body.get(ASK_IDS)
+        if asked is True:
+            return Migration(ctx, client_ids=True)
+        if ASK_IDS not in body and ctx.raw is not None:
+            # the client's bytes, one field longer (a body holds a prompt or messages)
+            ctx.raw = b'{"' + ASK_IDS.encode() + b'":true,' + ctx.raw[1:].lstrip()
+        else:
+            ctx.raw = None
+        body[ASK_IDS] = True
+        return Migration(ctx, client_ids=False)
+
+    def _count(self, outcome: str) -> None:
+        self.metrics.child(self.metrics.migrations, outcome).inc()
+
+    def _pool(self, failed: Instance) -> list[Instance]:
+        """Where a request may go on, in order: the healthy decode instances, then the
+        other healthy ones; the least loaded first."""
+        healthy = [i for i in self.fleet.instances() if i.healthy and i is not failed]
+        return sorted(healthy, key=lambda i: (not i.serves("decode"), i.load()))
+
+    async def resume(
+        self, call: Call, m: Migration, failed: Instance, reason: str
+    ) -> Opened | bytes | None:
+        """The stream ``m`` broke on ``failed`` (``reason``): the continuation opened on
+        another instance (its lease held by ``call``), or the bytes that end the stream when
+        nothing is left to generate, or None when it cannot go on (logged and counted; the
+        caller ends the stream with the error event). Runs inside the client's response:
+        a client that leaves cancels it."""
+        ctx = call.ctx
+        if m.finish is not None or m.left() == 0:
+            self._count("finished")
+            logger.warning(
+                "request %s: stream from %s broke (%s) after its last token; ended by the proxy",
+                ctx.request_id,
+                failed.label,
+                reason,
+            )
+            return m.ending()
+        why = m.why_not or _unsupported(ctx)
+        if why is None and m.generated and m.prompt_ids is None:
+            why = "no prompt token ids from the engine"
+        if why is not None:
+            self._give_up(ctx, "unsupported", failed, reason, why)
+            return None
+        if m.moves >= self.max_migrations:
+            self._give_up(ctx, "limit", failed, reason, f"{m.moves} migrations")
+            return None
+        m.moves += 1
+        m.error = None
+        m.before = len(m.generated)
+        path, body = m.continuation(ctx)
+        opened = await self._open(call, failed, path, body, f"{ctx.request_id}-m{m.moves}")
+        if opened is None:
+            self._give_up(ctx, "no_instance", failed, reason, "no instance answered")
+            return None
+        self._count("continued")
+        m.via = f" (migrated from {failed.label} after {m.before} tokens)"
+        logger.warning(
+            "request %s: stream from %s broke (%s) after %d tokens; continued on %s",
+            ctx.request_id,
+            failed.label,
+            reason,
+            m.before,
+            opened.instance.label,
+        )
+        return opened
+
+    async def rerun(self, call: Call, failed: Instance, reason: str, moves: int) -> Opened | None:
+        """A whole answer from ``failed`` broke after its head (``reason``): the request
+        again on another instance, colocated, its lease held by ``call``; None when the
+        limit is reached or none answers (logged and counted)."""
+        ctx = call.ctx
+        if self.max_migrations == 0:
+            return None
+        if moves >= self.max_migrations:
+            self._give_up(ctx, "limit", failed, reason, f"{moves} migrations")
+            return None
+        call.colocate()
+        body = decode_body(ctx, None)
+        opened = await self._open(call, failed, ctx.path, body, f"{ctx.request_id}-m{moves + 1}")
+        if opened is None:
+            self._give_up(ctx, "no_instance", failed, reason, "no instance answered")
+            return None
+        self._count("rerun")
+        logger.warning(
+            "request %s: answer from %s broke (%s); asked again of %s",
+            ctx.request_id,
+            failed.label,
+            reason,
+            opened.instance.label,
+        )
+        return opened
+
+    def _give_up(
+        self, ctx: RequestContext, outcome: str, failed: Instance, reason: str, why: str
+    ) -> None:
+        """Not moved: counted and logged (the caller ends the answer with its error)."""
+        self._count(outcome)
+        logger.warning(
+            "request %s: answer from %s broke (%s); not migrated: %s",
+            ctx.request_id,
+            failed.label,
+            reason,
+            why,
+        )
+
+    async def _open(
+        self, call: Call, failed: Instance, path: str, body: Any, request_id: str
+    ) -> Opened | None:
+        """The first instance of the pool (least loaded first) to answer ``body`` with 200."""
+        for inst in self._pool(failed):
+            with Lease(inst) as lease:
+                try:
+                    resp = await inst.client.send(
+                        "POST", path, self.timeout, body, {"X-Request-Id": request_id}
+                    )
+                except UpstreamError as exc:
+                    self.fleet.upstream_failed(inst, exc)
+                    continue
+                if resp.status != 200:
+                    resp.close()
+                    logger.warning(
+                        "request %s: %s answered a migration with HTTP %d",
+                        call.ctx.request_id,
+                        inst.label,
+                        resp.status,
+                    )
+                    continue
+                call.hold(lease)
+                return Opened(resp, inst)
+        return None
+
+
+def _loads(event: bytes) -> dict[str, Any] | None:
+    try:
+        data = json.loads(event[6:])
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _event(data: dict[str, Any]) -> bytes:
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
