@@ -257,9 +257,7 @@ def test_a_text_prompt_is_looked_up_by_the_proxys_tokenizer(engines, tmp_path, t
             tokenizer=str(tiny_llama),
             decision={"cost_model": False, "min_split_prompt_tokens": 64},
         ) as (base, _svc):
-            wait_until(
-                lambda: metric(base, "vllm_pd_kv_events", instance=d2, figure="blocks") == n
-            )
+            wait_until(lambda: metric(base, "vllm_pd_kv_events", instance=d2, figure="blocks") == n)
             body = {"model": "m", "max_tokens": 4, "prompt": text}
             for _ in range(2):
                 assert httpx.post(f"{base}/v1/completions", json=body).status_code == 200
@@ -274,5 +272,5 @@ def test_a_text_prompt_is_looked_up_by_the_proxys_tokenizer(engines, tmp_path, t
 
 
 def test_a_tokenizer_without_tokenizer_json_is_a_configuration_error(tmp_path):
-    with pytest.raises(ValueError, match="no tokenizer.json"):
+    with pytest.raises(ValueError, match=r"no tokenizer\.json"):
         ProxyConfig(instances=[{"url": "http://a"}], tokenizer=tmp_path)
