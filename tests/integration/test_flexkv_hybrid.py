@@ -20,25 +20,27 @@ import httpx
 import pytest
 
 from tests.integration.test_flexkv import (
-    CACHED_BY_SOURCE,
+    cached,
     eventually,
     files_in,
+    generate,
     reset_cpu_tier,
 )
-from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
+from vllm_pd_ext.tools.pd_demo import make_prompt_ids
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 
 pytestmark = pytest.mark.integration
 
 PROMPT = 300
-BLOCK = 128  # vLLM's block size for these models in align mode (one for every group)
+BLOCK = 128  # one block size for every KV cache group in align mode
 HIT = (PROMPT - 1) // BLOCK * BLOCK  # the state kept at the last boundary before the last token
-MAX_TOKENS = 12
 MODELS = {"tiny-granite-hybrid": "tiny_granite_hybrid", "tiny-mamba2": "tiny_mamba2"}
 ARGS = [
     "--dtype",
     "float32",
     "--enable-prefix-caching",
+    "--block-size",  # an attention-free model would get 16
+    str(BLOCK),
     "--max-num-batched-tokens",
     str(BLOCK),
 ]
@@ -86,16 +88,6 @@ def hybrid(request, vllm_servers, tmp_path_factory):
 def client():
     with httpx.Client(timeout=120.0) as c:
         yield c
-
-
-def generate(client, server, ids) -> list[int]:
-    out, _ = stream_completion(client, server, completion_body(server, ids, MAX_TOKENS))
-    assert len(out) == MAX_TOKENS
-    return out
-
-
-def cached(server, source: str) -> float:
-    return server.metric(CACHED_BY_SOURCE, source=source)
 
 
 def drop_device_cache(client, server) -> None:

@@ -280,3 +280,14 @@ def test_a_corrupt_state_page_is_recomputed(engines):
     assert not b.wrong_state and not b.wrong_kv  # the bad page was never used
     assert b.computed[rid][: len(PROMPT)] == list(range(len(PROMPT)))  # all recomputed
     assert path.read_bytes() != bytes(data)  # deleted, then saved again by the recompute
+
+
+def test_the_remote_tier_serves_a_hybrid_prefix(engines, remote):
+    a = engines(shared_dir=None, remote=remote)
+    a.run(PROMPT)
+    b = engines(shared_dir=None, remote=remote)  # another instance on the same store
+    rid = b.run(PROMPT)
+    assert b.computed[rid][0] == HIT
+    assert not b.wrong_state and not b.wrong_kv
+    keys = _prefix_keys(b, PROMPT)
+    assert b.scheduler_side.tier_of(group_key(keys[4], 0)) == CPU  # promoted on the hit
