@@ -68,11 +68,22 @@ def cached_groups(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
 ) -> tuple[GroupInfo, ...]:
     """The KV cache groups the tiered cache keeps; raises ``ValueError`` for a hybrid model
-    whose state pages vLLM does not keep at block boundaries (prefix caching off) or whose
-    groups have different block sizes."""
+    whose state pages vLLM does not keep at block boundaries (prefix caching off), whose
+    groups have different block sizes, or with a group of another kind (sliding window...:
+    its skipped blocks are null, vLLM's hybrid allocator must be off for it)."""
     groups = groups_of(kv_cache_config, int(vllm_config.cache_config.block_size))
     if len(groups) == 1 and not groups[0].whole:
         return groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    assert kv_cache_config is not None  # several groups come from it
+    for g in kv_cache_config.kv_cache_groups:
+        if type(g.kv_cache_spec) not in (FullAttentionSpec, MLAAttentionSpec, MambaSpec):
+            raise ValueError(
+                f"PdExtFlexKVConnector caches full-attention and Mamba KV cache groups, not "
+                f"{type(g.kv_cache_spec).__name__} (layers {g.layer_names[:2]}...); run this "
+                f"model with --disable-hybrid-kv-cache-manager"
+            )
     mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none"))
     if any(g.whole for g in groups) and mode != "align":
         raise ValueError(

@@ -291,3 +291,41 @@ def test_the_remote_tier_serves_a_hybrid_prefix(engines, remote):
     assert not b.wrong_state and not b.wrong_kv
     keys = _prefix_keys(b, PROMPT)
     assert b.scheduler_side.tier_of(group_key(keys[4], 0)) == CPU  # promoted on the hit
+
+
+def test_a_hybrid_model_without_its_states_at_block_boundaries_is_refused(tiny_qwen):
+    cfg = make_vllm_config(tiny_qwen, "kv_both", connector="PdExtFlexKVConnector")
+    cfg.kv_transfer_config.kv_connector_extra_config = {}
+    mamba = MambaSpec(
+        block_size=512, shapes=((STATE,),), dtypes=(torch.float32,), mamba_cache_mode="none"
+    )
+    attn = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float32
+    )
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["m"], mamba), KVCacheGroupSpec(["a"], attn)],
+    )
+    with pytest.raises(ValueError, match="mamba_cache_mode 'align'"):
+        PdExtFlexKVConnector(cfg, KVConnectorRole.SCHEDULER, kcc)
+
+
+def test_a_sliding_window_group_is_refused(tiny_qwen):
+    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+
+    cfg = make_vllm_config(tiny_qwen, "kv_both", connector="PdExtFlexKVConnector")
+    cfg.kv_transfer_config.kv_connector_extra_config = {}
+    full = FullAttentionSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float32
+    )
+    window = SlidingWindowSpec(
+        block_size=BLOCK_SIZE, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=64
+    )
+    kcc = KVCacheConfig(
+        num_blocks=NUM_BLOCKS,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(["f"], full), KVCacheGroupSpec(["w"], window)],
+    )
+    with pytest.raises(ValueError, match="disable-hybrid-kv-cache-manager"):
+        PdExtFlexKVConnector(cfg, KVConnectorRole.WORKER, kcc)
