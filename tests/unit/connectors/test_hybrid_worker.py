@@ -90,12 +90,12 @@ def worker(role: str, port: int, heads: int = HEADS, backend: str = "mooncake") 
 
 def prefill_process(port: int, blocks: tuple, conn) -> None:
     """Child: a prefill worker holding ``blocks`` until the decode side says done; sends
-    True once it freed them (False if not within 60 s), then waits for "stop"."""
+    True once it freed them (False if not within 180 s), then waits for "stop"."""
     p = worker("kv_producer", port)
     p.register_kv_caches(hybrid_caches(seed=7))
     p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", blocks)]))
     conn.send("ready")
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 180
     freed = False
     while not freed and time.monotonic() < deadline:
         sending, _ = p.get_finished({"p-req"})
@@ -121,7 +121,7 @@ def test_state_pages_and_attention_blocks_cross_processes(prompt_tokens):
     proc = ctx.Process(target=prefill_process, args=(port, (p_state, p_attn), child), daemon=True)
     proc.start()
     try:
-        assert parent.poll(60) and parent.recv() == "ready"
+        assert parent.poll(180) and parent.recv() == "ready"
         d = worker("kv_consumer", free_port())
         dc = hybrid_caches(seed=None)
         d.register_kv_caches(dc)
@@ -136,7 +136,7 @@ def test_state_pages_and_attention_blocks_cross_processes(prompt_tokens):
             time.sleep(0.01)
         assert done == {"d-req"} and d.get_block_ids_with_load_errors() == set()
         assert d.take_failed_loads() == set()
-        assert parent.poll(60) and parent.recv() is True  # P freed its blocks on "done"
+        assert parent.poll(180) and parent.recv() is True  # P freed its blocks on "done"
         parent.send("stop")
         d.shutdown()
     finally:

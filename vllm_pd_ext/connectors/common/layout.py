@@ -195,6 +195,15 @@ def _view_of(
     )
 
 
+def layer_groups(kv_cache_config: Any) -> dict[str, int]:
+    """Layer name -> index of its KV cache group in vLLM's ``KVCacheConfig`` (empty for
+    None: every layer in group 0)."""
+    out: dict[str, int] = {}
+    for i, g in enumerate(getattr(kv_cache_config, "kv_cache_groups", None) or ()):
+        out.update(dict.fromkeys(g.layer_names, i))
+    return out
+
+
 def layout_from_caches(
     kv_caches: Mapping[str, Any],
     *,

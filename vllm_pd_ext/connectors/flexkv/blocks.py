@@ -13,7 +13,7 @@ layout (model, block size, dtype, tensor shapes, piece split) are never read.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +47,26 @@ _WIDE = ((8, torch.int64), (4, torch.int32), (2, torch.int16), (1, torch.uint8))
 def block_views(
     kv_caches: Mapping[str, Any], *, num_blocks: int, block_size: int, model: Mapping[str, Any]
 ) -> BlockViews:
-    """Views over every distinct cache tensor (layers sharing one tensor count once).
+    """Views over every distinct cache tensor of a model with one KV cache group
+    (:func:`group_block_views` with every layer in group 0)."""
+    return group_block_views(
+        kv_caches, num_blocks=num_blocks, block_sizes=(block_size,), model=model
+    )[0]
+
+
+def group_block_views(
+    kv_caches: Mapping[str, Any],
+    *,
+    num_blocks: int,
+    block_sizes: Sequence[int],
+    model: Mapping[str, Any],
+    group_of: Mapping[str, int] | None = None,
+) -> tuple[BlockViews, ...]:
+    """Views over every distinct cache tensor (layers sharing one tensor count once), one
+    :class:`BlockViews` per KV cache group (``group_of``: layer name -> group, all group 0
+    when omitted). Under vLLM's hybrid allocator the groups' blocks share storage, and a
+    block of a group is only that group's pieces (attention K/V of its layers, or a whole
+    Mamba state page); every group's views carry the fingerprint of the whole layout.
 
     Views use the widest integer element dividing every piece's offset, length and stride
     and every storage's size (copies of int64 rows are several times faster than of bytes);
@@ -55,7 +74,11 @@ def block_views(
     blocks are not a fixed set of contiguous byte pieces.
     """
     layout, storages = layout_from_caches(
-        kv_caches, num_blocks=num_blocks, block_sizes=(block_size,), model=model
+        kv_caches,
+        num_blocks=num_blocks,
+        block_sizes=tuple(block_sizes),
+        model=model,
+        group_of=group_of,
     )
     starts = [(v, v.offset + p) for v in layout.views for p in v.piece_offsets]
     width, dtype = next(
@@ -65,8 +88,9 @@ def block_views(
         and all(r.size % w == 0 for r in layout.regions)
     )
     regions = {name: t.view(dtype) for name, t in storages.items()}
-    out: list[BlockView] = []
-    column = 0
+    groups = max([len(block_sizes), *(v.group + 1 for v in layout.views)])
+    out: list[list[BlockView]] = [[] for _ in range(groups)]
+    columns = [0] * groups
     for v, at in starts:
         rows = torch.as_strided(
             regions[v.region],
@@ -74,9 +98,13 @@ def block_views(
             (v.block_stride // width, 1),
             at // width,
         )
-        out.append(BlockView(rows, column, v.piece_len))
-        column += v.piece_len
-    return BlockViews(tuple(out), column, layout.fingerprint())
+        out[v.group].append(BlockView(rows, columns[v.group], v.piece_len))
+        columns[v.group] += v.piece_len
+    fingerprint = layout.fingerprint()
+    return tuple(
+        BlockViews(tuple(views), column, fingerprint)
+        for views, column in zip(out, columns, strict=True)
+    )
 
 
 def model_facts(vllm_config: Any) -> dict[str, Any]:

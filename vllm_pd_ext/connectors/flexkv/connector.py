@@ -5,6 +5,11 @@ A thin ``KVConnectorBase_V1`` shell: the scheduler role delegates to
 save plans), the worker role to :class:`~vllm_pd_ext.connectors.flexkv.worker.FlexKVWorker`
 (CPU pool, block copies, file I/O). Settings come from ``kv_connector_extra_config``
 (:class:`~vllm_pd_ext.connectors.flexkv.config.FlexKVConfig`).
+
+Hybrid attention + SSM models run with vLLM's hybrid KV cache manager on (``SupportsHMA``)
+and its hybrid prefix caching (``mamba_cache_mode`` "align", vLLM's default when prefix
+caching is on): every KV cache group is cached, state pages at the block boundaries where
+vLLM keeps them (see :mod:`~vllm_pd_ext.connectors.flexkv.scheduler`).
 """
 
 from __future__ import annotations
@@ -14,10 +19,14 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from vllm_pd_ext.connectors.common.delegating import DelegatingConnector
+from vllm_pd_ext.connectors.common.layout import layer_groups
+from vllm_pd_ext.connectors.common.scheduler import GroupInfo, groups_of
 from vllm_pd_ext.connectors.flexkv.blocks import model_facts
 from vllm_pd_ext.connectors.flexkv.config import parse_flexkv_config
 from vllm_pd_ext.connectors.flexkv.keys import cache_namespace
@@ -42,19 +51,56 @@ def block_size_of(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
 
 
 def block_bytes_of(kv_cache_config: KVCacheConfig | None) -> int:
-    """Bytes of one KV block across all layers (what one CPU-tier row holds)."""
+    """Bytes of one KV block of a group across its layers, the widest group's (what one
+    CPU-tier row holds)."""
     if kv_cache_config is None:
         return 1
-    return (
-        sum(
+    return max(
+        (
             int(g.kv_cache_spec.page_size_bytes) * len(g.layer_names)
             for g in kv_cache_config.kv_cache_groups
-        )
-        or 1
+        ),
+        default=1,
     )
 
 
-class PdExtFlexKVConnector(DelegatingConnector):
+def cached_groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+) -> tuple[GroupInfo, ...]:
+    """The KV cache groups the tiered cache keeps; raises ``ValueError`` for a hybrid model
+    whose state pages vLLM does not keep at block boundaries (prefix caching off), whose
+    groups have different block sizes, or with a group of another kind (sliding window...:
+    its skipped blocks are null, vLLM's hybrid allocator must be off for it)."""
+    groups = groups_of(kv_cache_config, int(vllm_config.cache_config.block_size))
+    if len(groups) == 1 and not groups[0].whole:
+        return groups
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, MLAAttentionSpec
+
+    assert kv_cache_config is not None  # several groups come from it
+    for g in kv_cache_config.kv_cache_groups:
+        if type(g.kv_cache_spec) not in (FullAttentionSpec, MLAAttentionSpec, MambaSpec):
+            raise ValueError(
+                f"PdExtFlexKVConnector caches full-attention and Mamba KV cache groups, not "
+                f"{type(g.kv_cache_spec).__name__} (layers {g.layer_names[:2]}...); run this "
+                f"model with --disable-hybrid-kv-cache-manager"
+            )
+    mode = str(getattr(vllm_config.cache_config, "mamba_cache_mode", "none"))
+    if any(g.whole for g in groups) and mode != "align":
+        raise ValueError(
+            f"PdExtFlexKVConnector caches a hybrid model's SSM state only where vLLM's prefix "
+            f"caching keeps it (mamba_cache_mode 'align', on with --enable-prefix-caching); "
+            f"this engine has mamba_cache_mode {mode!r}"
+        )
+    sizes = {g.block_size for g in groups}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"PdExtFlexKVConnector needs one block size for all KV cache groups, got "
+            f"{sorted(sizes)}"
+        )
+    return groups
+
+
+class PdExtFlexKVConnector(DelegatingConnector, SupportsHMA):
     """Tiered KV cache: CPU memory, local SSD and a shared directory, LRU-with-frequency."""
 
     _cache_hit_source = CacheHitSource.HOST
@@ -74,6 +120,7 @@ class PdExtFlexKVConnector(DelegatingConnector):
         model = model_facts(vllm_config)
         block_size = block_size_of(vllm_config, kv_cache_config)
         block_bytes = block_bytes_of(kv_cache_config)
+        groups = cached_groups(vllm_config, kv_cache_config)
         self._scheduler: FlexKVScheduler | None = None
         self._worker: FlexKVWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
@@ -83,6 +130,7 @@ class PdExtFlexKVConnector(DelegatingConnector):
                 block_bytes=block_bytes,
                 model=model,
                 tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                groups=groups,
             )
         else:
             try:
@@ -99,6 +147,8 @@ class PdExtFlexKVConnector(DelegatingConnector):
                 model=model,
                 cpu_slots=cfg.cpu_slots(block_bytes),
                 tp_rank=tp_rank,
+                block_sizes=tuple(g.block_size for g in groups),
+                group_of=layer_groups(kv_cache_config),
             )
 
     @property
@@ -122,6 +172,12 @@ class PdExtFlexKVConnector(DelegatingConnector):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request), None
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request), None
+
     def reset_cache(self) -> bool:
         return self._scheduler.reset_cache() if self._scheduler is not None else True
 
@@ -139,6 +195,15 @@ class PdExtFlexKVConnector(DelegatingConnector):
         assert self._worker is not None
         sending, recving = self._worker.get_finished(finished_req_ids)
         return sending or None, recving or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        assert self._worker is not None
+        sending, recving = self._worker.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_sending=sending,
+            finished_recving=recving,
+            failed_recving=self._worker.take_failed_loads(),
+        )
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         assert self._worker is not None

@@ -92,14 +92,21 @@ def _flat_groups(views, block_bytes: int) -> list[_FlatGroup] | None:
 class BlockCopier:
     """The CPU tier's rows and block copies for one worker's KV cache."""
 
-    def __init__(self, views: BlockViews, cpu_slots: int) -> None:
+    def __init__(self, views: BlockViews, cpu_slots: int, pool: torch.Tensor | None = None) -> None:
+        """``pool``: the CPU tier to use (rows at least ``views.block_bytes`` wide, shared by
+        the copiers of a hybrid model's KV cache groups); a new one of ``cpu_slots`` rows
+        when None. A block's bytes are the first ``block_bytes`` of its row."""
         self.views = list(views.views)
         self.block_bytes = views.block_bytes
         self.device = self.views[0].view.device
         self.cuda = self.device.type == "cuda"
         self.pinned = torch.cuda.is_available()
-        self.pool = torch.empty(
-            (cpu_slots, self.block_bytes), dtype=torch.uint8, pin_memory=self.pinned
+        self.pool = (
+            pool
+            if pool is not None
+            else torch.empty(
+                (cpu_slots, self.block_bytes), dtype=torch.uint8, pin_memory=self.pinned
+            )
         )
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         # [num_blocks, piece bytes] byte arrays over the cache (CPU caches only)
@@ -228,7 +235,9 @@ class BlockCopier:
                 idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
                 self._device_gather(idx, stage[:n])
                 for a, b in runs(rws):
-                    dst[rws[a] : rws[a] + b - a].copy_(stage[a:b], non_blocking=True)
+                    dst[rws[a] : rws[a] + b - a, : self.block_bytes].copy_(
+                        stage[a:b], non_blocking=True
+                    )
                 # the staging buffer is reused by the next round: its copies must end first
                 self.stream.synchronize()
 
@@ -279,7 +288,9 @@ class BlockCopier:
                 ids, pks = block_ids[at : at + per], picks[at : at + per]
                 n = len(ids)
                 for a, b in runs(pks):
-                    stage[a:b].copy_(src[pks[a] : pks[a] + b - a], non_blocking=True)
+                    stage[a:b].copy_(
+                        src[pks[a] : pks[a] + b - a, : self.block_bytes], non_blocking=True
+                    )
                 idx = torch.tensor(list(ids), dtype=torch.long).to(self.device, non_blocking=True)
                 self._device_scatter(idx, stage[:n])
                 self.stream.synchronize()

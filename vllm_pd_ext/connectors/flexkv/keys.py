@@ -52,6 +52,15 @@ def chain_keys(root: bytes, token_ids: Sequence[int], block_size: int, n_blocks:
     return keys
 
 
+def group_key(key: str, group: int) -> str:
+    """The key of KV cache group ``group``'s block at the position ``key`` names: ``key``
+    itself for group 0 (a model with one group keeps its keys), a hash of it and the group
+    for the others (a hybrid model's attention blocks and SSM state pages at one prefix)."""
+    if group == 0:
+        return key
+    return hashlib.sha256(bytes.fromhex(key) + group.to_bytes(4, "little")).digest()[:16].hex()
+
+
 def request_keys(request: Request, namespace: str, block_size: int) -> list[str]:
     """Keys of the request's full prompt blocks; [] when it cannot be cached safely.
 

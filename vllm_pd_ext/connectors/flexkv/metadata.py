@@ -13,13 +13,15 @@ TIERS = (CPU, SSD, SHARED, REMOTE)
 @dataclass(frozen=True)
 class LoadItem:
     """Copy block ``key`` from ``tier`` (CPU pool row ``slot``, or its file) into device
-    block ``block_id``; when ``promote_slot`` >= 0 also keep it in that CPU pool row."""
+    block ``block_id`` of KV cache group ``group``; when ``promote_slot`` >= 0 also keep it
+    in that CPU pool row."""
 
     block_id: int
     key: str
     tier: str
     slot: int = -1
     promote_slot: int = -1
+    group: int = 0
 
 
 @dataclass(frozen=True)
@@ -34,8 +36,10 @@ class LoadJob:
 
 @dataclass(frozen=True)
 class SaveItem:
-    """Save device block ``block_id`` of request ``req_id`` as ``key``: into CPU pool row
-    ``slot`` (>= 0), as a file in the SSD and/or shared tier, and/or in the remote tier."""
+    """Save device block ``block_id`` (of KV cache group ``group``) of request ``req_id`` as
+    ``key``: into CPU pool row ``slot`` (>= 0), as a file in the SSD and/or shared tier,
+    and/or in the remote tier. ``state``: a state page (Mamba), which vLLM may hand to
+    another request two steps later: the worker copies it before the next step runs."""
 
     block_id: int
     key: str
@@ -44,6 +48,8 @@ class SaveItem:
     ssd: bool = False
     shared: bool = False
     remote: bool = False
+    group: int = 0
+    state: bool = False
 
 
 @dataclass

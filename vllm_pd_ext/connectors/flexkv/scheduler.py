@@ -20,6 +20,17 @@ vLLM's scheduling into per-step instructions for the worker side:
   directory); the copy runs on a worker thread after the step, so a request that had blocks
   saved keeps them after it finishes until the worker reports the copy done
   (``request_finished`` returns True, the worker answers in ``finished_sending``).
+
+Hybrid models (vLLM's hybrid allocator; a group of Mamba / linear-attention state pages
+beside attention groups, or state groups only): every group's block at prefix position
+``i`` has its own key (:func:`~vllm_pd_ext.connectors.flexkv.keys.group_key` of the
+position's key) and is stored, checked and evicted like any block. vLLM's hybrid prefix
+caching (``mamba_cache_mode`` "align") ends prefill chunks on block boundaries and keeps,
+in a state group's block ``i``, the state after ``(i + 1) * block_size`` tokens: when a
+step ends on such a boundary the state page of that block is saved under that position's
+key. A hit of ``n`` blocks needs every attention group's blocks ``0..n-1`` and every state
+group's page at block ``n - 1``; the longest such ``n`` is loaded, or nothing: a prefix
+is never loaded with a group missing.
 """
 
 from __future__ import annotations
@@ -33,9 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from vllm_pd_ext.connectors.common.scheduler import GroupInfo
 from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig, GiB
 from vllm_pd_ext.connectors.flexkv.index import TierIndex
-from vllm_pd_ext.connectors.flexkv.keys import cache_namespace, request_keys
+from vllm_pd_ext.connectors.flexkv.keys import cache_namespace, group_key, request_keys
 from vllm_pd_ext.connectors.flexkv.metadata import (
     CPU,
     REMOTE,
@@ -67,6 +79,8 @@ HIT_SOURCE = {
 }
 #: How the scheduler's start-up line begins (``%s``: the cache's namespace).
 START_LINE = "tiered KV cache: namespace %s"
+#: vLLM's null block (an unallocated position of a state group under prefix caching).
+NULL_BLOCK = 0
 #: A pending SSD write whose file has not appeared after this long is given up.
 PENDING_GIVE_UP_S = 60.0
 _SHARED_KNOWN_MAX = 1 << 16
@@ -103,9 +117,17 @@ class FlexKVScheduler:
         block_bytes: int,
         model: dict[str, Any],
         tp_size: int = 1,
+        groups: tuple[GroupInfo, ...] = (),
     ) -> None:
+        """``groups``: the KV cache groups (:func:`~vllm_pd_ext.connectors.common.scheduler.
+        groups_of`), all of ``block_size``; omitted, one attention group."""
         self.cfg = cfg
         self.block_size = block_size
+        self.groups = groups or (GroupInfo(block_size, False),)
+        #: Groups whose blocks hold KV per token, and groups of state pages (Mamba).
+        self.attn_groups = tuple(i for i, g in enumerate(self.groups) if not g.whole)
+        self.state_groups = tuple(i for i, g in enumerate(self.groups) if g.whole)
+        self.hybrid = len(self.groups) > 1 or bool(self.state_groups)
         self.tp_size = tp_size
         self.namespace = cache_namespace(model, block_size, cfg.namespace)
         self.stats = FlexKVRecorder()
@@ -206,6 +228,50 @@ class FlexKVScheduler:
                 known.clear()
             known.add(key)
 
+    def _ask_remote_each(self, keys: list[str]) -> None:
+        """Learn which of ``keys`` (not a run: state pages at some positions) the remote
+        tier holds."""
+        if self.remote_store is None or not keys:
+            return
+        known = self._remote_known
+        for key, there in zip(keys, self.remote_store.exists_many(keys, self.tp_size), strict=True):
+            if there:
+                if len(known) >= _SHARED_KNOWN_MAX:
+                    known.clear()
+                known.add(key)
+
+    def _hybrid_match(self, keys: list[str], start: int, usable: int) -> tuple[int, bool]:
+        """(blocks loadable from ``start`` on, whether all of them are in the CPU tier) for a
+        hybrid model: the longest ``n`` with every attention group's blocks up to ``n`` and
+        every state group's page at ``n - 1`` in some tier."""
+        end = start
+        asked = False
+        while end < usable:
+            attn = [group_key(keys[end], g) for g in self.attn_groups]
+            if any(self.tier_of(k) is None for k in attn) and not asked:
+                asked = True  # the rest of the run: one question to the store
+                self._ask_remote(
+                    [group_key(k, g) for k in keys[end:usable] for g in self.attn_groups]
+                )
+            if any(self.tier_of(k) is None for k in attn):
+                break
+            end += 1
+        states = {i: [group_key(keys[i], g) for g in self.state_groups] for i in range(start, end)}
+        if any(self.tier_of(k) is None for ks in states.values() for k in ks):
+            self._ask_remote_each(
+                [k for ks in states.values() for k in ks if self.tier_of(k) is None]
+            )
+        for n in range(end, start, -1):
+            tiers = [self.tier_of(k) for k in states[n - 1]]
+            if all(t is not None for t in tiers):
+                attn_tiers = [
+                    self.tier_of(group_key(keys[i], g))
+                    for i in range(start, n)
+                    for g in self.attn_groups
+                ]
+                return n - start, all(t == CPU for t in tiers + attn_tiers)
+        return 0, False
+
     def _usable_blocks(self, request: Request, keys: list[str]) -> int:
         # Leave at least one prompt token for the engine to compute.
         return min(len(keys), max(0, (request.num_prompt_tokens - 1) // self.block_size))
@@ -220,7 +286,9 @@ class FlexKVScheduler:
         n = 0
         all_cpu = True
         asked = False
-        while start + n < usable:
+        if self.hybrid:
+            n, all_cpu = self._hybrid_match(keys, start, usable)
+        while not self.hybrid and start + n < usable:
             tier = self.tier_of(keys[start + n])
             if tier is None and not asked:  # the rest of the run: one question to the store
                 asked = True
@@ -235,7 +303,9 @@ class FlexKVScheduler:
         if n < self.cfg.min_match_blocks:
             return 0, False
         policy = self.cfg.sync_load
-        sync = policy == "all" or (policy == "cpu" and all_cpu)
+        # vLLM takes a failed load of a model with several KV cache groups only per request
+        # (``failed_recving``), which only an asynchronous load can report
+        sync = not self.hybrid and (policy == "all" or (policy == "cpu" and all_cpu))
         self._sync_next[rid] = sync
         return (start + n) * self.block_size - num_computed_tokens, not sync
 
@@ -258,33 +328,31 @@ class FlexKVScheduler:
             self.stats.add("lookup_blocks", lookups)
         if num_external_tokens <= 0:
             return
-        block_ids = blocks.get_block_ids()[0]
+        block_ids = blocks.get_block_ids()
+        end = start + num_external_tokens // self.block_size
         items: list[LoadItem] = []
         per_tier: Counter[str] = Counter()
-        for i in range(start, start + num_external_tokens // self.block_size):
-            key, bid = keys[i], block_ids[i]
-            tier = self.tier_of(key)
-            if tier is None:  # vanished since the lookup: the worker reports it failed
-                items.append(LoadItem(bid, key, "missing"))
-                continue
-            per_tier[tier] += 1
-            if tier == CPU:
-                e = self.cpu.ready(key)
-                assert e is not None  # tier_of found it ready
-                self.cpu.pin(key)
-                self.cpu.touch(key)
-                items.append(LoadItem(bid, key, CPU, slot=e.slot))
-                continue
-            if tier == SSD:
-                assert self.ssd is not None  # tier_of said SSD
-                self.ssd.pin(key)
-                self.ssd.touch(key)
-            items.append(LoadItem(bid, key, tier, promote_slot=self._promotion_slot(key)))
+        pos_tier: Counter[str] = Counter()  # prefix positions by the tier that supplies them
+        for i in range(start, end):
+            for g in self.attn_groups:
+                item = self._load_item(group_key(keys[i], g), block_ids[g][i], g)
+                items.append(item)
+                per_tier[item.tier] += 1
+                if g == self.attn_groups[0]:
+                    pos_tier[item.tier] += 1
+        for g in self.state_groups:  # the state after the last loaded block, whole
+            item = self._load_item(group_key(keys[end - 1], g), block_ids[g][end - 1], g)
+            items.append(item)
+            per_tier[item.tier] += 1
+            if not self.attn_groups and g == self.state_groups[0]:
+                pos_tier[item.tier] += end - start
+        per_tier.pop("missing", None)
         for tier, n in per_tier.items():
             self.stats.add("hit_blocks", n, tier)
         sources: Counter[CacheHitSource] = Counter()
-        for tier, n in per_tier.items():
-            sources[HIT_SOURCE[tier]] += n * self.block_size
+        for tier, n in pos_tier.items():
+            if tier in HIT_SOURCE:
+                sources[HIT_SOURCE[tier]] += n * self.block_size
         missing = num_external_tokens - sum(sources.values())
         if missing:
             sources[CacheHitSource.EXTERNAL_UNSPECIFIED] += missing
@@ -295,6 +363,25 @@ class FlexKVScheduler:
         else:
             self._plans[rid] = plan
         self._loads.append(LoadJob(rid, tuple(items), sync=sync))
+
+    def _load_item(self, key: str, block_id: int, group: int) -> LoadItem:
+        """How to load ``key`` into ``block_id`` (of ``group``) from the fastest tier holding
+        it, pinning what it reads; tier "missing" when it vanished since the lookup (the
+        worker reports the block failed)."""
+        tier = self.tier_of(key)
+        if tier is None:
+            return LoadItem(block_id, key, "missing", group=group)
+        if tier == CPU:
+            e = self.cpu.ready(key)
+            assert e is not None  # tier_of found it ready
+            self.cpu.pin(key)
+            self.cpu.touch(key)
+            return LoadItem(block_id, key, CPU, slot=e.slot, group=group)
+        if tier == SSD:
+            assert self.ssd is not None  # tier_of said SSD
+            self.ssd.pin(key)
+            self.ssd.touch(key)
+        return LoadItem(block_id, key, tier, promote_slot=self._promotion_slot(key), group=group)
 
     def _promotion_slot(self, key: str) -> int:
         """A CPU pool row to keep a block read from a file in (pending until loaded)."""
@@ -322,6 +409,10 @@ class FlexKVScheduler:
     def update_connector_output(self, output: KVConnectorOutput) -> None:
         """Settle finished loads: unpin, commit or drop promotions, forget failed blocks."""
         invalid = output.invalid_block_ids or set()
+        for rid in getattr(output, "failed_recving", None) or ():
+            plan = self._plans.get(rid)  # a hybrid load fails whole: forget all it read
+            if plan is not None:
+                plan.failed |= {it.block_id for it in plan.items}
         if invalid:
             for plan in self._plans.values():
                 plan.failed |= {it.block_id for it in plan.items if it.block_id in invalid}
@@ -393,15 +484,15 @@ class FlexKVScheduler:
             req = t.request
             end = min(req.num_computed_tokens + n_sched, req.num_prompt_tokens)
             full = min(end // self.block_size, len(t.keys))
-            if full <= t.saved_upto:
+            # a state page is kept only where a step ends on a block boundary
+            state_at = full - 1 if self.state_groups and end % self.block_size == 0 else -1
+            if full <= t.saved_upto and state_at < 0:
                 continue
             block_ids = self._block_ids(rid, scheduler_output)
-            for i in range(t.saved_upto, min(full, len(block_ids))):
-                item = self._plan_save(rid, block_ids[i], t.keys[i])
-                if item is not None:
-                    saves.append(item)
-                    t.saving = True
-            t.saved_upto = full
+            planned = self._plan_saves(rid, t, block_ids, full, state_at)
+            saves += planned
+            t.saving = t.saving or bool(planned)
+            t.saved_upto = max(t.saved_upto, full)
         meta = FlexKVMetadata(
             loads=self._loads,
             saves=saves,
@@ -417,13 +508,45 @@ class FlexKVScheduler:
         self._sync_sent = []
         return meta
 
-    def _block_ids(self, rid: str, scheduler_output: SchedulerOutput) -> list[int]:
+    def _block_ids(self, rid: str, scheduler_output: SchedulerOutput) -> tuple[list[int], ...]:
+        """The request's block ids, one list per KV cache group."""
         if self.kv_cache_manager is not None:
-            return list(self.kv_cache_manager.get_block_ids(rid)[0])
+            return tuple(list(g) for g in self.kv_cache_manager.get_block_ids(rid))
         state = scheduler_output.kv_connector_block_state
-        return list(state.resolve_block_ids(rid)[0]) if state is not None else []
+        if state is None:
+            return tuple([] for _ in self.groups)
+        return tuple(list(g) for g in state.resolve_block_ids(rid))
 
-    def _plan_save(self, rid: str, block_id: int, key: str) -> SaveItem | None:
+    def _plan_saves(
+        self,
+        rid: str,
+        t: _Tracked,
+        block_ids: tuple[list[int], ...],
+        full: int,
+        state_at: int,
+    ) -> list[SaveItem]:
+        """Saves of the attention groups' blocks ``t.saved_upto..full - 1`` and, when
+        ``state_at`` >= 0, of every state group's page at block ``state_at``."""
+        out: list[SaveItem] = []
+        for g in self.attn_groups:
+            ids = block_ids[g] if g < len(block_ids) else []
+            for i in range(t.saved_upto, min(full, len(ids))):
+                item = self._plan_save(rid, ids[i], group_key(t.keys[i], g), g)
+                if item is not None:
+                    out.append(item)
+        for g in self.state_groups if state_at >= 0 else ():
+            ids = block_ids[g] if g < len(block_ids) else []
+            if state_at < len(ids) and ids[state_at] != NULL_BLOCK:
+                item = self._plan_save(
+                    rid, ids[state_at], group_key(t.keys[state_at], g), g, state=True
+                )
+                if item is not None:
+                    out.append(item)
+        return out
+
+    def _plan_save(
+        self, rid: str, block_id: int, key: str, group: int = 0, *, state: bool = False
+    ) -> SaveItem | None:
         slot = -1
         if self.cpu.capacity and key not in self.cpu:
             e, evicted = self.cpu.add(key, ready=True)  # written in this step's wait_for_save
@@ -453,7 +576,15 @@ class FlexKVScheduler:
         if slot < 0 and not to_ssd and not to_shared and not to_remote:
             return None
         return SaveItem(
-            block_id, key, rid, slot=slot, ssd=to_ssd, shared=to_shared, remote=to_remote
+            block_id,
+            key,
+            rid,
+            slot=slot,
+            ssd=to_ssd,
+            shared=to_shared,
+            remote=to_remote,
+            group=group,
+            state=state,
         )
 
     def _shared_quota_tick(self) -> None:

@@ -44,7 +44,7 @@ from typing import Any
 import torch
 
 from vllm_pd_ext import fleet_key
-from vllm_pd_ext.connectors.flexkv.blocks import block_views
+from vllm_pd_ext.connectors.flexkv.blocks import group_block_views
 from vllm_pd_ext.connectors.flexkv.config import FlexKVConfig
 from vllm_pd_ext.connectors.flexkv.copier import STAGE_BYTES, BlockCopier
 from vllm_pd_ext.connectors.flexkv.metadata import (
@@ -77,10 +77,19 @@ class FlexKVWorker:
         model: Mapping[str, Any],
         cpu_slots: int,
         tp_rank: int = 0,
+        block_sizes: Sequence[int] = (),
+        group_of: Mapping[str, int] | None = None,
     ) -> None:
+        """``block_sizes`` and ``group_of`` (layer name -> KV cache group) describe a
+        hybrid model's groups; omitted, every layer is in one group of ``block_size``."""
         self.cfg = cfg
         self.namespace = namespace
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.block_sizes = tuple(block_sizes) or (block_size,)
+        self.group_of = dict(group_of or {})
+        #: One copier per KV cache group, all over one CPU tier (group 0's is ``copier``).
+        self.copiers: list[BlockCopier] = []
+        self._state_saves: list[Future] = []  # saves of state pages of the last step
         self.model = dict(model)
         self.cpu_slots = cpu_slots
         self.tp_rank = tp_rank
@@ -114,6 +123,7 @@ class FlexKVWorker:
         self._meta: FlexKVMetadata | None = None
         self._loads: dict[str, Future] = {}
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests whose load failed (several groups)
         self._lock = threading.Lock()
         self._tls = threading.local()
 
@@ -129,15 +139,33 @@ class FlexKVWorker:
             raise RuntimeError("register_kv_caches() has not run")
         return self.copier
 
+    def _copier(self, group: int) -> BlockCopier:
+        """The copier of KV cache group ``group``."""
+        if not self.copiers:
+            raise RuntimeError("register_kv_caches() has not run")
+        return self.copiers[group]
+
     # ---- setup ----
     def register_kv_caches(self, kv_caches: Mapping[str, torch.Tensor]) -> None:
-        """Map every block's bytes and allocate the CPU tier."""
-        views = block_views(
-            kv_caches, num_blocks=self.num_blocks, block_size=self.block_size, model=self.model
+        """Map every block's bytes (per KV cache group) and allocate the CPU tier: one row
+        per block of any group, as wide as the widest group's block."""
+        views = group_block_views(
+            kv_caches,
+            num_blocks=self.num_blocks,
+            block_sizes=self.block_sizes,
+            model=self.model,
+            group_of=self.group_of,
         )
-        self.copier = BlockCopier(views, self.cpu_slots)
-        self.fingerprint = views.fingerprint
-        self.block_bytes = views.block_bytes
+        self.block_bytes = max(v.block_bytes for v in views)
+        first = BlockCopier(views[0], self.cpu_slots)
+        pool = first.pool
+        if first.block_bytes != self.block_bytes:
+            pool = first.pool = torch.empty(
+                (self.cpu_slots, self.block_bytes), dtype=torch.uint8, pin_memory=first.pinned
+            )
+        self.copiers = [first, *(BlockCopier(v, self.cpu_slots, pool) for v in views[1:])]
+        self.copier = first
+        self.fingerprint = views[0].fingerprint
         logger.info(
             "tiered KV cache worker: %d KiB per block, CPU tier %d blocks (%.1f MiB%s), layout %s",
             self.block_bytes // 1024,
@@ -147,16 +175,20 @@ class FlexKVWorker:
             self.fingerprint,
         )
 
-    def gather(self, block_ids: list[int], after: Any = None) -> torch.Tensor:
-        """Copy device blocks into a new CPU tensor ``[len(block_ids), block_bytes]``."""
-        out = self._blocks.empty_rows(len(block_ids))
-        self._blocks.gather(block_ids, out, range(len(block_ids)), after)
+    def gather(self, block_ids: list[int], after: Any = None, group: int = 0) -> torch.Tensor:
+        """Copy device blocks of KV cache group ``group`` into a new CPU tensor
+        ``[len(block_ids), that group's block bytes]``."""
+        copier = self._copier(group)
+        out = copier.empty_rows(len(block_ids))
+        copier.gather(block_ids, out, range(len(block_ids)), after)
         return out
 
-    def scatter(self, block_ids: list[int], rows: torch.Tensor, picks: list[int]) -> None:
-        """Copy row ``picks[j]`` of ``rows`` (CPU, ``[m, block_bytes]``) into device block
-        ``block_ids[j]`` for every ``j``."""
-        self._blocks.scatter(block_ids, rows, picks)
+    def scatter(
+        self, block_ids: list[int], rows: torch.Tensor, picks: list[int], group: int = 0
+    ) -> None:
+        """Copy row ``picks[j]`` of ``rows`` (CPU, ``[m, block bytes]``) into device block
+        ``block_ids[j]`` of KV cache group ``group`` for every ``j``."""
+        self._copier(group).scatter(block_ids, rows, picks)
 
     # ---- per step ----
     def bind(self, meta: FlexKVMetadata) -> None:
@@ -164,7 +196,12 @@ class FlexKVWorker:
 
     def start_load_kv(self) -> None:
         """Run this step's synchronous loads (CPU-tier hits: done when this returns, before
-        the forward pass) and start its asynchronous ones (reported by :meth:`get_finished`)."""
+        the forward pass) and start its asynchronous ones (reported by :meth:`get_finished`).
+        First waits for the copies of state pages saved in the previous step (vLLM frees
+        such a page two steps after it was written and may hand it to another request)."""
+        if self._state_saves:
+            wait_futures(self._state_saves)
+            self._state_saves = []
         meta = self._meta
         if meta is None or not meta.loads:
             return
@@ -193,6 +230,8 @@ class FlexKVWorker:
             return
         saves = list(meta.saves)
         fut = self._saver.submit(self._run_save, saves, self._blocks.compute_event())
+        if any(s.state for s in saves):
+            self._state_saves.append(fut)
         with self._lock:
             for rid in {s.req_id for s in saves}:
                 self._saves.setdefault(rid, []).append(fut)
@@ -210,22 +249,29 @@ class FlexKVWorker:
         return any(wanted and tier in self.stores for tier, wanted in _file_tiers(s))
 
     def _run_save(self, saves: list[SaveItem], after: Any = None) -> None:
-        """Save thread: copy the blocks into their CPU rows and, for blocks that also go to
+        """Save thread: the blocks of each KV cache group in turn (:meth:`_save_group`)."""
+        for group, items in _by_group(saves).items():
+            self._save_group(group, items, after)
+
+    def _save_group(self, group: int, saves: list[SaveItem], after: Any = None) -> None:
+        """Copy one group's blocks into their CPU rows and, for blocks that also go to
         files, into a private row tensor (a CPU row may be reused before its file is
         written), then queue their file writes."""
         t0 = time.perf_counter()
+        copier = self._copier(group)
+        nbytes = copier.block_bytes
         to_file = [s for s in saves if self._wants_file(s)]
         to_cpu = [s for s in saves if s.slot >= 0]
         try:
-            rows = self.gather([s.block_id for s in to_file], after) if to_file else None
+            rows = self.gather([s.block_id for s in to_file], after, group) if to_file else None
             direct = [s for s in to_cpu if not self._wants_file(s)]
-            self._blocks.gather(
-                [s.block_id for s in direct], self._blocks.pool, [s.slot for s in direct], after
+            copier.gather(
+                [s.block_id for s in direct], copier.pool, [s.slot for s in direct], after
             )
             if rows is not None:
                 for j, s in enumerate(to_file):
                     if s.slot >= 0:
-                        self._blocks.pool[s.slot].copy_(rows[j])
+                        copier.pool[s.slot, :nbytes].copy_(rows[j])
         except Exception:
             # The scheduler already lists these rows as ready: make their loads fail instead.
             logger.exception("tiered KV cache: saving %d blocks failed", len(saves))
@@ -235,7 +281,7 @@ class FlexKVWorker:
         if to_cpu:
             with self._lock:
                 self._bad_slots -= {s.slot for s in to_cpu}
-            self.stats.add("save_bytes", len(to_cpu) * self.block_bytes, CPU)
+            self.stats.add("save_bytes", len(to_cpu) * nbytes, CPU)
             self.stats.add("save_seconds", time.perf_counter() - t0, CPU)
         if rows is None:
             return
@@ -311,13 +357,24 @@ class FlexKVWorker:
                     failed.add(it.block_id)
             if cpu:
                 t0 = time.perf_counter()
-                self._blocks.scatter(
-                    [it.block_id for it in cpu], self._blocks.pool, [it.slot for it in cpu], after
-                )
-                self.stats.add("load_bytes", len(cpu) * self.block_bytes, CPU)
+                nbytes = 0
+                for group, items in _by_group(cpu).items():
+                    copier = self._copier(group)
+                    copier.scatter(
+                        [it.block_id for it in items],
+                        copier.pool,
+                        [it.slot for it in items],
+                        after,
+                    )
+                    nbytes += len(items) * copier.block_bytes
+                self.stats.add("load_bytes", nbytes, CPU)
                 self.stats.add("load_seconds", time.perf_counter() - t0, CPU)
             if files:
                 failed |= self._load_files(job.req_id, files, after)
+            if failed and len(self.copiers) > 1:
+                # A prefix is all its groups' blocks or nothing: a state page without its
+                # attention blocks (or the reverse) must never be used.
+                failed = {it.block_id for it in job.items}
         except Exception:
             logger.exception("tiered KV cache: load of request %s failed", job.req_id)
             failed = {it.block_id for it in job.items}
@@ -342,9 +399,10 @@ class FlexKVWorker:
         or why it failed) per item."""
         out = []
         for it in items:
-            err = self._read(it.tier, it.key, self._blocks.pieces(it.block_id), fetched)
+            copier = self._copier(it.group)
+            err = self._read(it.tier, it.key, copier.pieces(it.block_id), fetched)
             if err is None and it.promote_slot >= 0:
-                self._blocks.gather([it.block_id], self._blocks.pool, [it.promote_slot])
+                copier.gather([it.block_id], copier.pool, [it.promote_slot])
             out.append((it, err))
         return out
 
@@ -360,6 +418,7 @@ class FlexKVWorker:
         t0 = time.perf_counter()
         failed: set[int] = set()
         loaded: dict[str, int] = {}
+        loaded_bytes: dict[str, int] = {}
         promoted: set[int] = set()
         fetched = self._fetch_remote(items)
         if self._blocks.in_place:  # one task per I/O thread, a contiguous share of blocks each
@@ -369,27 +428,15 @@ class FlexKVWorker:
             results = [r for f in futures for r in f.result()]
         else:
             results = []
-            per = max(1, STAGE_BYTES // self.block_bytes)
-            buf = getattr(self._tls, "files", None)
-            if buf is None or buf.shape != (per, self.block_bytes):
-                buf = self._tls.files = self._blocks.empty_rows(per)
-            for at in range(0, len(items), per):
-                chunk = items[at : at + per]
-                reads = [
-                    self._io.submit(self._read, it.tier, it.key, buf[j].numpy(), fetched)
-                    for j, it in enumerate(chunk)
-                ]
-                errors = [f.result() for f in reads]
-                ok = [j for j, err in enumerate(errors) if err is None]
-                self._blocks.scatter([chunk[j].block_id for j in ok], buf, ok, after)
-                for j in ok:
-                    if chunk[j].promote_slot >= 0:
-                        self._blocks.pool[chunk[j].promote_slot].copy_(buf[j])
-                results += list(zip(chunk, errors, strict=True))
+            for group, group_items in _by_group(items).items():
+                results += self._read_staged(group, group_items, fetched, after)
         bad_rows: set[int] = set()
         for it, err in results:
             if err is None:
                 loaded[it.tier] = loaded.get(it.tier, 0) + 1
+                loaded_bytes[it.tier] = (
+                    loaded_bytes.get(it.tier, 0) + self._copier(it.group).block_bytes
+                )
                 if it.promote_slot >= 0:
                     promoted.add(it.promote_slot)
                 continue
@@ -408,9 +455,43 @@ class FlexKVWorker:
         seconds = time.perf_counter() - t0
         total = sum(loaded.values())
         for tier, n in loaded.items():
-            self.stats.add("load_bytes", n * self.block_bytes, tier)
+            self.stats.add("load_bytes", loaded_bytes[tier], tier)
             self.stats.add("load_seconds", seconds * n / total, tier)
         return failed
+
+    def _read_staged(
+        self,
+        group: int,
+        items: list[LoadItem],
+        fetched: Mapping[str, bytes] | None,
+        after: Any = None,
+    ) -> list[tuple[LoadItem, str | None]]:
+        """Read one group's block files ``STAGE_BYTES`` at a time into a per-thread pinned
+        row buffer (reused), then copy each round to the device in one staged copy."""
+        copier = self._copier(group)
+        nbytes = copier.block_bytes
+        results: list[tuple[LoadItem, str | None]] = []
+        per = max(1, STAGE_BYTES // nbytes)
+        bufs = getattr(self._tls, "files", None)
+        if bufs is None:
+            bufs = self._tls.files = {}
+        buf = bufs.get(group)
+        if buf is None or buf.shape != (per, nbytes):
+            buf = bufs[group] = copier.empty_rows(per)
+        for at in range(0, len(items), per):
+            chunk = items[at : at + per]
+            reads = [
+                self._io.submit(self._read, it.tier, it.key, buf[j].numpy(), fetched)
+                for j, it in enumerate(chunk)
+            ]
+            errors = [f.result() for f in reads]
+            ok = [j for j, err in enumerate(errors) if err is None]
+            copier.scatter([chunk[j].block_id for j in ok], buf, ok, after)
+            for j in ok:
+                if chunk[j].promote_slot >= 0:
+                    copier.pool[chunk[j].promote_slot, :nbytes].copy_(buf[j])
+            results += list(zip(chunk, errors, strict=True))
+        return results
 
     def get_finished(
         self, finished_req_ids: AbstractSet[str] = frozenset()
@@ -443,9 +524,19 @@ class FlexKVWorker:
         for rid, fut in list(self._loads.items()):
             if fut.done():
                 del self._loads[rid]
-                self._load_errors |= fut.result()
+                failed = fut.result()
+                if failed and len(self.copiers) > 1:
+                    self._failed_loads.add(rid)  # vLLM maps no block id to a group
+                else:
+                    self._load_errors |= failed
                 done.add(rid)
         return sending, done
+
+    def take_failed_loads(self) -> set[str]:
+        """Requests of a model with several KV cache groups whose load failed since the last
+        call (reported in ``failed_recving``: vLLM recomputes them from the start)."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
 
     def take_load_errors(self) -> set[int]:
         errors, self._load_errors = self._load_errors, set()
@@ -470,6 +561,14 @@ class FlexKVWorker:
         remote = self.stores.get(REMOTE)
         if isinstance(remote, MooncakeBlockStore):
             remote.close()
+
+
+def _by_group(items: Sequence[Any]) -> dict[int, list[Any]]:
+    """``items`` (load or save items) by KV cache group, in order."""
+    out: dict[int, list[Any]] = {}
+    for it in items:
+        out.setdefault(it.group, []).append(it)
+    return out
 
 
 def _file_tiers(s: SaveItem) -> tuple[tuple[str, bool], ...]:

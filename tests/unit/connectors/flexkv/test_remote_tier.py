@@ -16,21 +16,6 @@ from vllm_pd_ext.connectors.flexkv.remote import MooncakeBlockStore
 from vllm_pd_ext.connectors.flexkv.store import BlockFileError
 
 
-@pytest.fixture(scope="module")
-def master(tmp_path_factory):
-    need("mooncake", why="the remote tier's store is Mooncake Store")
-    from vllm_pd_ext.util.mooncake_master import mooncake_master
-
-    with mooncake_master(tmp_path_factory.mktemp("mooncake") / "master.log") as m:
-        yield m
-
-
-@pytest.fixture
-def remote(master):
-    # a small segment per client: every engine here adds one
-    return {"master": master.master, "segment_gb": 1 / 16, "buffer_mb": 16}
-
-
 def _after_loads(e: Engine, req) -> None:
     """Run ``req`` to the end, noting its first blocks (after the step that planned loads)."""
     e.sched.add_request(req)
