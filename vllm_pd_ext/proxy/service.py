@@ -58,21 +58,30 @@ from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg
 from vllm_pd_ext.proxy.protocols import SIGNED_DECODE_PARAMS, make_protocol
 from vllm_pd_ext.proxy.relay import Relay, StreamRelay
-from vllm_pd_ext.proxy.request import ClientRequest, Route, parse_body, parse_request
+from vllm_pd_ext.proxy.request import ClientRequest, Route, header, parse_body, parse_request
 from vllm_pd_ext.proxy.routing import Router
 from vllm_pd_ext.proxy.token_mode import RenderTier
+from vllm_pd_ext.proxy.tracing import Tracing
 from vllm_pd_ext.proxy.upstream import Timeouts, discard
+from vllm_pd_ext.util.logs import bind_request
 
 logger = logging.getLogger(__name__)
 
 
 class ProxyService:
     """The proxy's stages and shared state; one per app. ``fast_path``: the server is
-    ``front_protocol``'s, whose request cycle the stages may use directly."""
+    ``front_protocol``'s, whose request cycle the stages may use directly. ``tracing``:
+    where spans go, instead of the config's ``otlp_traces_endpoint`` (tests)."""
 
-    def __init__(self, config: ProxyConfig, *, fast_path: bool = False):
+    def __init__(
+        self, config: ProxyConfig, *, fast_path: bool = False, tracing: Tracing | None = None
+    ):
         self.config = config
         self.fast_path = fast_path
+        if tracing is None and config.otlp_traces_endpoint:
+            tracing = Tracing.to_endpoint(config.otlp_traces_endpoint)
+        #: None: tracing is off (the default).
+        self.tracing = tracing
         self.fleet = Fleet(config)
         self.metrics = metrics = ProxyMetrics()
         self.admission = Admission(
@@ -149,6 +158,8 @@ class ProxyService:
         await self.fleet.close()
         if self.render is not None:
             await self.render.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def refusal_now(self) -> ProxyError | None:
         """The 429 a completion request gets from its head alone when admission is full
@@ -165,6 +176,7 @@ class ProxyService:
         limits. Raises ``ProxyError`` for answers the app maps."""
         body = parse_body(raw, self.config.max_body_bytes)
         ctx = parse_request(route, body, request, self.config, raw)
+        bind_request(ctx.request_id)  # this task's log lines name the request
         try:
             await self.admission.acquire()
         except ProxyError as exc:
@@ -173,6 +185,8 @@ class ProxyService:
         call = Call(
             ctx, DisconnectWatch(request, hooked=self.fast_path), self.admission, self.metrics
         )
+        if self.tracing is not None:
+            call.trace = self.tracing.start(ctx, header(request, b"traceparent"))
         streaming = False
         try:
             response = await self._serve(call)
@@ -198,7 +212,10 @@ class ProxyService:
         ctx = call.ctx
         decode_pool = self.router.decode_pool()
         if self.render is not None:
+            span = call.trace.child("render") if call.trace is not None else None
             ctx.tokens = await call.watch.race(self.render.render_request(ctx), "render")
+            if call.trace is not None:
+                call.trace.done(span, prompt_tokens=len(ctx.tokens.prompt_ids))
         route = self.router.route(ctx, decode_pool)
         call.decide(route.decision)
         call.start = time.perf_counter()
