@@ -3,6 +3,8 @@ request."""
 
 from __future__ import annotations
 
+import http.server
+import threading
 import time
 from typing import Any
 
@@ -41,3 +43,39 @@ def traceparent_of(span: Any) -> str:
     """The ``traceparent`` header that names ``span`` as the parent."""
     ctx = span.context
     return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+class OtlpCollector:
+    """An OTLP/HTTP trace collector on 127.0.0.1 (``url``): keeps the spans of every export
+    request (protobuf ``Span`` messages) in ``spans``."""
+
+    def __init__(self) -> None:
+        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
+            ExportTraceServiceRequest,
+        )
+
+        spans: list = []
+        self.spans = spans
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["Content-Length"]))
+                request = ExportTraceServiceRequest.FromString(body)
+                for resource in request.resource_spans:
+                    for scope in resource.scope_spans:
+                        spans.extend(scope.spans)
+                self.send_response(200)
+                self.send_header("Content-Type", "application/x-protobuf")
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

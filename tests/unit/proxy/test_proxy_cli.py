@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import contextlib
-import http.server
 import json
 import os
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 
 from tests.skips import need
+from tests.spans import OtlpCollector
 from vllm_pd_ext.cli import build_parser
 from vllm_pd_ext.proxy.cli import build_config
 from vllm_pd_ext.util.vllm_process import free_port
@@ -72,41 +71,6 @@ def test_invalid_config_exits_2_with_message():
     assert "invalid configuration" in proc.stderr and "http://" in proc.stderr
 
 
-class _Collector:
-    """An OTLP/HTTP trace collector on 127.0.0.1: keeps every export request's spans."""
-
-    def __init__(self) -> None:
-        from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-            ExportTraceServiceRequest,
-        )
-
-        spans: list = []
-        self.spans = spans
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                request = ExportTraceServiceRequest.FromString(body)
-                for resource in request.resource_spans:
-                    for scope in resource.scope_spans:
-                        spans.extend(scope.spans)
-                self.send_response(200)
-                self.send_header("Content-Type", "application/x-protobuf")
-                self.send_header("Content-Length", "0")
-                self.end_headers()
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 def test_the_proxy_logs_json_and_sends_its_traces_to_an_otlp_collector(engines, tmp_path):
     """`vllm-pd proxy --log-format json --otlp-traces-endpoint`: every line on stderr is a
     JSON object; the request's line names its request id and trace id; the collector gets
@@ -114,7 +78,7 @@ def test_the_proxy_logs_json_and_sends_its_traces_to_an_otlp_collector(engines, 
     need("opentelemetry.sdk", why="the otel extra: the proxy's OTLP exporter")
     from tests.unit.proxy.helpers import LONG
 
-    collector = _Collector()
+    collector = OtlpCollector()
     port = free_port()
     argv = [sys.executable, "-m", "vllm_pd_ext.cli", "proxy", "--port", str(port)]
     argv += ["--prefill", engines["p1"].url, "--decode", engines["d1"].url]
