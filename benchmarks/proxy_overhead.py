@@ -7,7 +7,9 @@ Three targets front the same upstream in one run:
   pass-through, one instance serving both roles so no request is split, defaults otherwise;
 * ``vllm-router``: the Rust router from PyPI, ``--policy round_robin`` over the same URL;
 * ``ours-before`` (with ``--baseline PATH``): our proxy from another checkout of this
-  repository (an earlier commit), same flags: a change's effect measured in one run.
+  repository (an earlier commit), same flags: a change's effect measured in one run;
+* ``ours-traced`` (with ``--traced``): our proxy with tracing on (``--otlp-traces-endpoint``,
+  spans exported over OTLP/HTTP to a collector process beside the upstream that takes them).
 
 The upstream is one real ``vllm serve`` of the tiny test model (``--upstream vllm``, default)
 or a no-compute fake engine in its own process (``--upstream fake``,
@@ -79,9 +81,21 @@ from vllm_pd_ext.util.vllm_process import free_port
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 RESULTS = HERE / "results"
-TARGETS = ("direct", "ours", "ours-before", "vllm-router")
+TARGETS = ("direct", "ours", "ours-traced", "ours-before", "vllm-router")
 #: The targets that are proxies (restarted every round).
-PROXIES = ("ours", "ours-before", "vllm-router")
+PROXIES = ("ours", "ours-traced", "ours-before", "vllm-router")
+
+#: ``--traced``'s OTLP/HTTP collector: takes every export and answers 200 (what a collector
+#: elsewhere costs the proxy is its export, not the collector's work).
+OTLP_SINK = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_POST(self):
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers()
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
 PROMPT = "the quick brown fox jumps over the lazy dog while a proxy forwards every token it sees"
 PROMPT_WORDS = PROMPT.split(" ")
 
@@ -130,12 +144,13 @@ def spawn(
     log_dir: Path,
     cpus: set[int] | None,
     tree: Path | None = None,
+    env_extra: dict[str, str] | None = None,
 ) -> Child:
     """Start ``argv`` in a new session with its output in ``log_dir/name.log``; ``tree``: a
     checkout whose ``vllm_pd_ext`` the process imports (its working directory and
-    ``PYTHONPATH``)."""
+    ``PYTHONPATH``); ``env_extra``: added to its environment."""
     log_path = log_dir / f"{name}.log"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     if tree is not None:
         env["PYTHONPATH"] = str(tree)
     with open(log_path, "ab") as log:
@@ -176,6 +191,7 @@ class Fleet:
         self.urls: dict[str, str] = {}
         self.model = "fake"
         self.pids: dict[str, int] = {}
+        self.sink_url = ""  # --traced: the OTLP collector's
 
     def start(self) -> None:
         args = self.args
@@ -203,6 +219,13 @@ class Fleet:
             wait_ready(fake, upstream_url + "/health", 30)
             self.pids["upstream"] = fake.proc.pid
         self.urls["direct"] = upstream_url
+        if args.traced:  # the collector, beside the upstream
+            port = free_port()
+            sink = spawn(
+                "otlp-sink", [sys.executable, "-c", OTLP_SINK, str(port)], self.log_dir, up_cpus
+            )
+            self.children.append(sink)
+            self.sink_url = f"http://127.0.0.1:{port}/v1/traces"
         self.start_proxies()
 
     def start_proxies(self) -> None:
@@ -211,6 +234,9 @@ class Fleet:
         front_cpus = {args.front_core} if args.pin else None
         upstream_url = self.urls["direct"]
         ours = [self._start_ours("ours", REPO, front_cpus)]
+        if args.traced:
+            traced = ["--otlp-traces-endpoint", self.sink_url]
+            ours.append(self._start_ours("ours-traced", REPO, front_cpus, traced))
         if args.baseline is not None:
             ours.append(self._start_ours("ours-before", args.baseline, front_cpus))
 
@@ -243,8 +269,11 @@ class Fleet:
         for child in ours:
             wait_ready(child, self.urls[child.name] + "/health", 60)
 
-    def _start_ours(self, name: str, tree: Path, cpus: set[int] | None) -> Child:
-        """``vllm-pd proxy`` from the checkout ``tree`` in front of the upstream."""
+    def _start_ours(
+        self, name: str, tree: Path, cpus: set[int] | None, extra: list[str] | None = None
+    ) -> Child:
+        """``vllm-pd proxy`` from the checkout ``tree`` in front of the upstream, with the
+        flags ``extra`` (tracing: to the OTLP/HTTP collector)."""
         port = free_port()
         child = spawn(
             name,
@@ -259,10 +288,12 @@ class Fleet:
                 str(port),
                 "--log-level",
                 "warning",
+                *(extra or []),
             ],
             self.log_dir,
             cpus,
             tree,
+            {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"} if extra else None,
         )
         self.children.append(child)
         self.urls[name] = f"http://127.0.0.1:{port}"
@@ -979,6 +1010,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_false",
         help="keep both proxies' processes for all rounds (default: new ones every round)",
     )
+    p.add_argument(
+        "--traced",
+        action="store_true",
+        help="also ours-traced: our proxy with tracing on (--otlp-traces-endpoint, spans "
+        "exported over OTLP/HTTP to a collector that takes them, beside the upstream)",
+    )
     p.add_argument("--py-spy", action="store_true", help="profile ours in one extra phase")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--keep-logs", action="store_true", help="keep the process logs directory")
@@ -1038,6 +1075,11 @@ def main(argv: list[str] | None = None) -> int:
             "direct": "the engine itself",
             "ours": "vllm-pd proxy --both URL --log-level warning (pass-through, defaults)",
             "vllm-router": "vllm-router --worker-urls URL --policy round_robin --log-level warning",
+            **(
+                {"ours-traced": "the same, --otlp-traces-endpoint (OTLP/HTTP, to a sink)"}
+                if args.traced
+                else {}
+            ),
             **(
                 {"ours-before": f"the same, from commit {_commit(args.baseline)}"}
                 if args.baseline is not None

@@ -105,6 +105,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         "max_model_len": args.max_model_len,
         "min_split_prompt_tokens": args.min_split_prompt_tokens,
         "log_dir": args.log_dir,
+        "log_format": args.log_format,
+        "otlp_traces_endpoint": args.otlp_traces_endpoint,
     }
     data.update({k: v for k, v in flags.items() if v is not None})
     if args.gpus:
@@ -201,6 +203,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from vllm_pd_ext import __version__
+    from vllm_pd_ext.util.logs import LOG_FORMATS
 
     parser = argparse.ArgumentParser(
         prog="vllm-pd",
@@ -332,6 +335,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra argument for every vllm serve (repeatable)",
     )
     up.add_argument("--log-dir", type=Path, default=None)
+    up.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=None,
+        help="json: up's lines, the proxy's and the render servers' as one JSON object per "
+        "line (default text)",
+    )
+    up.add_argument(
+        "--otlp-traces-endpoint",
+        default=None,
+        metavar="URL",
+        help="OpenTelemetry collector for the proxy's and the engines' traces, one per "
+        "request (needs the otel extra; default off)",
+    )
     up.set_defaults(func=_cmd_up)
 
     from vllm_pd_ext.tools.engine_checks import BUSY_POLL_PCT, IDLE_WINDOW_S

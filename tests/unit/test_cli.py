@@ -274,3 +274,43 @@ def test_up_with_its_own_mooncake_master_gives_every_engine_a_remote_tier_on_it(
     assert stack.start_master() and listening()
     stack.stop_all()
     assert not listening()
+
+
+def test_up_log_format_json_and_tracing_reach_every_part(built_stack, monkeypatch):
+    """--log-format json: up's own lines are JSON objects, and the proxy and render servers
+    are started with it; --otlp-traces-endpoint: the proxy's config and every engine's
+    flags carry it."""
+    import io
+
+    from vllm_pd_ext import cli
+    from vllm_pd_ext.proxy.config import ProxyConfig
+    from vllm_pd_ext.tools import launcher
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(launcher, "run_up", lambda config: seen.setdefault("c", config) and 0)
+    argv = ["up", "--log-format", "json", "--otlp-traces-endpoint", "http://otel:4317"]
+    assert cli.main(argv) == 0
+    assert (seen["c"].log_format, seen["c"].otlp_traces_endpoint) == ("json", "http://otel:4317")
+
+    started: list[tuple[str, list[str]]] = []
+    monkeypatch.setattr(
+        launcher, "ToolProcess", lambda command, args, *rest: started.append((command, args))
+    )
+    monkeypatch.setattr(
+        launcher, "start_vllm_serve", lambda *a, **kw: started.append(("serve", kw["extra_args"]))
+    )
+    stack = built_stack(mode="token", log_format="json", otlp_traces_endpoint="http://otel:4317")
+    stack.out = io.StringIO()
+    stack._say("waiting: render-0")
+    line = json.loads(stack.out.getvalue())
+    assert (line["message"], line["level"]) == ("waiting: render-0", "INFO")
+    for part in stack.parts:
+        part.start()
+    for command, args in started:
+        if command == "serve":
+            assert args[args.index("--otlp-traces-endpoint") + 1] == "http://otel:4317"
+        else:
+            assert args[args.index("--log-format") + 1] == "json"
+    assert sorted(c for c, _ in started) == ["proxy", "render", "serve", "serve"]
+    config = ProxyConfig.model_validate(stack.proxy_config())
+    assert config.otlp_traces_endpoint == "http://otel:4317"

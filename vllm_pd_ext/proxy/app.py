@@ -23,19 +23,23 @@ from vllm_pd_ext.proxy.fleet import CACHE_VIEWS
 from vllm_pd_ext.proxy.front_protocol import fast_cycle, front_protocol, internals_ok
 from vllm_pd_ext.proxy.request import PATHS, ClientRequest, Route
 from vllm_pd_ext.proxy.service import ProxyService
+from vllm_pd_ext.proxy.tracing import Tracing
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
 from vllm_pd_ext.util.auth import bearer_ok
 
 logger = logging.getLogger(__name__)
 
 
-def create_app(config: ProxyConfig, *, freeze_gc: bool = False) -> FrontDoor:
+def create_app(
+    config: ProxyConfig, *, freeze_gc: bool = False, tracing: Tracing | None = None
+) -> FrontDoor:
     """Build the ASGI app (FastAPI behind the front door); the fleet starts and stops with
     the app's lifespan. ``.state.service`` is the ProxyService. ``freeze_gc`` (the proxy's
     own process only): once started, everything alive is moved out of the collector's
     reach, since it lives as long as the process; full passes over it would pause requests
-    for tens of milliseconds."""
-    service = ProxyService(config, fast_path=config.fast_path and internals_ok())
+    for tens of milliseconds. ``tracing``: where spans go, instead of the config's
+    ``otlp_traces_endpoint`` (tests)."""
+    service = ProxyService(config, fast_path=config.fast_path and internals_ok(), tracing=tracing)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
     from vllm_pd_ext.proxy.metrics import ProxyMetrics
     from vllm_pd_ext.proxy.migration import Migration
     from vllm_pd_ext.proxy.request import RequestContext
+    from vllm_pd_ext.proxy.tracing import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ class Call:
         "prefill_done",
         "prefill_instance",
         "start",
+        "trace",
         "watch",
     )
 
@@ -92,12 +94,16 @@ class Call:
         #: A stream that can be continued elsewhere should its engine fail (migration.py).
         self.migration: Migration | None = None
         self.outcome: str | None = None
+        #: The request's trace (``tracing.py``); None when tracing is off.
+        self.trace: RequestTrace | None = None
         metrics.in_flight.inc()
 
     def decide(self, decision: Decision) -> None:
         """The request is served as ``decision`` says (made, or changed by a fallback)."""
         self.decision = decision
         self.label = decision.label
+        if self.trace is not None:
+            self.trace.decided(decision)
 
     def colocate(self) -> None:
         """From now on the decode leg runs without KV from a prefill."""
@@ -140,6 +146,8 @@ class Call:
         label = self.label
         metrics = self._metrics
         metrics.child(metrics.requests, ctx.route, label, outcome).inc()
+        if self.trace is not None:
+            self.trace.finished(outcome, detail)
         logger.info(
             "request %s %s %s: %s (%.0f ms)%s",
             ctx.request_id,
@@ -164,3 +172,5 @@ class Call:
         if admission is not None:
             admission.release()
         self._metrics.in_flight.dec()
+        if self.trace is not None:
+            self.trace.end()

@@ -292,6 +292,14 @@ class ProxyConfig(_Strict):
         secret = self.metrics_token or self.api_key
         return secret.get_secret_value() if secret is not None else None
 
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry collector for the proxy's traces (one per request, a span "
+        "per stage and leg; proxy/tracing.py), as vLLM's flag of the same name: gRPC unless "
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL=http/protobuf; engines get each leg's "
+        "traceparent. Needs the otel extra. Unset: no tracing, at no cost",
+    )
+
     affinity_prefix_chars: int = Field(1024, ge=16, description="prefix-affinity key length")
     decision: DecisionConfig = DecisionConfig()
     stall_guard: StallGuardConfig = StallGuardConfig()

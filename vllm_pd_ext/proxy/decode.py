@@ -90,12 +90,15 @@ class DecodeLeg:
         """Send ``body`` to ``inst`` on the request's engine route as ``request_id``."""
         if call.ctx.tokens is not None and inst not in call.engines:
             call.engines.append(inst)
+        headers = {"X-Request-Id": request_id}
+        if call.trace is not None:  # tracing: this attempt's span and its traceparent
+            call.trace.leg("decode", inst, headers)
         return await inst.client.send(
             "POST",
             call.ctx.path,
             self.timeout,
             body,
-            {"X-Request-Id": request_id},
+            headers,
             sink_on_ok=sink,
         )
 

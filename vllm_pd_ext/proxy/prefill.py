@@ -132,24 +132,29 @@ class PrefillLeg:
         if ctx.tokens is not None:
             call.engines.append(inst)
         budget = self.router.guard.prefill_budget_s(ctx.est_prompt_tokens)
+        headers = {"X-Request-Id": ctx.request_id}
+        trace = call.trace
+        span = trace.leg("prefill", inst, headers) if trace is not None else None
         with Lease(inst):
             try:
                 status, raw = await asyncio.wait_for(
                     inst.client.fetch(
-                        "POST",
-                        ctx.path,
-                        self.timeout,
-                        one_token_body(ctx, params),
-                        {"X-Request-Id": ctx.request_id},
+                        "POST", ctx.path, self.timeout, one_token_body(ctx, params), headers
                     ),
                     budget,
                 )
             except UpstreamError as exc:
+                if trace is not None:
+                    trace.leg_done(span, error=exc.kind)
                 self.fleet.upstream_failed(inst, exc)
                 raise _AttemptFailed(f"{inst.label}: {exc.kind}") from None
             except TimeoutError:  # the stall guard's deadline: the engine aborts it
+                if trace is not None:
+                    trace.leg_done(span, error="stall_guard_deadline")
                 self.router.guard.prefill_stalled(inst, ctx.request_id)
                 raise _AttemptFailed(f"{inst.label}: past the stall guard's deadline") from None
+        if trace is not None:
+            trace.leg_done(span, status)
         if 400 <= status < 500:
             raise passthrough(status, raw)
         if status != 200:

@@ -76,6 +76,8 @@ class Relay:
         metrics = self.metrics
         metrics.child(metrics.ttft, call.ctx.route, call.label).observe(now - call.start)
         record_transfer(metrics, self.decider, call, now)
+        if call.trace is not None:  # tracing
+            call.trace.first_token(now, call.prefill_done)
 
     # -- a whole answer ----------------------------------------------------------------
 

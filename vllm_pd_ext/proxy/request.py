@@ -89,7 +89,7 @@ class RequestContext:
         return self.tokens.generate if self.tokens is not None else self.body
 
 
-def _header(request: ClientRequest, name: bytes) -> bytes | None:
+def header(request: ClientRequest, name: bytes) -> bytes | None:
     """The first value of header ``name`` (lower case), straight from the ASGI scope."""
     for key, value in request.scope["headers"]:
         if key == name:
@@ -214,7 +214,7 @@ def parse_request(
                 "'prompt' must be a string, a list of token ids or a non-empty list of prompts",
                 "body.prompt",
             )
-    given = _header(request, b"x-request-id")
+    given = header(request, b"x-request-id")
     return RequestContext(
         route=route,
         body=body,

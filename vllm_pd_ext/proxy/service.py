@@ -61,21 +61,30 @@ from vllm_pd_ext.proxy.migration import Migrator
 from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg
 from vllm_pd_ext.proxy.protocols import SIGNED_DECODE_PARAMS, make_protocol
 from vllm_pd_ext.proxy.relay import Relay, StreamRelay
-from vllm_pd_ext.proxy.request import ClientRequest, Route, parse_body, parse_request
+from vllm_pd_ext.proxy.request import ClientRequest, Route, header, parse_body, parse_request
 from vllm_pd_ext.proxy.routing import Router
 from vllm_pd_ext.proxy.token_mode import RenderTier
+from vllm_pd_ext.proxy.tracing import Tracing
 from vllm_pd_ext.proxy.upstream import Timeouts, discard
+from vllm_pd_ext.util.logs import bind_request
 
 logger = logging.getLogger(__name__)
 
 
 class ProxyService:
     """The proxy's stages and shared state; one per app. ``fast_path``: the server is
-    ``front_protocol``'s, whose request cycle the stages may use directly."""
+    ``front_protocol``'s, whose request cycle the stages may use directly. ``tracing``:
+    where spans go, instead of the config's ``otlp_traces_endpoint`` (tests)."""
 
-    def __init__(self, config: ProxyConfig, *, fast_path: bool = False):
+    def __init__(
+        self, config: ProxyConfig, *, fast_path: bool = False, tracing: Tracing | None = None
+    ):
         self.config = config
         self.fast_path = fast_path
+        if tracing is None and config.otlp_traces_endpoint:
+            tracing = Tracing.to_endpoint(config.otlp_traces_endpoint)
+        #: None: tracing is off (the default).
+        self.tracing = tracing
         self.fleet = Fleet(config)
         self.metrics = metrics = ProxyMetrics()
         self.admission = Admission(
@@ -153,6 +162,8 @@ class ProxyService:
             await self.render.close()
         if self.router.tokenizer is not None:
             self.router.tokenizer.close()
+        if self.tracing is not None:
+            self.tracing.shutdown()
 
     def refusal_now(self) -> ProxyError | None:
         """The 429 a completion request gets from its head alone when admission is full
@@ -169,6 +180,7 @@ class ProxyService:
         limits. Raises ``ProxyError`` for answers the app maps."""
         body = parse_body(raw, self.config.max_body_bytes)
         ctx = parse_request(route, body, request, self.config, raw)
+        bind_request(ctx.request_id)  # this task's log lines name the request
         try:
             await self.admission.acquire()
         except ProxyError as exc:
@@ -177,6 +189,8 @@ class ProxyService:
         call = Call(
             ctx, DisconnectWatch(request, hooked=self.fast_path), self.admission, self.metrics
         )
+        if self.tracing is not None:
+            call.trace = self.tracing.start(ctx, header(request, b"traceparent"))
         streaming = False
         try:
             response = await self._serve(call)
@@ -202,7 +216,10 @@ class ProxyService:
         ctx = call.ctx
         decode_pool = self.router.decode_pool()
         if self.render is not None:
+            span = call.trace.child("render") if call.trace is not None else None
             ctx.tokens = await call.watch.race(self.render.render_request(ctx), "render")
+            if call.trace is not None:
+                call.trace.done(span, prompt_tokens=len(ctx.tokens.prompt_ids))
         elif self.router.tokenizer is not None:  # text mode: the prompt's ids for lookups
             await call.watch.race(self.router.tokenize(ctx), "render")
         call.migration = self.migrator.prepare(ctx)  # before any leg is sent

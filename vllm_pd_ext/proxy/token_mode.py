@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_pd_ext import derender_stream as wire
+from vllm_pd_ext.proxy import tracing
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
 from vllm_pd_ext.proxy.request import RequestContext
 from vllm_pd_ext.proxy.upstream import Timeouts, Upstream, UpstreamError, UpstreamResponse
@@ -169,12 +170,14 @@ class RenderTier:
     async def call(self, path: str, body: dict[str, Any], request_id: str) -> Any:
         """POST ``body`` to one render server; its JSON answer. Raises ``ProxyError``."""
         errors: list[str] = []
+        headers = {"X-Request-Id": request_id, **self._auth}
+        trace = tracing.current()
+        if trace is not None:  # the render server's lines name the trace
+            headers["traceparent"] = trace.traceparent()
         for i in self._order():
             upstream = self.upstreams[i]
             try:
-                status, raw = await upstream.fetch(
-                    "POST", path, self._timeout, body, {"X-Request-Id": request_id, **self._auth}
-                )
+                status, raw = await upstream.fetch("POST", path, self._timeout, body, headers)
             except UpstreamError as exc:
                 if exc.down:
                     self._down_until[i] = time.monotonic() + self._backoff_s
@@ -218,6 +221,9 @@ class RenderTier:
         reason = "no_stream_route" if self.stream_calls else "stream_calls_off"
         errors: list[str] = []
         headers = {"X-Request-Id": request_id, "Content-Type": wire.CONTENT_TYPE, **self._auth}
+        trace = tracing.current()
+        if trace is not None:
+            headers["traceparent"] = trace.traceparent()
         for i in self._order() if self.stream_calls else ():
             if self._no_stream_until[i] > time.monotonic():
                 continue
@@ -335,7 +341,11 @@ class RenderTier:
                 "prompt_token_ids": [t.prompt_ids for t in prompts],
                 "completion_request": body,
             }
+        trace = tracing.current()
+        span = trace.child("derender", calls=1) if trace is not None else None
         out = await self.call(_DERENDER_PATHS[route], req, request_id)
+        if trace is not None:
+            trace.done(span)
         if not isinstance(out, dict):
             raise ProxyError(502, "derender returned no response", code="render_failed")
         if route == "completions" and body.get("return_token_ids"):
@@ -454,11 +464,16 @@ class DerenderStream:
     _call: UpstreamResponse | None = None
     _answers: AsyncIterator[bytes] | None = None
     _buffer: bytes = b""
+    #: tracing: the request's trace, and the derender span from the first event to close
+    _trace: tracing.RequestTrace | None = field(default_factory=tracing.current)
+    _span: Any = None
 
     async def feed(self, events: bytes) -> bytes:
         """Complete SSE events (each ending in a blank line) as the client's events."""
         if self.failed:
             return events
+        if self._trace is not None and self._span is None:
+            self._span = self._trace.child("derender")
         raw = events[:-2].split(b"\n\n")
         answers: list[bytes] = []
         items: list[bytes | dict[str, Any]] = []
@@ -492,6 +507,9 @@ class DerenderStream:
         call, self._call = self._call, None
         if call is not None:
             call.close()
+        if self._trace is not None:
+            mode = "per_event" if self.streaming is False else "stream"
+            self._trace.done(self._span, mode=mode)
 
     # -- one streaming call ------------------------------------------------------------
 

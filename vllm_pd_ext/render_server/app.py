@@ -45,6 +45,7 @@ from vllm_pd_ext.render_server.renderer import Renderer
 from vllm_pd_ext.render_server.settings import API_KEY_ENV, RenderSettings
 from vllm_pd_ext.render_server.tokenizer import load_tokenizer
 from vllm_pd_ext.util.auth import bearer_ok
+from vllm_pd_ext.util.logs import bind_request, trace_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -265,6 +266,8 @@ def create_app(settings: RenderSettings) -> FastAPI:
         st = state()
         started = time.perf_counter()
         status = 200
+        headers = request.headers
+        bind_request(headers.get("x-request-id"), trace_id_of(headers.get("traceparent")))
         try:
             data = await _read_json(request, st.settings.max_body_bytes)
             if st.pending >= MAX_PENDING:
@@ -293,8 +296,10 @@ def create_app(settings: RenderSettings) -> FastAPI:
                 ),
                 status_code=500,
             )
+        elapsed = time.perf_counter() - started
         st.metrics.requests.labels(route, str(status)).inc()
-        st.metrics.seconds.labels(route).observe(time.perf_counter() - started)
+        st.metrics.seconds.labels(route).observe(elapsed)
+        logger.debug("%s: HTTP %d in %.1f ms", route, status, elapsed * 1e3)
         return response
 
     def _request_id(request: Request) -> str | None:
@@ -354,6 +359,9 @@ def create_app(settings: RenderSettings) -> FastAPI:
     async def derender_stream(kind: str, scope: Any, receive: Any, send: Any) -> None:
         """The long-lived streaming derender call (``vllm_pd_ext.derender_stream``)."""
         st = state()
+        heads = {k: v for k, v in scope["headers"] if k in (b"x-request-id", b"traceparent")}
+        rid = heads.get(b"x-request-id")
+        bind_request(rid.decode("latin-1") if rid else None, trace_id_of(heads.get(b"traceparent")))
         route = f"{'chat' if kind == 'chat' else 'completion'}_derender_stream"
         loop = asyncio.get_running_loop()
         deadline = loop.time() + st.settings.derender_stream_max_s

@@ -12,10 +12,13 @@ from typing import Any
 from pydantic import ValidationError
 
 from vllm_pd_ext.render_server.settings import API_KEY_ENV, RenderSettings
+from vllm_pd_ext.util.logs import LOG_FORMATS, setup_logging, uvicorn_log_config
 
 logger = logging.getLogger(__name__)
 
 _DEFAULTS = RenderSettings.model_fields
+#: The render server's log lines in text.
+TEXT_FORMAT = "%(levelname)s %(name)s: %(message)s"
 
 
 def _json_dict(text: str) -> dict:
@@ -84,6 +87,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help=_DEFAULTS["max_connections"].description,
     )
     p.add_argument("--log-level", default="info")
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default=_DEFAULTS["log_format"].default,
+        help="json: one JSON object per line, with the request id (and the trace id the "
+        "proxy sent) on a request's lines",
+    )
     p.set_defaults(func=main)
     return p
 
@@ -110,6 +120,7 @@ def settings_from_args(args: argparse.Namespace) -> RenderSettings:
         max_body_bytes=args.max_body_bytes,
         max_connections=args.max_connections,
         log_level=args.log_level,
+        log_format=args.log_format,
     )
 
 
@@ -127,9 +138,7 @@ def main(args: argparse.Namespace) -> int:
     except ValidationError as exc:
         print(f"vllm-pd render: error: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(levelname)s %(name)s: %(message)s"
-    )
+    setup_logging(settings.log_level, settings.log_format, TEXT_FORMAT)
     os.environ["VLLM_PD_RENDER_SETTINGS"] = settings.model_dump_json()
     uvicorn.run(
         "vllm_pd_ext.render_server.app:app_from_env",
@@ -138,6 +147,7 @@ def main(args: argparse.Namespace) -> int:
         port=settings.port,
         workers=settings.workers,
         log_level=settings.log_level,
+        log_config=uvicorn_log_config(settings.log_level, settings.log_format, TEXT_FORMAT),
         access_log=False,
         **server_limits(settings),
         # a busy shared host can delay a worker's health answer past uvicorn's 5 s default

@@ -9,6 +9,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
 
 from vllm_pd_ext.render_server.parsers import REASONING_PARSERS, TOOL_PARSERS
+from vllm_pd_ext.util.logs import LogFormat
 
 #: Keys of ``config.json`` that give a model's context length, in the order vLLM tries them.
 _CONTEXT_KEYS = (
@@ -111,6 +112,9 @@ class RenderSettings(BaseModel):
         default=3600.0, gt=0, description="longest life of one streaming derender call"
     )
     log_level: str = "info"
+    log_format: LogFormat = Field(
+        default="text", description="json: one JSON object per line, with the request id"
+    )
 
     @field_validator("model")
     @classmethod

@@ -34,6 +34,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.util.busy_threads import summary
+from vllm_pd_ext.util.logs import LogFormat, json_line
 from vllm_pd_ext.util.tiny_model import MODELS, ensure_model
 from vllm_pd_ext.util.vllm_process import (
     VllmServer,
@@ -184,6 +185,18 @@ class UpConfig(BaseModel):
     min_split_prompt_tokens: int = Field(256, ge=0)
     cost_model: bool = True
     log_dir: Path = Path("logs/up")
+    log_format: LogFormat = Field(
+        "text",
+        description="json: up's own lines, the proxy's and the render servers' as one JSON "
+        "object per line (request lines with their request id and trace id); the engines "
+        "log as vLLM does",
+    )
+    otlp_traces_endpoint: str | None = Field(
+        None,
+        description="OpenTelemetry collector for traces: the proxy's (a span per stage and "
+        "leg) and the engines' (vLLM's --otlp-traces-endpoint), joined in one trace per "
+        "request; needs the otel extra",
+    )
     ready_timeout_s: float = Field(600, gt=0)
     calm_idle_pollers: bool = Field(
         True,
@@ -340,6 +353,8 @@ class Stack:
         extra = list(cfg.vllm_args)
         if cfg.mode == "token":
             extra.append("--enable-scale-out")
+        if cfg.otlp_traces_endpoint:
+            extra += ["--otlp-traces-endpoint", cfg.otlp_traces_endpoint]
         base = ["--enforce-eager"] if cfg.device == "cpu" else []
         if cfg.max_model_len:
             base += ["--max-model-len", str(cfg.max_model_len)]
@@ -374,7 +389,7 @@ class Stack:
     def _render_part(self, index: int, port: int) -> Part:
         cfg = self.config
         args = [self.model_dir, "--host", "127.0.0.1", "--port", str(port)]
-        args += ["--served-model-name", self.served_name]
+        args += ["--served-model-name", self.served_name, "--log-format", cfg.log_format]
         if cfg.max_model_len:
             args += ["--max-model-len", str(cfg.max_model_len)]
         name = f"render-{index}"
@@ -415,6 +430,8 @@ class Stack:
             config["prefill_policy"] = config["decode_policy"] = "cache-aware"
             if not config["render"] and (Path(self.model_dir) / "tokenizer.json").is_file():
                 config["tokenizer"] = self.model_dir  # text prompts looked up by their ids
+        if cfg.otlp_traces_endpoint:
+            config["otlp_traces_endpoint"] = cfg.otlp_traces_endpoint
         return config
 
     def build(self) -> None:
@@ -448,12 +465,11 @@ class Stack:
         config_path = cfg.log_dir / "proxy.json"
         config_path.parent.mkdir(parents=True, exist_ok=True)
         config_path.write_text(json.dumps(self.proxy_config(), indent=2))
+        proxy_args = ["--config", str(config_path), "--log-format", cfg.log_format]
         proxy = Part(
             name="proxy",
             url=f"http://127.0.0.1:{cfg.proxy_port}",
-            start=lambda: ToolProcess(
-                "proxy", ["--config", str(config_path)], cfg.log_dir / "proxy.log", self.key_env
-            ),
+            start=lambda: ToolProcess("proxy", proxy_args, cfg.log_dir / "proxy.log", self.key_env),
         )
         self.parts = [*parts, proxy]
 
@@ -476,7 +492,10 @@ class Stack:
     # -- running -----------------------------------------------------------------------
 
     def _say(self, message: str) -> None:
-        print(f"[vllm-pd up] {message}", file=self.out, flush=True)
+        if self.config.log_format == "json":
+            print(json_line(message, __name__), file=self.out, flush=True)
+        else:
+            print(f"[vllm-pd up] {message}", file=self.out, flush=True)
 
     def start_engines(self) -> None:
         """Start everything but the proxy: render servers (token mode) and engines."""
@@ -713,7 +732,11 @@ def run_up(config: UpConfig) -> int:
         if not stack.start():
             return 0 if stack._stop.is_set() else 1
         stack.warm_up()
-        print(stack.endpoint_banner(), flush=True)
+        banner = stack.endpoint_banner()
+        if config.log_format == "json":
+            url = f"http://{config.host}:{config.proxy_port}/v1"
+            banner = json_line(banner, __name__, endpoint=url)
+        print(banner, flush=True)
         return stack.supervise()
     finally:
         stack.stop_all()

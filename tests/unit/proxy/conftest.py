@@ -26,6 +26,7 @@ _FLOW_MODULES = (
     "test_moriio_pdext_protocols",
     "test_proxy_flow",
     "test_token_mode",
+    "test_tracing",
 )
 
 

@@ -29,7 +29,7 @@ def fleet(engines, prefill=("p1", "p2"), decode=("d1", "d2")) -> list[dict]:
 
 
 @contextmanager
-def proxy(engines, **overrides) -> Iterator[tuple[str, ProxyService]]:
+def proxy(engines, tracing=None, **overrides) -> Iterator[tuple[str, ProxyService]]:
     data = {
         "instances": fleet(engines),
         "health_interval_s": 0.2,
@@ -40,7 +40,7 @@ def proxy(engines, **overrides) -> Iterator[tuple[str, ProxyService]]:
         **overrides,
     }
     config = ProxyConfig.model_validate(data)
-    app = create_app(config)
+    app = create_app(config, tracing=tracing)
     # the protocol `vllm-pd proxy` serves with
     with ServerThread(app, http=app.server_protocol()) as server:
         yield f"http://127.0.0.1:{server.port}", app.state.service
