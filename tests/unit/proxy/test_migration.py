@@ -67,7 +67,7 @@ def test_a_stream_broken_mid_way_is_continued_on_another_decode_as_one_answer(
     engines, route, prompt
 ):
     body = _body(route, prompt, 8, stream_options={"include_usage": True})
-    with proxy(engines) as (base, _):
+    with proxy(engines, max_migrations=1) as (base, _):
         whole = _stream(base, route, body)
         _die_once(engines, 3)
         for d in ("d1", "d2"):
@@ -101,7 +101,7 @@ def test_a_stream_broken_mid_way_is_continued_on_another_decode_as_one_answer(
 
 def test_token_ids_asked_for_by_the_client_come_through_a_migration(engines):
     body = _body("completions", SHORT, 6, return_token_ids=True)
-    with proxy(engines) as (base, _):
+    with proxy(engines, max_migrations=1) as (base, _):
         whole = _stream(base, "completions", body)
         _die_once(engines, 2)
         moved = _stream(base, "completions", body)
@@ -135,7 +135,7 @@ def test_with_no_decode_left_a_stream_goes_on_where_it_can_be_served(engines):
     engines["d1"].behavior.die_after_tokens = 3
     engines["d1"].behavior.die_once = True
     engines["d2"].behavior.status = 500  # the other decode refuses: a prefill instance serves
-    with proxy(engines) as (base, _):
+    with proxy(engines, max_migrations=1) as (base, _):
         events = _stream(base, "completions", _body("completions", SHORT, 6))
         assert metric(base, "vllm_pd_migrations_total", outcome="continued") == 1
     assert events[-1] == "[DONE]"
@@ -147,7 +147,7 @@ def test_with_no_decode_left_a_stream_goes_on_where_it_can_be_served(engines):
 def test_a_stream_whose_engine_breaks_after_its_last_token_is_ended_by_the_proxy(engines):
     _die_once(engines, 4)
     body = _body("completions", SHORT, 4, stream_options={"include_usage": True})
-    with proxy(engines) as (base, _):
+    with proxy(engines, max_migrations=1) as (base, _):
         events = _stream(base, "completions", body)
         assert metric(base, "vllm_pd_migrations_total", outcome="finished") == 1
         sent = sum(len(engines[d].requests) for d in ("d1", "d2"))
@@ -157,7 +157,7 @@ def test_a_stream_whose_engine_breaks_after_its_last_token_is_ended_by_the_proxy
 
 def test_a_request_that_cannot_be_continued_exactly_keeps_the_error_event(engines):
     _die_once(engines, 2)
-    with proxy(engines) as (base, _):
+    with proxy(engines, max_migrations=1) as (base, _):
         events = _stream(base, "completions", _body("completions", SHORT, 6, stop=["zz"]))
         assert metric(base, "vllm_pd_migrations_total", outcome="continued") == 0
     assert events[-1]["error"]["code"] == 502
@@ -171,7 +171,7 @@ def test_a_request_that_cannot_be_continued_exactly_keeps_the_error_event(engine
 def test_a_whole_answer_cut_after_its_head_is_asked_again_elsewhere(engines, route):
     _die_once(engines, 0)
     body = {**_body(route, SHORT, 4), "stream": False}
-    with proxy(engines) as (base, _):
+    with proxy(engines, max_migrations=1) as (base, _):
         resp = httpx.post(f"{base}{ROUTES[route]}", json=body, timeout=60)
         assert metric(base, "vllm_pd_migrations_total", outcome="rerun") == 1
     assert resp.status_code == 200, resp.text
