@@ -34,7 +34,7 @@ demo: $(STAMP)
 # whose dependency is missing fails instead of skipping (tests/skips.py).
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests/unit $(UNIT_PAR)
-	$(VENV)/bin/python -m pytest tests --ignore=tests/unit
+	$(VENV)/bin/python -m pytest tests --ignore=tests/unit -m "not manual"
 
 unit: $(STAMP)
 	$(VENV)/bin/python -m pytest tests/unit $(UNIT_PAR)
