@@ -116,7 +116,7 @@ class Router:
         route = self._route(ctx, decode_pool)
         if route.waits:
             return route
-        self._count(route.decision)
+        self._count(ctx, route)
         return route
 
     async def room(self, ctx: RequestContext, route: Route) -> Route:
@@ -138,17 +138,21 @@ class Router:
         outcome = "timeout" if route.waits else "room"
         self.metrics.room_waits.labels(outcome).inc()
         route.waits = False
-        self._count(route.decision)
+        self._count(ctx, route)
         return route
 
-    def _count(self, decision: Decision) -> None:
-        metrics = self.metrics
+    def _count(self, ctx: RequestContext, route: Route) -> None:
+        """Count a request's routing once, however often it was routed while it waited: its
+        decision, what the cache-aware choice scored on, a fallback for want of a decode."""
+        metrics, decision = self.metrics, route.decision
         metrics.child(metrics.decisions, decision.label, decision.reason).inc()
+        if self._cache_aware:
+            self._count_lookup(lookup_of(ctx), route.decode_pool)
+        if decision.reason == "no_decode":
+            metrics.fallbacks.labels("no_decode").inc()
 
     def _route(self, ctx: RequestContext, decode_pool: list[Instance]) -> Route:
         lookup = lookup_of(ctx)
-        if self._cache_aware:
-            self._count_lookup(lookup, decode_pool)
         decode = self.decode_policy.select(ctx.affinity_key, decode_pool, lookup)
         if not decode.serves("decode"):  # no decode instance is healthy: served whole here
             return self._no_decode(ctx, decode, decode_pool)
@@ -175,7 +179,6 @@ class Router:
         self.metrics.child(self.metrics.lookups, basis).inc()
 
     def _no_decode(self, ctx: RequestContext, inst: Instance, pool: list[Instance]) -> Route:
-        self.metrics.fallbacks.labels("no_decode").inc()
         decision = Decision(False, "no_decode")
         if self._no_decode_log.ready():
             logger.warning(
