@@ -36,8 +36,18 @@ from vllm_pd_ext.transport.tcp import TcpConfig
 DEPLOY = deploy_files.DEPLOY
 OVERLAYS = sorted(p.name for p in (DEPLOY / "overlays").iterdir() if p.is_dir())
 COMPONENTS = sorted(p.name for p in (DEPLOY / "components").iterdir() if p.is_dir())
-#: Every overlay alone, and the first overlay with each opt-in component.
-RENDERS = [(o, None) for o in OVERLAYS] + [(OVERLAYS[0], c) for c in COMPONENTS]
+
+
+def _included(overlay: str) -> set[str]:
+    """The components an overlay's kustomization includes itself."""
+    doc = yaml.safe_load((DEPLOY / "overlays" / overlay / "kustomization.yaml").read_text())
+    return {Path(c).name for c in doc.get("components", [])}
+
+
+#: Every overlay alone, and the first overlay with each component it does not include.
+RENDERS = [(o, None) for o in OVERLAYS] + [
+    (OVERLAYS[0], c) for c in COMPONENTS if c not in _included(OVERLAYS[0])
+]
 #: The oldest and the newest minor release validated against.
 K8S_VERSIONS = ("1.31.0", "1.35.0")
 #: Transport backends the manifests use, with the model that validates their settings.
@@ -496,12 +506,20 @@ def test_dashboard_and_rules_name_metrics_of_our_parts_and_vllm():
     assert all(n.startswith(("vllm_pd_", "vllm:")) for n in names), names
 
 
-@pytest.mark.parametrize("component", COMPONENTS)
-def test_kv_events_flags_are_vllms_and_reachable_by_the_proxy_only(render, component):
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_kv_events_are_vllms_followed_by_the_proxy_and_reachable_by_it_only(render, overlay):
+    """Every overlay's engines publish KV events with vLLM's own flag, their pods' annotations
+    lead the proxy's Kubernetes source to those very ports and topic, and the proxy routes
+    on them (cache-aware)."""
     need("vllm", why="vLLM's KVEventsConfig")
     from vllm.config.kv_events import KVEventsConfig
 
-    docs = render(OVERLAYS[0], component)
+    assert "kv-events" in _included(overlay)
+    docs = render(overlay)
+    proxy_config = _proxy_config(docs)
+    assert proxy_config.decode_policy == proxy_config.prefill_policy == "cache-aware"
+    assert proxy_config.kubernetes is not None
+    source = KubernetesSource(proxy_config.kubernetes.model_copy(update={"api_server": "http://k"}))
     flag = "--kv-events-config="
     for name, deployment in _engines(docs).items():
         [container] = _pod(deployment)["containers"]
@@ -514,6 +532,19 @@ def test_kv_events_flags_are_vllms_and_reachable_by_the_proxy_only(render, compo
             (config.replay_endpoint, "kv-replay"),
         ):
             assert endpoint == f"tcp://*:{ports[port_name]}", name
+        running = {
+            "metadata": {**deployment["spec"]["template"]["metadata"], "name": f"{name}-0"},
+            "status": {
+                "phase": "Running",
+                "podIP": "10.0.0.7",
+                "conditions": [{"type": "Ready", "status": "True"}],
+            },
+        }
+        instance = source._instance(running)
+        assert instance is not None and instance.kv_events is not None, name
+        assert instance.kv_events.endpoint == f"tcp://10.0.0.7:{ports['kv-events']}"
+        assert instance.kv_events.replay_endpoint == f"tcp://10.0.0.7:{ports['kv-replay']}"
+        assert instance.kv_events.topic == config.topic
     rules = _named(docs, "NetworkPolicy")["vllm-pd-engines"]["spec"]["ingress"]
     [events] = [r for r in rules if {"port": "kv-events"} in r.get("ports", [])]
     assert events["ports"] == [{"port": "kv-events"}, {"port": "kv-replay"}]

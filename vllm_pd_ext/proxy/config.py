@@ -88,8 +88,11 @@ class KubernetesConfig(_Strict):
     """Discover instances as the Ready pods matching a label selector.
 
     A pod's role comes from its ``role_label`` (prefill, decode or both; absent = both), its
-    port from ``port_annotation`` or ``port``. The API server defaults to the in-cluster one,
-    with the pod's service-account token and CA.
+    port from ``port_annotation`` or ``port``. A pod annotated with ``kv_events_port_annotation``
+    publishes its KV events at ``tcp://<podIP>:<port>`` (replays at the port in
+    ``kv_events_replay_port_annotation``, topic in ``kv_events_topic_annotation``): the proxy
+    follows them as it does an instance's ``kv_events``. The API server defaults to the
+    in-cluster one, with the pod's service-account token and CA.
     """
 
     api_server: str | None = Field(
@@ -100,6 +103,9 @@ class KubernetesConfig(_Strict):
     role_label: str = "vllm-pd.io/role"
     port: int = Field(8000, ge=1, le=65535)
     port_annotation: str = "vllm-pd.io/port"
+    kv_events_port_annotation: str = "vllm-pd.io/kv-events-port"
+    kv_events_replay_port_annotation: str = "vllm-pd.io/kv-events-replay-port"
+    kv_events_topic_annotation: str = "vllm-pd.io/kv-events-topic"
     scheme: Literal["http", "https"] = "http"
     token_file: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/token")
     ca_file: Path | None = Path("/var/run/secrets/kubernetes.io/serviceaccount/ca.crt")

@@ -17,7 +17,12 @@ from typing import Any, Protocol
 
 import httpx
 
-from vllm_pd_ext.proxy.config import InstanceConfig, KubernetesConfig, read_instances
+from vllm_pd_ext.proxy.config import (
+    InstanceConfig,
+    KubernetesConfig,
+    KVEventsConfig,
+    read_instances,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -137,6 +142,39 @@ class KubernetesSource:
             url=f"{self.config.scheme}://{host}:{port}",
             role=role,
             name=f"{self.config.namespace}/{name}",
+            kv_events=self._kv_events(name, annotations, host),
+        )
+
+    def _kv_events(self, name: str, annotations: dict, host: str) -> KVEventsConfig | None:
+        """Where the pod publishes its KV events, from its annotations; None when it does not
+        say, or says it in a way that is not a port or a topic (the pod is then routed on the
+        estimate, with a warning: it still serves)."""
+        cfg = self.config
+        if cfg.kv_events_port_annotation not in annotations:
+            return None
+        port = _port(annotations[cfg.kv_events_port_annotation], 0)
+        replay = annotations.get(cfg.kv_events_replay_port_annotation)
+        replay_port = None if replay is None else _port(replay, 0)
+        topic = annotations.get(cfg.kv_events_topic_annotation, "")
+        if port is None or (replay is not None and replay_port is None):
+            logger.warning(
+                "fleet: pod %s: a KV events port annotation is not a port (1-65535); "
+                "its KV events are not followed",
+                name,
+            )
+            return None
+        if not isinstance(topic, str) or not re.fullmatch(r"[\x21-\x7e]{0,256}", topic):
+            logger.warning(
+                "fleet: pod %s: annotation %s is not a topic (up to 256 printable ASCII "
+                "characters, no spaces); its KV events are not followed",
+                name,
+                cfg.kv_events_topic_annotation,
+            )
+            return None
+        return KVEventsConfig(
+            endpoint=f"tcp://{host}:{port}",
+            replay_endpoint=None if replay_port is None else f"tcp://{host}:{replay_port}",
+            topic=topic,
         )
 
     async def close(self) -> None:

@@ -8,6 +8,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from tests.unit.proxy.helpers import SHORT, proxy, wait_until
+from vllm_pd_ext.proxy.config import KVEventsConfig
 from vllm_pd_ext.testing.fake_engine import ServerThread
 
 
@@ -136,3 +137,55 @@ def test_a_pod_whose_annotation_or_ip_is_not_an_address_is_refused(
     with proxy(engines, instances=[], kubernetes=k8s_config(api)) as (_, svc):
         wait_until(lambda: api.calls >= 2)
         assert [i.url for i in svc.fleet.instances()] == [engines["d1"].url]
+
+
+KV_EVENTS = {
+    "vllm-pd.io/kv-events-port": "5557",
+    "vllm-pd.io/kv-events-replay-port": "5558",
+    "vllm-pd.io/kv-events-topic": "kv-events",
+}
+
+
+def test_a_pod_annotated_with_its_kv_events_ports_is_followed(engines, api):
+    """A pod that says where it publishes its KV events (the kv-events component's
+    annotations) becomes an instance whose events the proxy subscribes to, at the pod's IP;
+    a pod that says nothing is routed on the estimate."""
+    with_events = pod("d-0", engines["d1"].port, role="decode")
+    with_events["metadata"]["annotations"].update(KV_EVENTS)
+    api.pods = [with_events, pod("d-1", engines["d2"].port, role="decode")]
+    with proxy(engines, instances=[], kubernetes=k8s_config(api)) as (_, svc):
+        wait_until(lambda: len(svc.fleet.instances()) == 2)
+        by_name = {i.config.name: i for i in svc.fleet.instances()}
+        followed, plain = by_name["serving/d-0"], by_name["serving/d-1"]
+        assert followed.config.kv_events == KVEventsConfig(
+            endpoint="tcp://127.0.0.1:5557",
+            replay_endpoint="tcp://127.0.0.1:5558",
+            topic="kv-events",
+        )
+        assert followed.events is not None  # subscribed
+        assert plain.config.kv_events is None and plain.events is None
+
+
+@pytest.mark.parametrize(
+    ("annotation", "value"),
+    [
+        ("vllm-pd.io/kv-events-port", "5557@evil.example:1/x"),
+        ("vllm-pd.io/kv-events-port", "0"),
+        ("vllm-pd.io/kv-events-replay-port", "70000"),
+        ("vllm-pd.io/kv-events-topic", "a topic with spaces"),
+        ("vllm-pd.io/kv-events-topic", "x" * 257),
+    ],
+)
+def test_a_pod_whose_kv_events_annotation_is_not_an_address_serves_without_them(
+    engines, api, annotation, value, caplog
+):
+    """KV events annotations that are not a port or a topic never become (part of) a
+    ZeroMQ endpoint: the pod still serves, routed on the estimate, and the log says why."""
+    bad = pod("d-0", engines["d1"].port, role="decode")
+    bad["metadata"]["annotations"].update({**KV_EVENTS, annotation: value})
+    api.pods = [bad]
+    with proxy(engines, instances=[], kubernetes=k8s_config(api)) as (_, svc):
+        wait_until(lambda: len(svc.fleet.instances()) == 1)
+        (inst,) = svc.fleet.instances()
+        assert inst.config.kv_events is None and inst.events is None
+    assert "its KV events are not followed" in caplog.text
