@@ -31,10 +31,12 @@ demo: $(STAMP)
 
 # The fast unit lane first; the rest (tests/integration: real vllm serve) only when it passes.
 # Every exit code but 0 stops make, "no tests collected" (5) included. Under CI=true a test
-# whose dependency is missing fails instead of skipping (tests/skips.py).
+# whose dependency is missing fails instead of skipping (tests/skips.py). The integration lane
+# prints its 25 slowest steps (engine starts show up as fixture setups): the run must stay
+# well under an hour.
 test: $(STAMP)
 	$(VENV)/bin/python -m pytest tests/unit $(UNIT_PAR)
-	$(VENV)/bin/python -m pytest tests --ignore=tests/unit -m "not manual"
+	$(VENV)/bin/python -m pytest tests --ignore=tests/unit -m "not manual" --durations=25
 
 unit: $(STAMP)
 	$(VENV)/bin/python -m pytest tests/unit $(UNIT_PAR)
