@@ -96,6 +96,8 @@ def _cmd_up(args: argparse.Namespace) -> int:
         "model": args.model,
         "prefill": args.prefill,
         "decode": args.decode,
+        "prefill_tp": args.prefill_tp,
+        "decode_tp": args.decode_tp,
         "connector": args.connector,
         "pdext_backend": args.pdext_backend,
         "mode": args.mode,
@@ -294,6 +296,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     up.add_argument("--prefill", type=int, default=None, help="prefill instances (default 1)")
     up.add_argument("--decode", type=int, default=None, help="decode instances (default 1)")
+    up.add_argument(
+        "--prefill-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks per prefill instance (default 1; cpu: a core per rank)",
+    )
+    up.add_argument(
+        "--decode-tp",
+        type=int,
+        default=None,
+        help="tensor-parallel ranks per decode instance (default 1; connector pdext: the "
+        "same as --prefill-tp)",
+    )
     up.add_argument(
         "--connector",
         default=None,

