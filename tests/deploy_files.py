@@ -14,8 +14,9 @@ DEPLOY = Path(__file__).parent.parent / "deploy"
 DASHBOARD = DEPLOY / "grafana" / "vllm-pd.json"
 RULES = DEPLOY / "prometheus" / "vllm-pd-rules.yaml"
 
-#: Words of PromQL that look like metric names.
-_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset"})
+#: Words of PromQL that look like metric names (``group_left`` / ``group_right`` may stand
+#: without a label list).
+_KEYWORDS = frozenset({"and", "or", "unless", "bool", "offset", "group_left", "group_right"})
 #: Modifiers followed by a parenthesised list of label names.
 _LABEL_LISTS = re.compile(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
 

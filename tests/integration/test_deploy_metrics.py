@@ -35,6 +35,8 @@ ON_EVENT = {
     "vllm_pd_rejected_total": "labelled by reason; the first refusal adds its series",
     "vllm_pd_breaker_open": "labelled by pair; a pair's series appears when its stall breaker "
     "first opens",
+    "vllm_pd_split_failures_total": "labelled by pair and reason; a pair's first failed split "
+    "adds its series",
 }
 _SUFFIXES = ("_bucket", "_sum", "_count")
 

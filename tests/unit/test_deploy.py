@@ -11,6 +11,7 @@ import copy
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -28,6 +29,8 @@ from tests.skips import MissingDependency, need
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.common.config import parse_transfer_config
 from vllm_pd_ext.proxy.config import ProxyConfig
+from vllm_pd_ext.proxy.metric_types import Counter, Gauge, Histogram
+from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.sources import ROLES, KubernetesSource
 from vllm_pd_ext.testing.fake_engine import ServerThread
 from vllm_pd_ext.transport.mooncake import MooncakeConfig
@@ -466,7 +469,7 @@ def test_dashboard_is_well_formed():
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
     for topic in ("ttft", "itl", "split ratio", "fallbacks", "breaker", "transfer", "queued"):
         assert topic in titles, topic
-    for topic in ("render latency", "kv cache usage", "lease expiries"):
+    for topic in ("render latency", "kv cache usage", "lease expiries", "by pair"):
         assert topic in titles, topic
 
 
@@ -483,7 +486,7 @@ def test_alert_rules_are_well_formed():
             assert rule["expr"].count("(") == rule["expr"].count(")"), rule["expr"]
             names.append(rule["alert"])
     assert len(names) == len(set(names))
-    for topic in ("Stall", "Fallback", "LeaseExpiries", "NoHealthyDecode", "Unhealthy"):
+    for topic in ("Stall", "Fallback", "LeaseExpiries", "NoHealthyDecode", "Unhealthy", "Pair"):
         assert any(topic in n for n in names), topic
 
 
@@ -492,11 +495,13 @@ def test_metric_names_reads_what_promql_selects():
         "histogram_quantile(0.95, sum by (le, decision) (rate(vllm_pd_ttft_seconds_bucket"
         '{namespace="$namespace", route=~"a|b"}[$__rate_interval])))'
         " / on (pod) group_left (x) vllm:kv_cache_usage_perc > 0 and sum(up offset 5m)"
+        " > on (namespace) group_left 2 * vllm_pd_in_flight"
     )
     assert deploy_files.metric_names(expr) == {
         "vllm_pd_ttft_seconds_bucket",
         "vllm:kv_cache_usage_perc",
         "up",
+        "vllm_pd_in_flight",
     }
 
 
@@ -504,6 +509,34 @@ def test_dashboard_and_rules_name_metrics_of_our_parts_and_vllm():
     names = deploy_files.all_metric_names()
     assert len(names) >= 20
     assert all(n.startswith(("vllm_pd_", "vllm:")) for n in names), names
+
+
+#: Labels Prometheus adds to every series it scrapes (podmonitors.yaml), and histograms' ``le``.
+SCRAPE_LABELS = {"namespace", "pod", "le"}
+
+
+def test_the_proxy_metrics_the_files_use_are_the_proxys_with_the_labels_they_group_by():
+    """Without a running stack: every ``vllm_pd_`` name (but the render server's) is a
+    sample the proxy's registry exposes, and each ``by (...)`` of an expression that selects
+    one proxy metric names only that metric's labels (pairs: ``prefill``, ``decode``)."""
+    exposed: dict[str, set[str]] = {}
+    for metric in vars(ProxyMetrics()).values():
+        if isinstance(metric, Counter | Gauge | Histogram):
+            suffixes = {Counter: ("_total",), Histogram: ("_bucket", "_sum", "_count")}
+            for suffix in suffixes.get(type(metric), ("",)):
+                exposed[metric.name + suffix] = set(metric.labelnames)
+    used = {n for n in deploy_files.all_metric_names() if n.startswith("vllm_pd_")}
+    proxy = {n for n in used if not n.startswith("vllm_pd_render_")}
+    assert proxy - set(exposed) == set()
+    assert {"vllm_pd_transfer_gap_seconds_bucket", "vllm_pd_split_failures_total"} <= proxy
+    for expr in deploy_files.dashboard_expressions() + deploy_files.rule_expressions():
+        names = deploy_files.metric_names(expr) & proxy
+        if len(names) != 1:
+            continue
+        (name,) = names
+        for group in re.finditer(r"\bby\s*\(([^)]*)\)", expr):
+            grouped = {g.strip() for g in group.group(1).split(",") if g.strip()}
+            assert grouped - SCRAPE_LABELS <= exposed[name], (name, expr)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

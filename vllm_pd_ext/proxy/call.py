@@ -47,6 +47,7 @@ class Call:
         "cached",
         "ctx",
         "decision",
+        "decode_instance",
         "engines",
         "kv_first",
         "label",
@@ -86,6 +87,8 @@ class Call:
         self.prefill_done: float | None = None
         #: The prefill instance that computed the KV the decode leg loads.
         self.prefill_instance: Instance | None = None
+        #: The decode instance the latest decode attempt went to.
+        self.decode_instance: Instance | None = None
         #: The decode leg's first step only loads the KV and answers one token (a guarded
         #: non-streamed split; the answer comes in a second step).
         self.kv_first = False

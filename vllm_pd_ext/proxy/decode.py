@@ -90,6 +90,7 @@ class DecodeLeg:
         """Send ``body`` to ``inst`` on the request's engine route as ``request_id``."""
         if call.ctx.tokens is not None and inst not in call.engines:
             call.engines.append(inst)
+        call.decode_instance = inst
         headers = {"X-Request-Id": request_id}
         if call.trace is not None:  # tracing: this attempt's span and its traceparent
             call.trace.leg("decode", inst, headers)
@@ -165,6 +166,7 @@ class DecodeLeg:
                 except UpstreamError as exc:
                     self.fleet.upstream_failed(inst, exc)
                     errors.append(f"{inst.label}: {exc.kind}")
+                    self._split_failed(call, inst)
                     continue
                 except ClientGone:
                     if stream is not None and stream.started:
@@ -185,6 +187,7 @@ class DecodeLeg:
                 if resp.status >= 500:
                     resp.close()
                     errors.append(f"{inst.label}: HTTP {resp.status}")
+                    self._split_failed(call, inst)
                     continue
                 if resp.status != 200:
                     try:
@@ -205,6 +208,13 @@ class DecodeLeg:
             rescue_s = guard.rescue_budget_s(stalled_leg_s) if stream is not None else None
             return await self.open(call, route, None, stream, stalled, rescue_s)
         return await self.open(call, route, None, stream)
+
+    def _split_failed(self, call: Call, inst: Instance) -> None:
+        """A decode attempt on ``inst`` failed; counted per pair when it was to load a
+        prefill's KV."""
+        if call.params is not None and call.prefill_instance is not None:
+            m = self.metrics
+            m.pair(m.split_failures, call.prefill_instance, inst, "decode_error").inc()
 
     async def _rest(self, call: Call, inst: Instance, probe: UpstreamResponse) -> UpstreamResponse:
         """After a guarded non-streamed split's first step answered 200 on ``inst``: its

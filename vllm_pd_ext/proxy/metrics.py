@@ -4,11 +4,21 @@ The types are the lock-free ones of ``metric_types`` (updated from the event loo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry
 
 from vllm_pd_ext.proxy.metric_types import Counter, Gauge, Histogram
+
+if TYPE_CHECKING:
+    from vllm_pd_ext.proxy.fleet import Instance
+
+#: Distinct prefill->decode pairs a pair-labelled metric keeps apart; the series of pairs
+#: seen after them are counted together under ``OTHER`` (instances come and go with the
+#: fleet: this bounds the series of a long-lived proxy).
+MAX_PAIRS = 1024
+#: The ``prefill`` and ``decode`` label of pairs beyond ``MAX_PAIRS``.
+OTHER = "other"
 
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _ITL = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
@@ -26,8 +36,27 @@ class ProxyMetrics:
             found = self._children[key] = metric.labels(*values)
         return found
 
+    def pair(
+        self, metric: Any, prefill: Instance | None, decode: Instance | None, *values: str
+    ) -> Any:
+        """The child of a metric labelled ``prefill``, ``decode`` (then ``values``) for this
+        pair of fleet instances ("-" for a side not known); remembered like :meth:`child`,
+        for at most ``MAX_PAIRS`` pairs a metric (later ones: ``OTHER``)."""
+        labels = (prefill.label if prefill else "-", decode.label if decode else "-", *values)
+        key = (id(metric), labels)
+        found = self._children.get(key)
+        if found is None:
+            pairs = self._pairs.setdefault(id(metric), set())
+            if labels[:2] not in pairs:
+                if len(pairs) >= MAX_PAIRS:
+                    return metric.labels(OTHER, OTHER, *values)
+                pairs.add(labels[:2])
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def __init__(self) -> None:
         self._children: dict[tuple[int, tuple[str, ...]], Any] = {}
+        self._pairs: dict[int, set[tuple[str, ...]]] = {}
         r = self.registry = CollectorRegistry()
         self.requests = Counter(
             "vllm_pd_requests",
@@ -63,8 +92,18 @@ class ProxyMetrics:
         )
         self.transfer_gap = Histogram(
             "vllm_pd_transfer_gap_seconds",
-            "Prefill leg done to first decode token (KV transfer plus decode admission)",
+            "Prefill leg done to first decode token (KV transfer plus decode admission), by "
+            "prefill -> decode pair",
+            ["prefill", "decode"],
             buckets=_LATENCY,
+            registry=r,
+        )
+        self.split_failures = Counter(
+            "vllm_pd_split_failures",
+            "Split requests whose decode leg failed after their prefill leg, by prefill -> "
+            "decode pair and reason: stall (no first token by the stall guard's deadline), "
+            "decode_error (the decode instance failed the leg); each was served another way",
+            ["prefill", "decode", "reason"],
             registry=r,
         )
         self.retries = Counter("vllm_pd_retries", "Retries by leg", ["leg"], registry=r)

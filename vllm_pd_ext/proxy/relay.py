@@ -333,7 +333,7 @@ def record_transfer(metrics: ProxyMetrics, decider: Decider, call: Call, now: fl
     prefill_done = call.prefill_done
     if prefill_done is not None:
         gap = now - prefill_done
-        metrics.transfer_gap.observe(gap)
+        metrics.pair(metrics.transfer_gap, call.prefill_instance, call.decode_instance).observe(gap)
         decider.observe(call.ctx.est_prompt_tokens, prefill_done - call.start, gap)
 
 

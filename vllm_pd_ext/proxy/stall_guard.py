@@ -162,6 +162,7 @@ class StallGuard:
     def stalled(self, prefill: Instance | None, decode: Instance, request_id: str) -> None:
         """A guarded leg missed its deadline on this pair."""
         self.metrics.fallbacks.labels("stall").inc()
+        self.metrics.pair(self.metrics.split_failures, prefill, decode, "stall").inc()
         if self._log.ready():
             logger.warning(
                 "request %s: no first token from %s within the stall guard's deadline after "

@@ -132,6 +132,10 @@ def test_write_decode_retry_elsewhere_runs_colocated(engines):
         assert "kv_transfer_params" not in sent(engines["d2"])[0]
         assert metric(base, "vllm_pd_fallbacks_total", reason="decode_retry") == 1
         assert metric(base, "vllm_pd_retries_total", leg="decode") == 1
+        (prefill,) = (engines[n].url for n in ("p1", "p2") if sent(engines[n]))
+        pair = {"prefill": prefill, "decode": engines["d1"].url}
+        assert metric(base, "vllm_pd_split_failures_total", reason="decode_error", **pair) == 1
+        assert metric(base, "vllm_pd_split_failures_total") == 1  # not d2's colocated leg
     no_param_errors(engines)
 
 

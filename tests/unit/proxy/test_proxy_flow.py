@@ -616,6 +616,8 @@ def test_a_stalled_split_stream_is_served_colocated_before_the_client_sees_a_byt
         assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
         assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
         assert metric(base, "vllm_pd_transfer_gap_seconds_count") == 0  # no sample of a stall
+        pair = {"prefill": engines["p1"].url, "decode": engines["d1"].url}
+        assert metric(base, "vllm_pd_split_failures_total", reason="stall", **pair) == 1
         assert metric(base, "vllm_pd_in_flight") == 0
 
 
@@ -672,7 +674,8 @@ def test_a_non_streamed_split_loads_its_kv_under_the_guard_then_answers_from_the
         assert "min_tokens" not in first
         assert rest == body  # the client's request, as it came
         assert metric(base, "vllm_pd_requests_total", decision="split", outcome="ok") == 1
-        assert metric(base, "vllm_pd_transfer_gap_seconds_count") == 1
+        pair = {"prefill": engines["p1"].url, "decode": engines["d1"].url}
+        assert metric(base, "vllm_pd_transfer_gap_seconds_count", **pair) == 1
         assert metric(base, "vllm_pd_in_flight") == 0
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from prometheus_client import generate_latest
 
+from vllm_pd_ext.proxy import metrics as metrics_module
 from vllm_pd_ext.proxy.config import DecisionConfig, StallGuardConfig
 from vllm_pd_ext.proxy.decision import Decider
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
@@ -122,3 +123,16 @@ def test_streams_are_guarded_whole_answers_only_to_decodes_that_cache_prompts():
     assert guard.guards(True, caching) and not guard.guards(False, caching)
     guard, _, _ = _guard(enabled=False)
     assert not guard.guards(True, caching) and not guard.guards(False, caching)
+
+
+def test_pair_labelled_series_are_bounded_later_pairs_count_as_other(monkeypatch):
+    """Each prefill -> decode pair has its own series up to MAX_PAIRS pairs a metric; the
+    split failures of pairs seen after that are counted under ("other", "other")."""
+    monkeypatch.setattr(metrics_module, "MAX_PAIRS", 2)
+    guard, _, metrics = _guard(breaker_stalls=100)
+    decodes = [SimpleNamespace(label=f"d{i}") for i in range(4)]
+    for d in decodes + decodes[:1]:
+        guard.stalled(P, d, "req")  # type: ignore[arg-type]
+    got = parse_metrics(generate_latest(metrics.registry).decode())
+    failures = got.by_label("vllm_pd_split_failures_total", "prefill", "decode", "reason")
+    assert failures == {"p/d0/stall": 2.0, "p/d1/stall": 1.0, "other/other/stall": 2.0}

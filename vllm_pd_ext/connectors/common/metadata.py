@@ -44,6 +44,9 @@ class RecvSpec:
     #: WRITE: the hash (``scheduler.prompt_hash``) of the prompt tokens this request loads; a
     #: "written" notice that names another prompt's hash is refused.
     prompt_hash: str | None = None
+    #: The request's W3C ``traceparent`` (``tracing.py``: the ``kv_load`` span's parent);
+    #: None when the engine does not trace.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -58,6 +61,8 @@ class SendSpec:
     mode: str
     block_ids: tuple[tuple[int, ...], ...]
     transfer_id: str | None = None
+    #: The request's ``traceparent`` (READ: the ``kv_hold`` span's parent), or None.
+    traceparent: str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,6 +75,8 @@ class PushSpec:
     transfer_id: str
     block_ids: tuple[tuple[int, ...], ...]
     prompt_hash: str
+    #: The request's ``traceparent`` (the ``kv_push`` span's parent), or None.
+    traceparent: str | None = None
 
 
 @dataclass

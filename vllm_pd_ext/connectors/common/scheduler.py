@@ -54,6 +54,7 @@ from vllm_pd_ext.connectors.common.metadata import (
 )
 from vllm_pd_ext.connectors.common.parallel import tp_refusal
 from vllm_pd_ext.connectors.common.stats import StatsRecorder
+from vllm_pd_ext.connectors.common.tracing import traceparent_of
 from vllm_pd_ext.transfer_params import (
     READ,
     WRITE,
@@ -353,6 +354,7 @@ class TransferScheduler:
             lease_s=answer.lease_s if answer is not None else None,
             # WRITE: the prefill's "written" notice must name the prompt loaded here
             prompt_hash=prompt_hash(request.prompt_token_ids or [], n) if mode == WRITE else None,
+            traceparent=traceparent_of(request),
         )
 
     # ---- both ----
@@ -375,7 +377,7 @@ class TransferScheduler:
                 )
                 tid = str(transfer_id_of(req.kv_transfer_params))
                 computed = prompt_hash(req.prompt_token_ids or [], req.num_prompt_tokens)
-                meta.push.append(PushSpec(req_id, tid, ids, computed))
+                meta.push.append(PushSpec(req_id, tid, ids, computed, traceparent_of(req)))
                 self._pushed.add(req_id)
         now = time.monotonic()
         if self._waiting_remote and now - self._last_renew >= self.cfg.lease_s / 3:
@@ -418,7 +420,7 @@ class TransferScheduler:
         mode = self._mode(p)
         n = min(request.num_computed_tokens, request.num_prompt_tokens)
         ids = self._blocks_for(groups, n)
-        self._send.append(SendSpec(req_id, mode, ids, transfer_id_of(p)))
+        self._send.append(SendSpec(req_id, mode, ids, transfer_id_of(p), traceparent_of(request)))
         answer = PdExtReadAnswer(
             remote_engine_id=self.engine_id,
             remote_request_id=req_id,

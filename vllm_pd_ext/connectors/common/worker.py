@@ -47,6 +47,7 @@ from vllm_pd_ext.connectors.common.layout import (
 from vllm_pd_ext.connectors.common.leases import LeaseTable
 from vllm_pd_ext.connectors.common.metadata import (
     READ,
+    WRITE,
     PdTransferMetadata,
     PushSpec,
     RecvSpec,
@@ -61,6 +62,7 @@ from vllm_pd_ext.connectors.common.side_channel import (
     warn_if_exposed,
 )
 from vllm_pd_ext.connectors.common.stats import StatsRecorder
+from vllm_pd_ext.connectors.common.tracing import TransferSpans
 from vllm_pd_ext.transport import (
     TransferOp,
     Transport,
@@ -89,6 +91,11 @@ class LoadFailed(RuntimeError):
     """One decode-side load did not complete; the request is recomputed or failed."""
 
 
+class LeaseExpired(LoadFailed):
+    """Prefill side: blocks held for a decode instance were freed unread, their lease over
+    (named in the ``kv_hold`` span; counted in ``lease_expiries``)."""
+
+
 class KVRefused(LoadFailed):
     """A WRITE's KV arrived computed for another prompt than the decode request's (its params
     were replayed with another prompt, or another prefill request claimed the transfer): it
@@ -112,6 +119,7 @@ class _Push:
     views_done: set[int] = field(default_factory=set)
     handles: list[Any] = field(default_factory=list)
     nbytes: int = 0
+    peer: str | None = None  # the decode engine that offered its blocks, once it has
     cancelled: bool = False
     lock: threading.Lock = field(default_factory=threading.Lock)  # submit vs cancel
 
@@ -147,6 +155,7 @@ class TransferWorker:
         group_of: Mapping[str, int] | None = None,
         key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
+        spans: TransferSpans | None = None,
     ) -> None:
         self.cfg = cfg
         #: The fleet key: tags every side-channel exchange and, where the backend can,
@@ -161,6 +170,8 @@ class TransferWorker:
         self.model = dict(model)
         self.group_of = dict(group_of or {})
         self.stats = StatsRecorder()
+        #: Ends the transfer spans of requests that carry a ``traceparent`` (``tracing.py``).
+        self.spans = spans or TransferSpans()
         self.transport: Transport | None = None
         self.layout: CacheLayout | None = None
         self._clock = clock
@@ -191,6 +202,8 @@ class TransferWorker:
         self._cancelled: dict[str, float] = {}
         #: req id -> its blocks per group, held under a lease (read mode)
         self._held: dict[str, tuple[tuple[int, ...], ...]] = {}
+        #: req id -> (traceparent, when its hold began, ns): held requests that are traced
+        self._hold_spans: dict[str, tuple[str, int]] = {}
         self._pushes: dict[str, _Push] = {}  # req id -> push
         self._push_futures: dict[str, Future] = {}
         self._push_confirmed: set[str] = set()
@@ -367,6 +380,8 @@ class TransferWorker:
                 with self._lease_lock:
                     self._held[spec.req_id] = spec.block_ids
                     self._leases.grant(spec.req_id)
+                    if spec.traceparent is not None:
+                        self._hold_spans[spec.req_id] = (spec.traceparent, time.time_ns())
             else:
                 self._push_confirmed.add(spec.req_id)
         for push in meta.push:
@@ -399,7 +414,33 @@ class TransferWorker:
             )
 
     def _load(self, spec: RecvSpec) -> None:
-        """Transfer thread: complete one decode-side load or raise :class:`LoadFailed`."""
+        """Transfer thread: complete one decode-side load or raise :class:`LoadFailed`; a
+        traced request's ends its ``kv_load`` span."""
+        if spec.traceparent is None:
+            self._run_load(spec)
+            return
+        start, nbytes, error = time.time_ns(), 0, None
+        try:
+            nbytes = self._run_load(spec)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self.spans.record(
+                "kv_load",
+                spec.traceparent,
+                start,
+                outcome="ok" if error is None else _failure(error),
+                error=error,
+                address=(spec.remote.host, spec.remote.port + self.tp_rank),
+                mode=spec.mode,
+                bytes=nbytes,
+                peer=spec.remote.engine_id or None,
+                request_id=spec.req_id,
+            )
+
+    def _run_load(self, spec: RecvSpec) -> int:
+        """:meth:`_load`'s work: the bytes this side moved (a WRITE's decode side: none)."""
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.transfer_timeout_s
         try:
@@ -476,6 +517,7 @@ class TransferWorker:
                     self._awaiting.pop(str(spec.transfer_id), None)
                     self._written.pop(str(spec.transfer_id), None)
         self.stats.transfer(time.perf_counter() - t0, nbytes)
+        return nbytes
 
     def _move(self, peer: _Peer, pairs: Any, deadline: float, *, read: bool) -> int:
         """Copy ``pairs[g]`` (local, remote) blocks of each group ``g`` for every cache view;
@@ -636,7 +678,35 @@ class TransferWorker:
                 self._push_futures[req_id] = self._pool.submit(self._finish_push, push)
 
     def _finish_push(self, push: _Push) -> None:
-        """Transfer thread: wait for the decode offer, write what is left, say "written"."""
+        """Transfer thread: wait for the decode offer, write what is left, say "written"; a
+        traced request's ends its ``kv_push`` span."""
+        traceparent = push.spec.traceparent
+        if traceparent is None:
+            self._run_push(push)
+            return
+        start = time.time_ns()
+        error: BaseException | None = None
+        try:
+            error = self._run_push(push)
+        except BaseException as e:
+            error = e
+            raise
+        finally:
+            self.spans.record(
+                "kv_push",
+                traceparent,
+                start,
+                outcome="ok" if error is None else _failure(error),
+                error=error,
+                mode=WRITE,
+                bytes=push.nbytes if error is None else None,
+                peer=push.peer,
+                request_id=push.spec.req_id,
+            )
+
+    def _run_push(self, push: _Push) -> Exception | None:
+        """:meth:`_finish_push`'s work: None once "written" went out, else what failed it
+        (raised when no decode offer came within the lease)."""
         assert self.transport is not None and self.layout is not None
         tid = push.spec.transfer_id
         deadline = push.started + self.cfg.lease_s
@@ -650,7 +720,8 @@ class TransferWorker:
         if target is None:
             self.stats.lease_expired()
             raise LoadFailed(f"no decode offer for transfer {tid} within the lease")
-        ok, error = True, ""
+        push.peer = target.reply_to
+        ok, error, failure = True, "", None
         t0 = time.perf_counter()
         try:
             pairs = self._push_pairs(push, target)
@@ -664,10 +735,10 @@ class TransferWorker:
                     raise LoadFailed("the prefill request ended without keeping its blocks")
                 time.sleep(0.002)
         except (TransportError, LayoutMismatch, LoadFailed) as e:
-            ok, error = False, str(e)
+            ok, error, failure = False, str(e), e
             self.stats.failure()
             if push.cancelled:
-                return  # the decode side stopped listening
+                return failure  # the decode side stopped listening
         else:
             self.stats.transfer(time.perf_counter() - t0, push.nbytes)
         finally:
@@ -683,6 +754,7 @@ class TransferWorker:
                 "prompt_hash": push.spec.prompt_hash,
             },
         )
+        return failure
 
     # ---- completions ----
     def _handle_notifications(self) -> None:
@@ -712,7 +784,7 @@ class TransferWorker:
                         continue
                     released = self._leases.release(req)
                 if released:
-                    self._free(req)
+                    self._free(req, "released", holder or n.sender)
             elif op == "written":
                 tid = str(body.get("transfer_id"))
                 with self._lock:
@@ -737,11 +809,28 @@ class TransferWorker:
                         writer,
                     )
 
-    def _free(self, req_id: str) -> None:
-        """The lease of ``req_id`` ended: no peer may read its blocks any more."""
+    def _free(self, req_id: str, outcome: str, peer: str | None = None) -> None:
+        """The lease of ``req_id`` ended (``outcome``: released by ``peer``, or expired): no
+        peer may read its blocks any more."""
         self._revoke(_read_grant(req_id))
-        self._held.pop(req_id, None)
+        blocks = self._held.pop(req_id, None)
         self._finished_sending.add(req_id)
+        if self._hold_spans:
+            traced = self._hold_spans.pop(req_id, None)
+            if traced is not None:
+                self.spans.record(
+                    "kv_hold",
+                    traced[0],
+                    traced[1],
+                    outcome=outcome,
+                    error=LeaseExpired(f"no decode read the blocks of {req_id} in time")
+                    if outcome == "expired"
+                    else None,
+                    mode=READ,
+                    blocks=sum(len(g) for g in blocks) if blocks else None,
+                    peer=peer,
+                    request_id=req_id,
+                )
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         """Requests whose sends / loads ended since the last call (failed loads included)."""
@@ -759,7 +848,7 @@ class TransferWorker:
                 expired,
             )
         for req in expired:
-            self._free(req)
+            self._free(req, "expired")
         for req_id, fut in list(self._push_futures.items()):
             if fut.done():
                 if fut.exception() is not None:
@@ -825,6 +914,11 @@ class TransferWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
             self.transport.close()
+
+
+def _failure(error: BaseException) -> str:
+    """A failed transfer's span outcome."""
+    return "refused" if isinstance(error, KVRefused) else "failed"
 
 
 def _read_grant(req_id: str) -> str:
