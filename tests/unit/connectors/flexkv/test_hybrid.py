@@ -37,7 +37,7 @@ from tests.unit.connectors.sched_harness import (
 )
 from vllm_pd_ext.connectors.flexkv.connector import PdExtFlexKVConnector
 from vllm_pd_ext.connectors.flexkv.keys import group_key
-from vllm_pd_ext.connectors.flexkv.metadata import CPU
+from vllm_pd_ext.connectors.flexkv.metadata import CPU, REMOTE
 
 HEADS, HEAD, STATE = 2, 8, 24
 PROMPT = [5 + (i * 7) % 41 for i in range(5 * BLOCK_SIZE + 9)]  # 5 full blocks and a tail
@@ -116,6 +116,7 @@ class HybridEngine:
         self.worker = PdExtFlexKVConnector(cfg, KVConnectorRole.WORKER, kcc)
         self.worker.register_kv_caches(caches)
         self.runs = 0
+        self.loads: list = []  # every load job the scheduler side sent, in order
         self.failed: set[str] = set()  # requests whose load the worker reported failed
         self.computed: dict[str, list[int]] = {}
         self.wrong_state: list[tuple[str, int]] = []  # (request, position) started wrongly
@@ -153,6 +154,7 @@ class HybridEngine:
     def step(self) -> None:
         out = self.sched.schedule()
         meta = out.kv_connector_metadata
+        self.loads += meta.loads
         self.worker.handle_preemptions(meta)
         self.worker.bind_connector_metadata(meta)
         self.worker.start_load_kv(None)
@@ -282,15 +284,31 @@ def test_a_corrupt_state_page_is_recomputed(engines):
     assert path.read_bytes() != bytes(data)  # deleted, then saved again by the recompute
 
 
-def test_the_remote_tier_serves_a_hybrid_prefix(engines, remote):
-    a = engines(shared_dir=None, remote=remote)
+@pytest.mark.parametrize("attention", [True, False], ids=["attention+mamba", "mamba-only"])
+def test_the_remote_tier_serves_a_hybrid_prefix(engines, remote, attention):
+    a = engines(attention, shared_dir=None, remote=remote, namespace=f"hybrid-{attention}")
     a.run(PROMPT)
-    b = engines(shared_dir=None, remote=remote)  # another instance on the same store
-    rid = b.run(PROMPT)
+    b = engines(attention, shared_dir=None, remote=remote, namespace=f"hybrid-{attention}")
+    rid = b.run(PROMPT)  # another instance on the same store
     assert b.computed[rid][0] == HIT
     assert not b.wrong_state and not b.wrong_kv
     keys = _prefix_keys(b, PROMPT)
     assert b.scheduler_side.tier_of(group_key(keys[4], 0)) == CPU  # promoted on the hit
+    (job,) = b.loads
+    assert {it.tier for it in job.items} == {REMOTE}
+
+
+def test_a_state_page_missing_from_the_store_is_a_miss_for_the_whole_prefix(engines, remote):
+    a = engines(shared_dir=None, remote=remote, namespace="hybrid-hole")
+    a.run(PROMPT)
+    keys = _prefix_keys(a, PROMPT)
+    store = a.scheduler_side.remote_store
+    store.delete(group_key(keys[4], 0))
+    assert store.exists_many([group_key(k, 1) for k in keys[:5]]) == [True] * 5
+    b = engines(shared_dir=None, remote=remote, namespace="hybrid-hole")
+    rid = b.run(PROMPT)
+    assert b.computed[rid][0] == 0  # the attention blocks alone are not loaded
+    assert not b.wrong_state and not b.wrong_kv and not b.failed
 
 
 def test_a_hybrid_model_without_its_states_at_block_boundaries_is_refused(tiny_qwen):
