@@ -14,8 +14,9 @@ done; or given up: one SSE error event, as without migration. ``Migrator.resume`
   events the engine adds for them; a client that asked sees them as they came.
 * On a break, the continuation goes to another healthy instance, colocated: decode
   instances first, then any that serves. Its body is a completion on ``/v1/completions``:
-  prompt = the prompt's ids + the ids generated so far, ``max_tokens`` what is left,
-  ``min_tokens`` lowered alike, the request's sampling fields as they came. A chat
+  prompt = the prompt's ids + the ids generated so far, ``max_tokens`` what is left (of
+  the request's limit, or of vLLM's 16 for a completion that gave none; null for an answer
+  with no limit), ``min_tokens`` lowered alike, the request's sampling fields as they came. A chat
   continues the same way (its rendered prompt's ids; the completion's ``text`` goes out as
   the chat's ``delta.content``), which with greedy sampling gives the very tokens the first
   instance would have.
@@ -134,7 +135,14 @@ def _unsupported(ctx: RequestContext) -> str | None:
     return None
 
 
-def _limit(body: dict[str, Any]) -> int | None:
+#: vLLM's ``max_tokens`` for a completion that gives none (a chat's: what the context leaves).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def _limit(route: str, body: dict[str, Any]) -> int | None:
+    """The most tokens the request's answer may have (None: what the context leaves)."""
+    if route != "chat" and "max_tokens" not in body:
+        return COMPLETION_DEFAULT_MAX_TOKENS
     value = body.get("max_completion_tokens")
     if value is None:
         value = body.get("max_tokens")
@@ -153,7 +161,7 @@ class Migration:
         options = body.get("stream_options") or {}
         self.include_usage = bool(options.get("include_usage"))
         self.continuous = bool(options.get("continuous_usage_stats"))
-        self.limit = _limit(body)
+        self.limit = _limit(ctx.route, body)
         self.min_tokens = body.get("min_tokens") if type(body.get("min_tokens")) is int else None
         #: The first event's ``id``, ``created``, ``model`` (the continuation's are replaced).
         self.head: dict[str, Any] | None = None
@@ -361,9 +369,8 @@ class Migration:
         else:
             out = {k: v for k, v in body.items() if k not in _NOT_CARRIED}
         out["prompt"] = self.prompt_ids + self.generated
-        left = self.left()
-        if left is not None:
-            out["max_tokens"] = left
+        # no limit: null, as a completion that gives none stops at 16
+        out["max_tokens"] = self.left()
         if self.min_tokens is not None:
             out["min_tokens"] = max(0, self.min_tokens - len(self.generated))
         out["stream"] = True
