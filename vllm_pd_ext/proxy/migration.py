@@ -166,7 +166,10 @@ class Migration:
         #: The first event's ``id``, ``created``, ``model`` (the continuation's are replaced).
         self.head: dict[str, Any] | None = None
         self.prompt_ids: list[int] | None = None
-        self.generated: list[int] = []
+        self._generated: list[int] = []
+        #: The first leg's ids as the engine wrote them (``b"9,8"``), parsed when needed:
+        #: most streams never break.
+        self._unparsed: list[bytes] = []
         #: Ids generated before the current leg (its usage counts from here).
         self.before = 0
         self.finish: str | None = None  # the finish_reason sent
@@ -179,6 +182,15 @@ class Migration:
         #: The current leg is a completion continuing a chat (its events converted).
         self.convert = False
         self.via = ""  # "from a via b" for the request's log line
+
+    @property
+    def generated(self) -> list[int]:
+        """The ids generated so far, in order."""
+        if self._unparsed:
+            for raw in self._unparsed:
+                self._generated.extend(int(t) for t in raw.split(b",") if t.strip())
+            self._unparsed.clear()
+        return self._generated
 
     # -- events on their way to the client ---------------------------------------------
 
@@ -202,19 +214,20 @@ class Migration:
         return b"".join(out)
 
     def _event(self, event: bytes) -> bytes | None:
-        """The first leg's event, recorded (bytes only but for the first event)."""
-        if self.head is None:
+        """The first leg's event, recorded (bytes only but for the first event, which alone
+        carries the prompt's ids; one choice per event: ``n`` > 1 is not continued)."""
+        first = self.head is None
+        if first:
             data = _loads(event)
             if data is None or "error" in data:
                 return self._engine_error(event)
             self._first(data)
         elif _ERROR.match(event):
             return self._engine_error(event)
-        found = False
-        for m in _IDS.finditer(event):
-            found = True
-            self.generated.extend(int(t) for t in m.group(1).split(b",") if t.strip())
-        if not found and _TEXT.search(event):
+        ids = _IDS.search(event)
+        if ids is not None:
+            self._unparsed.append(ids.group(1))
+        elif _TEXT.search(event):
             self.why_not = "text without token ids"
         if b'"reasoning' in event:
             self.why_not = "reasoning content"
@@ -226,8 +239,9 @@ class Migration:
             return event
         if self.chat and _EMPTY_DELTA.search(event) and _UNFINISHED.search(event):
             return None  # sent only for its ids
-        event = _IDS.sub(b'"token_ids":null', event)
-        return _PROMPT_IDS.sub(b'"prompt_token_ids":null', event)
+        if ids is not None:
+            event = event[: ids.start()] + b'"token_ids":null' + event[ids.end() :]
+        return _PROMPT_IDS.sub(b'"prompt_token_ids":null', event) if first else event
 
     def _engine_error(self, event: bytes) -> bytes | None:
         """An engine's error event: kept back (the stream is broken), nothing shown."""
