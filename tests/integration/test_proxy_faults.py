@@ -1,7 +1,7 @@
 """The proxy when real engines die: a killed decode mid-stream, a killed prefill mid-request.
 
-Migration is off here (``--max-migrations 0``, the default while it is experimental): a stream
-whose decode dies has nowhere it is allowed to go on, so it ends with the error event."""
+Migration is off here (``--max-migrations 0``): a stream whose decode dies has nowhere it is
+allowed to go on, so it ends with the error event (test_proxy_migration.py has it continued)."""
 
 from __future__ import annotations
 

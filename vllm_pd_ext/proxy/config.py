@@ -239,12 +239,11 @@ class ProxyConfig(_Strict):
     prefill_retries: int = Field(1, ge=0, description="other prefill instances tried")
     decode_retries: int = Field(1, ge=0, description="other decode instances tried (pre-stream)")
     max_migrations: int = Field(
-        0,
+        1,
         ge=0,
         description="times one answer whose engine fails part-way is moved to another "
-        "instance (a stream continued where it broke, a whole answer asked again); 0 (the "
-        "default while it is experimental): a stream that breaks ends with an SSE error "
-        "event (proxy/migration.py)",
+        "instance (a stream continued where it broke, a whole answer asked again); 0: a "
+        "stream that breaks ends with an SSE error event (proxy/migration.py)",
     )
     max_in_flight: int = Field(256, ge=1)
     max_queued: int = Field(512, ge=0)

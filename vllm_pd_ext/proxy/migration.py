@@ -14,8 +14,9 @@ done; or given up: one SSE error event, as without migration. ``Migrator.resume`
   events the engine adds for them; a client that asked sees them as they came.
 * On a break, the continuation goes to another healthy instance, colocated: decode
   instances first, then any that serves. Its body is a completion on ``/v1/completions``:
-  prompt = the prompt's ids + the ids generated so far, ``max_tokens`` what is left,
-  ``min_tokens`` lowered alike, the request's sampling fields as they came. A chat
+  prompt = the prompt's ids + the ids generated so far, ``max_tokens`` what is left (of
+  the request's limit, or of vLLM's 16 for a completion that gave none; null for an answer
+  with no limit), ``min_tokens`` lowered alike, the request's sampling fields as they came. A chat
   continues the same way (its rendered prompt's ids; the completion's ``text`` goes out as
   the chat's ``delta.content``), which with greedy sampling gives the very tokens the first
   instance would have.
@@ -134,7 +135,14 @@ def _unsupported(ctx: RequestContext) -> str | None:
     return None
 
 
-def _limit(body: dict[str, Any]) -> int | None:
+#: vLLM's ``max_tokens`` for a completion that gives none (a chat's: what the context leaves).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+def _limit(route: str, body: dict[str, Any]) -> int | None:
+    """The most tokens the request's answer may have (None: what the context leaves)."""
+    if route != "chat" and "max_tokens" not in body:
+        return COMPLETION_DEFAULT_MAX_TOKENS
     value = body.get("max_completion_tokens")
     if value is None:
         value = body.get("max_tokens")
@@ -153,12 +161,15 @@ class Migration:
         options = body.get("stream_options") or {}
         self.include_usage = bool(options.get("include_usage"))
         self.continuous = bool(options.get("continuous_usage_stats"))
-        self.limit = _limit(body)
+        self.limit = _limit(ctx.route, body)
         self.min_tokens = body.get("min_tokens") if type(body.get("min_tokens")) is int else None
         #: The first event's ``id``, ``created``, ``model`` (the continuation's are replaced).
         self.head: dict[str, Any] | None = None
         self.prompt_ids: list[int] | None = None
-        self.generated: list[int] = []
+        self._generated: list[int] = []
+        #: The first leg's ids as the engine wrote them (``b"9,8"``), parsed when needed:
+        #: most streams never break.
+        self._unparsed: list[bytes] = []
         #: Ids generated before the current leg (its usage counts from here).
         self.before = 0
         self.finish: str | None = None  # the finish_reason sent
@@ -171,6 +182,15 @@ class Migration:
         #: The current leg is a completion continuing a chat (its events converted).
         self.convert = False
         self.via = ""  # "from a via b" for the request's log line
+
+    @property
+    def generated(self) -> list[int]:
+        """The ids generated so far, in order."""
+        if self._unparsed:
+            for raw in self._unparsed:
+                self._generated.extend(int(t) for t in raw.split(b",") if t.strip())
+            self._unparsed.clear()
+        return self._generated
 
     # -- events on their way to the client ---------------------------------------------
 
@@ -194,19 +214,20 @@ class Migration:
         return b"".join(out)
 
     def _event(self, event: bytes) -> bytes | None:
-        """The first leg's event, recorded (bytes only but for the first event)."""
-        if self.head is None:
+        """The first leg's event, recorded (bytes only but for the first event, which alone
+        carries the prompt's ids; one choice per event: ``n`` > 1 is not continued)."""
+        first = self.head is None
+        if first:
             data = _loads(event)
             if data is None or "error" in data:
                 return self._engine_error(event)
             self._first(data)
         elif _ERROR.match(event):
             return self._engine_error(event)
-        found = False
-        for m in _IDS.finditer(event):
-            found = True
-            self.generated.extend(int(t) for t in m.group(1).split(b",") if t.strip())
-        if not found and _TEXT.search(event):
+        ids = _IDS.search(event)
+        if ids is not None:
+            self._unparsed.append(ids.group(1))
+        elif _TEXT.search(event):
             self.why_not = "text without token ids"
         if b'"reasoning' in event:
             self.why_not = "reasoning content"
@@ -218,8 +239,9 @@ class Migration:
             return event
         if self.chat and _EMPTY_DELTA.search(event) and _UNFINISHED.search(event):
             return None  # sent only for its ids
-        event = _IDS.sub(b'"token_ids":null', event)
-        return _PROMPT_IDS.sub(b'"prompt_token_ids":null', event)
+        if ids is not None:
+            event = event[: ids.start()] + b'"token_ids":null' + event[ids.end() :]
+        return _PROMPT_IDS.sub(b'"prompt_token_ids":null', event) if first else event
 
     def _engine_error(self, event: bytes) -> bytes | None:
         """An engine's error event: kept back (the stream is broken), nothing shown."""
@@ -361,9 +383,8 @@ class Migration:
         else:
             out = {k: v for k, v in body.items() if k not in _NOT_CARRIED}
         out["prompt"] = self.prompt_ids + self.generated
-        left = self.left()
-        if left is not None:
-            out["max_tokens"] = left
+        # no limit: null, as a completion that gives none stops at 16
+        out["max_tokens"] = self.left()
         if self.min_tokens is not None:
             out["min_tokens"] = max(0, self.min_tokens - len(self.generated))
         out["stream"] = True

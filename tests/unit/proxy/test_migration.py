@@ -257,3 +257,53 @@ def test_a_chat_goes_on_as_a_completion_of_its_rendered_prompt_and_reads_as_the_
     assert token["choices"][0]["finish_reason"] == "length"
     assert token["choices"][0]["token_ids"] is None
     assert usage["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+
+
+_COMPLETION_EVENT = (
+    b'data: {"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":'
+    b'[{"index":0,"text":" a","logprobs":null,"finish_reason":null,"stop_reason":null,'
+    b'"prompt_token_ids":[1,2,3],"token_ids":[9,8]}]}\n\n'
+)
+
+_CHAT_EVENTS = (
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"role":"assistant","content":""},"logprobs":null,'
+    b'"finish_reason":null}],"prompt_token_ids":[1,2,3]}\n\n'
+    b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+    b'"choices":[{"index":0,"delta":{"content":" a"},"logprobs":null,"finish_reason":null,'
+    b'"token_ids":[9,8]}]}\n\n'
+)
+
+
+def test_a_completion_without_max_tokens_goes_on_to_vllms_default_of_16_in_all():
+    # vLLM's completions default max_tokens to 16: the continuation may add only what is left
+    ctx = _ctx("completions", prompt="abc")
+    m = Migration(ctx, False)
+    m.feed(_COMPLETION_EVENT)
+    assert m.left() == 14
+    _, body = m.continuation(ctx)
+    assert body["max_tokens"] == 14
+
+
+@pytest.mark.parametrize(
+    ("route", "limits"),
+    [
+        ("chat", {}),  # a chat's default: as many as the context leaves
+        ("chat", {"max_tokens": None, "max_completion_tokens": None}),
+        ("completions", {"max_tokens": None}),  # null asked: likewise
+    ],
+)
+def test_an_answer_without_a_limit_goes_on_without_one(route, limits):
+    # the continuation is a completion, whose absent max_tokens would mean 16: null it is
+    if route == "chat":
+        ctx = _ctx(route, messages=[{"role": "user", "content": "hi"}], **limits)
+        event = _CHAT_EVENTS
+    else:
+        ctx = _ctx(route, prompt="abc", **limits)
+        event = _COMPLETION_EVENT
+    m = Migration(ctx, False)
+    m.feed(event)
+    assert m.left() is None
+    _, body = m.continuation(ctx)
+    assert "max_tokens" in body and body["max_tokens"] is None
+    assert body["prompt"] == [1, 2, 3, 9, 8]

@@ -1,0 +1,218 @@
+"""Request migration on real engines: one prefill and two decode `vllm serve`; a decode killed
+mid-stream, and the client's stream finished on the other decode as if nothing happened.
+
+The kill needs no timing luck: when the client has its first few tokens, both decode
+engines are frozen (SIGSTOP) at once, so the one streaming cannot finish; the proxy's
+in-flight gauge then says which one holds the stream, the other is thawed and the holder
+killed. The answer is long (``MAX_TOKENS`` in a ``MAX_MODEL_LEN`` context) so that a decode
+has not sent it whole by the time the client reads its first events."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.integration.fleet_helpers import running_proxy
+from vllm_pd_ext.tools.pd_demo import NIXL_CPU, make_prompt_ids
+from vllm_pd_ext.util.prom import parse_metrics
+from vllm_pd_ext.util.vllm_process import free_port
+
+#: three engines started one after another on a loaded host, then one restarted per test:
+#: more than the suite's 900 s for the first test
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
+
+KV = {**NIXL_CPU, "kv_connector_extra_config": {"kv_lease_duration": 10}}
+#: role -> CPU core (two decodes: the host has two cores)
+CORES = {"prefill": 0, "decode-a": 1, "decode-b": 0}
+DECODES = ("decode-a", "decode-b")
+ROUTES = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+MAX_TOKENS = 600
+#: Room for the longest prompt here (~130 tokens) and ``MAX_TOKENS``: vLLM cuts a request's
+#: ``max_tokens`` to what its context leaves, which would make the answer shorter than asked.
+MAX_MODEL_LEN = 1024
+#: Events with text the client reads before the kill: the continuation starts from the
+#: prompt and several generated tokens.
+KILL_AFTER = 8
+
+
+#: Seconds an engine may take to be healthy (it warms up on a core shared with others).
+HEALTHY_WITHIN = 600
+
+
+def start(vllm_servers, model, role, port=None):
+    """One NIXL engine, healthy, its idle pollers calmed (util/busy_threads)."""
+    server = vllm_servers.start(
+        model,
+        name=f"migration-{role}-{int(time.time())}",
+        wait=False,
+        cpu_core=CORES[role],
+        port=port,
+        kv_transfer_config=KV,
+        env={"VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())},
+        base_args=("--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager"),
+        extra_args=["--no-enable-prefix-caching"],
+    )
+    server.wait_healthy(HEALTHY_WITHIN)
+    server.calm_idle_pollers()
+    return server
+
+
+@pytest.fixture(scope="module")
+def fleet(vllm_servers, tiny_llama):
+    # one after another: two engines warming up on one core at once can miss the health
+    # deadline on a loaded host
+    return {role: start(vllm_servers, tiny_llama, role) for role in CORES}
+
+
+@pytest.fixture(scope="module")
+def proxy_url(fleet, tmp_path_factory):
+    here = tmp_path_factory.mktemp("proxy-migration")
+    config = {
+        "instances": [{"url": fleet["prefill"].base_url, "role": "prefill"}]
+        + [{"url": fleet[role].base_url, "role": "decode"} for role in DECODES],
+        "decision": {"min_split_prompt_tokens": 64, "cost_model": False},
+        # a decode slow to its first token on a loaded host must not send the request
+        # colocated to the prefill instance: the test kills the decode that streams it
+        "stall_guard": {"enabled": False},
+        "max_migrations": 1,
+    }
+    (here / "proxy.json").write_text(json.dumps(config))
+    with running_proxy(["--config", str(here / "proxy.json")], here / "proxy.log") as url:
+        yield url
+
+
+def metrics(proxy_url: str):
+    return parse_metrics(httpx.get(f"{proxy_url}/metrics", timeout=30).text)
+
+
+def wait_whole_fleet(proxy_url: str, timeout: float = HEALTHY_WITHIN) -> None:
+    """Until the proxy sees every instance healthy (each test restores what it kills)."""
+    deadline = time.monotonic() + timeout
+    doc: dict = {}
+    while doc.get("healthy_prefill") != 1 or doc.get("healthy_decode") != 2:
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.2)
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            doc = httpx.get(f"{proxy_url}/health", timeout=5).json()
+
+
+def request_body(route: str, model: str, tiny_llama) -> dict:
+    body: dict = {
+        "model": model,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if route == "chat":  # long enough to be split (~120 tokens rendered)
+        body["messages"] = [{"role": "user", "content": "Tell me a long story. " * 12}]
+    else:
+        body["prompt"] = make_prompt_ids(tiny_llama, 100)
+        body["return_token_ids"] = True  # the client's own: they come through
+    return body
+
+
+def stream(proxy_url: str, route: str, body: dict, on_text=None) -> list:
+    """The stream's events, parsed (``[DONE]`` as the string); ``on_text()`` runs once
+    ``KILL_AFTER`` events with generated text have arrived."""
+    events: list = []
+    texts = 0
+    with httpx.stream("POST", f"{proxy_url}{ROUTES[route]}", json=body, timeout=300) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(json.loads(line[6:]) if line.startswith("data: {") else line[6:])
+            texts += bool(_text(events[-1:], route))
+            if on_text is not None and texts == KILL_AFTER:
+                on_text()
+                on_text = None
+    return events
+
+
+def kill_the_streaming_decode(fleet: dict, proxy_url: str) -> str | None:
+    """Freeze both decodes, kill the one the proxy streams from, thaw the other; the role
+    killed (None: neither held a stream, both thawed)."""
+    for role in DECODES:
+        os.killpg(fleet[role].proc.pid, signal.SIGSTOP)
+    seen = metrics(proxy_url)
+    held = [
+        role
+        for role in DECODES
+        if seen.total("vllm_pd_upstream_in_flight", instance=fleet[role].base_url)
+    ]
+    for role in DECODES:
+        if role not in held[:1]:
+            os.killpg(fleet[role].proc.pid, signal.SIGCONT)
+    if not held:
+        return None
+    os.killpg(fleet[held[0]].proc.pid, signal.SIGKILL)
+    return held[0]
+
+
+def _text(events: list, route: str) -> str:
+    out = []
+    for e in events:
+        for c in e.get("choices", []) if isinstance(e, dict) else []:
+            out.append(
+                (c.get("delta") or {}).get("content") or "" if route == "chat" else c["text"]
+            )
+    return "".join(out)
+
+
+def _ids(events: list) -> list[int]:
+    return [t for e in events if isinstance(e, dict) for c in e["choices"] for t in c["token_ids"]]
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+def test_a_decode_killed_mid_stream_is_continued_on_the_other_one(
+    fleet, proxy_url, tiny_llama, vllm_servers, route
+):
+    wait_whole_fleet(proxy_url)
+    body = request_body(route, fleet["prefill"].served_name, tiny_llama)
+    whole = stream(proxy_url, route, body)
+    assert whole[-1] == "[DONE]"
+    assert whole[-2]["usage"]["completion_tokens"] == MAX_TOKENS
+    wait_whole_fleet(proxy_url)
+    continued = metrics(proxy_url).total("vllm_pd_migrations_total", outcome="continued")
+    killed: list = []
+    try:
+        events = stream(
+            proxy_url,
+            route,
+            body,
+            on_text=lambda: killed.append(kill_the_streaming_decode(fleet, proxy_url)),
+        )
+    finally:
+        for role in filter(None, killed):  # the decode instance back on the same port
+            old = fleet[role]
+            old.stop()
+            fleet[role] = start(vllm_servers, tiny_llama, role, port=old.port)
+    assert killed and killed[0] in DECODES, "no decode held the stream when it was frozen"
+    moved = metrics(proxy_url).total("vllm_pd_migrations_total", outcome="continued")
+    assert moved - continued == 1
+    assert events[-1] == "[DONE]"
+    assert not any("error" in e for e in events if isinstance(e, dict)), events[-3:]
+    assert _text(events, route) == _text(whole, route)
+    chunks = [e for e in events if isinstance(e, dict)]
+    if route == "completions":  # the client asked for ids: the first leg's and the next's
+        assert _ids(events) == _ids(whole) and len(_ids(events)) == MAX_TOKENS
+        prompts = [c.get("prompt_token_ids") for e in chunks for c in e["choices"]]
+        assert prompts[0] == body["prompt"] and not any(prompts[1:])
+    else:  # it did not: none shown
+        assert all(c.get("token_ids") is None for e in chunks for c in e["choices"])
+        assert all(e.get("prompt_token_ids") is None for e in chunks)
+        assert len({e["object"] for e in chunks}) == 1
+    assert len({(c["id"], c["model"], c["created"]) for c in chunks}) == 1
+    assert all(c["index"] == 0 for e in chunks for c in e["choices"])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == whole[-2]["usage"]
+    finishes = [c["finish_reason"] for e in chunks for c in e["choices"] if c["finish_reason"]]
+    assert finishes == ["length"]
+    wait_whole_fleet(proxy_url)
