@@ -24,8 +24,10 @@ from vllm_pd_ext.util.prom import parse_metrics
 from vllm_pd_ext.util.vllm_process import free_port
 
 #: three engines started one after another on a loaded host, then one restarted per test:
-#: more than the suite's 900 s for the first test
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(1800)]
+#: more than the suite's 900 s for the first test. Run by hand (`pytest -m manual
+#: tests/integration/test_proxy_migration.py`): it takes several minutes of a 2-core CI
+#: host's hour; make test's unit tests run the same paths on fake engines.
+pytestmark = [pytest.mark.integration, pytest.mark.manual, pytest.mark.timeout(1800)]
 
 KV = {**NIXL_CPU, "kv_connector_extra_config": {"kv_lease_duration": 10}}
 #: role -> CPU core (two decodes: the host has two cores)
