@@ -42,6 +42,7 @@ import logging
 import re
 from typing import TYPE_CHECKING, Any
 
+from vllm_pd_ext.proxy import tracing
 from vllm_pd_ext.proxy.client_channel import STREAM_END
 from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
 from vllm_pd_ext.proxy.legs import decode_body
@@ -448,6 +449,7 @@ class Migrator:
         ctx = call.ctx
         if m.finish is not None or m.left() == 0:
             self._count("finished")
+            self._traced("finished", failed, reason, None, len(m.generated))
             logger.warning(
                 "request %s: stream from %s broke (%s) after its last token; ended by the proxy",
                 ctx.request_id,
@@ -473,6 +475,7 @@ class Migrator:
             self._give_up(ctx, "no_instance", failed, reason, "no instance answered")
             return None
         self._count("continued")
+        self._traced("continued", failed, reason, opened.instance, m.before)
         m.via = f" (migrated from {failed.label} after {m.before} tokens)"
         logger.warning(
             "request %s: stream from %s broke (%s) after %d tokens; continued on %s",
@@ -501,6 +504,7 @@ class Migrator:
             self._give_up(ctx, "no_instance", failed, reason, "no instance answered")
             return None
         self._count("rerun")
+        self._traced("rerun", failed, reason, opened.instance, None)
         logger.warning(
             "request %s: answer from %s broke (%s); asked again of %s",
             ctx.request_id,
@@ -513,8 +517,10 @@ class Migrator:
     def _give_up(
         self, ctx: RequestContext, outcome: str, failed: Instance, reason: str, why: str
     ) -> None:
-        """Not moved: counted and logged (the caller ends the answer with its error)."""
+        """Not moved: counted, logged and traced (the caller ends the answer with its
+        error)."""
         self._count(outcome)
+        self._traced(outcome, failed, reason, None, None)
         logger.warning(
             "request %s: answer from %s broke (%s); not migrated: %s",
             ctx.request_id,
@@ -523,16 +529,28 @@ class Migrator:
             why,
         )
 
+    @staticmethod
+    def _traced(
+        outcome: str, failed: Instance, reason: str, to: Instance | None, after: int | None
+    ) -> None:
+        """The request's ``migration`` trace event, when tracing is on."""
+        trace = tracing.current()
+        if trace is not None:
+            trace.migrated(outcome, failed.label, reason, to.label if to else None, after)
+
     async def _open(
         self, call: Call, failed: Instance, path: str, body: Any, request_id: str
     ) -> Opened | None:
-        """The first instance of the pool (least loaded first) to answer ``body`` with 200."""
+        """The first instance of the pool (least loaded first) to answer ``body`` with 200
+        (with the request span's ``traceparent`` when tracing is on)."""
+        headers = {"X-Request-Id": request_id}
+        trace = tracing.current()
+        if trace is not None:
+            headers["traceparent"] = trace.traceparent()
         for inst in self._pool(failed):
             with Lease(inst) as lease:
                 try:
-                    resp = await inst.client.send(
-                        "POST", path, self.timeout, body, {"X-Request-Id": request_id}
-                    )
+                    resp = await inst.client.send("POST", path, self.timeout, body, headers)
                 except UpstreamError as exc:
                     self.fleet.upstream_failed(inst, exc)
                     continue

@@ -15,10 +15,11 @@ completion request the proxy admits is one trace:
     └ derender      token mode: the answer's derender call(s)
 
 A decision changed after it was made (prefill failed, a stall) is a ``fallback`` event on the
-request span, with its reason. Each engine request carries the W3C ``traceparent`` of its
-leg's span, so an engine run with vLLM's ``--otlp-traces-endpoint`` puts its own spans
-under that leg; render calls carry the request span's. A client's ``traceparent`` makes the
-request span its child.
+request span, with its reason; an answer whose engine broke part-way is a ``migration`` event
+there (where it went, after how many tokens, or why it did not). Each engine request carries
+the W3C ``traceparent`` of its leg's span, so an engine run with vLLM's
+``--otlp-traces-endpoint`` puts its own spans under that leg; render calls carry the request
+span's. A client's ``traceparent`` makes the request span its child.
 
 Off, nothing here runs: ``Call.trace`` stays None, each hook in the request path is one
 ``is None`` test, no span object is made and the SDK is never imported.
@@ -270,6 +271,22 @@ class RequestTrace:
             )
         root.set_attribute("vllm_pd.decision", decision.label)
         root.set_attribute("vllm_pd.reason", decision.reason)
+
+    def migrated(
+        self, outcome: str, failed: str, reason: str, to: str | None, after: int | None
+    ) -> None:
+        """An answer that broke on ``failed`` (``reason``) moved on to ``to`` after ``after``
+        tokens, or not (``outcome``, migration.py's): a ``migration`` event."""
+        attributes: dict[str, Any] = {
+            "vllm_pd.outcome": outcome,
+            "vllm_pd.from": failed,
+            "vllm_pd.reason": reason,
+        }
+        if to is not None:
+            attributes["vllm_pd.to"] = to
+        if after is not None:
+            attributes["vllm_pd.after_tokens"] = after
+        self.root.add_event("migration", attributes)
 
     def first_token(self, now: float, prefill_done: float | None) -> None:
         """A stream's first token went to the client at ``now`` (perf_counter);

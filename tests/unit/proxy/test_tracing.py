@@ -15,7 +15,7 @@ from tests.unit.proxy.helpers import LONG, SHORT, proxy
 from vllm_pd_ext.proxy.tracing import Tracing
 from vllm_pd_ext.render_server.app import create_app as create_render_app
 from vllm_pd_ext.render_server.settings import RenderSettings
-from vllm_pd_ext.testing.fake_engine import ServerThread
+from vllm_pd_ext.testing.fake_engine import Behavior, ServerThread
 
 need(
     "opentelemetry.sdk",
@@ -167,3 +167,27 @@ def test_token_mode_adds_render_and_derender(engines, exporter, tracing, render_
     (derender,) = spans["derender"]
     if stream:
         assert derender.attributes["vllm_pd.mode"] == "stream"
+
+
+def test_a_migrated_stream_is_a_migration_event_and_its_continuation_joins_the_trace(
+    engines, exporter, tracing
+):
+    """A decode that breaks mid-stream: the request span gets a ``migration`` event (from,
+    to, after how many tokens) and the continuation's engine gets the request's trace."""
+    engines["d1"].behavior = engines["d2"].behavior = Behavior(die_after_tokens=3, die_once=True)
+    with proxy(engines, tracing=tracing, max_migrations=1) as (base, _):
+        rid = _stream(base, {"model": "fake", "prompt": SHORT, "max_tokens": 8})
+        spans = request_trace(exporter, rid)
+    (root,) = spans["request"]
+    (event,) = [e for e in root.events if e.name == "migration"]
+    assert event.attributes["vllm_pd.outcome"] == "continued"
+    assert event.attributes["vllm_pd.after_tokens"] == 3
+    assert event.attributes["vllm_pd.from"] != event.attributes["vllm_pd.to"]
+    continued = [
+        h
+        for engine in engines.values()
+        for h in _headers_at(engine)
+        if h.get("x-request-id", "").endswith("-m1")
+    ]
+    assert len(continued) == 1
+    assert continued[0]["traceparent"] == traceparent_of(root)
