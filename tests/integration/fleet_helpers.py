@@ -19,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from tests.cli_server import cli_server
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.tools.pd_demo import (
     NIXL_CPU,
@@ -121,36 +122,9 @@ def running_proxy(args: list[str], log: Path, ready_timeout: float = 60) -> Iter
 
     On exit asserts the proxy shut down cleanly on SIGTERM.
     """
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_pd_ext.cli", "proxy", "--port", str(port), *args],
-            env={**os.environ, fleet_key.KEY_ENV: FLEET_KEY},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            assert proc.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    env = {**os.environ, fleet_key.KEY_ENV: FLEET_KEY}
+    with cli_server(["proxy", *args], log, ready_within=ready_timeout, env=env) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-    # uvicorn re-raises SIGTERM once it has shut down cleanly.
-    assert proc.returncode in (0, -15), log.read_text()[-4000:]
-    assert "Application shutdown complete" in log.read_text()
 
 
 def split_write(client, prefill, decode, side, prompt_ids, max_tokens, prefill_ids=None):
