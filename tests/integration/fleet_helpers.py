@@ -1,12 +1,14 @@
 """Integration helpers: a NIXL P/D pair of real `vllm serve`, a `vllm-pd proxy` subprocess,
-and waiting for engines to return to idle."""
+a whole `vllm-pd up` stack, and waiting for engines to return to idle."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import secrets
+import signal
 import socket
 import subprocess
 import sys
@@ -14,11 +16,14 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 
+from tests.cli_server import cli_server
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.tools.pd_demo import (
     NIXL_CPU,
@@ -121,36 +126,71 @@ def running_proxy(args: list[str], log: Path, ready_timeout: float = 60) -> Iter
 
     On exit asserts the proxy shut down cleanly on SIGTERM.
     """
-    port = free_port()
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "vllm_pd_ext.cli", "proxy", "--port", str(port), *args],
-            env={**os.environ, fleet_key.KEY_ENV: FLEET_KEY},
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + ready_timeout
-        while True:
-            assert proc.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+    env = {**os.environ, fleet_key.KEY_ENV: FLEET_KEY}
+    with cli_server(["proxy", *args], log, ready_within=ready_timeout, env=env) as url:
         yield url
+
+
+@dataclass
+class UpStack:
+    """A `vllm-pd up` that said it is ready."""
+
+    #: The proxy's base URL (``/v1`` is under it).
+    proxy: str
+    #: Everything up wrote until it was ready, its banner last.
+    banner: str
+    #: Each engine and render server's URL by its name in the banner (``decode-0``, ...).
+    parts: dict[str, str]
+    #: The served model name.
+    model: str
+    #: The processes up had started by then: engines, their workers, render servers, proxy.
+    children: list[psutil.Process]
+
+
+@contextlib.contextmanager
+def running_up(
+    args: list[str], tmp: Path, model_cache: Path, ready_within: float = 420
+) -> Iterator[UpStack]:
+    """Run ``vllm-pd up <args>`` on a free port (its logs under ``tmp/logs``, its output in
+    ``tmp/up.out``), tiny models from ``model_cache``; yield it once it printed ``ready:``.
+
+    On leaving without an error, stops it with SIGINT, as Ctrl-C would, and asserts it exited
+    0, said it stopped everything it started, and that every process it had started is gone.
+    On any exit, kills its process group if it still runs."""
+    port = free_port()
+    out_path = tmp / "up.out"
+    argv = [sys.executable, "-m", "vllm_pd_ext.cli", "up", *args]
+    argv += ["--port", str(port), "--log-dir", str(tmp / "logs")]
+    env = {**os.environ, "VLLM_PD_EXT_CACHE": str(model_cache)}
+    with open(out_path, "wb") as out:
+        proc = subprocess.Popen(
+            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        deadline = time.monotonic() + ready_within
+        while "ready:" not in out_path.read_text():
+            assert proc.poll() is None, out_path.read_text()
+            assert time.monotonic() < deadline, out_path.read_text()
+            time.sleep(1)
+        banner = out_path.read_text()
+        found = re.search(r"\(model '([^']+)'", banner)
+        assert found, banner
+        children = psutil.Process(proc.pid).children(recursive=True)
+        yield UpStack(
+            proxy=f"http://127.0.0.1:{port}",
+            banner=banner,
+            parts=dict(re.findall(r"^  (\S+): (http://\S+)$", banner, re.M)),
+            model=found.group(1),
+            children=children,
+        )
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]
+        assert "stopped everything it started" in out_path.read_text()
+        _, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.pid for p in alive]
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=5)
-    # uvicorn re-raises SIGTERM once it has shut down cleanly.
-    assert proc.returncode in (0, -15), log.read_text()[-4000:]
-    assert "Application shutdown complete" in log.read_text()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)  # its children get SIGTERM (PDEATHSIG)
 
 
 def split_write(client, prefill, decode, side, prompt_ids, max_tokens, prefill_ids=None):

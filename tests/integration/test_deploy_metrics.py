@@ -5,23 +5,17 @@ colocated streamed requests."""
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 
 import httpx
-import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests import deploy_files
 from tests.conftest import requires_vllm
+from tests.integration.fleet_helpers import running_up
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
-from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, requires_vllm]
 
@@ -44,37 +38,10 @@ _SUFFIXES = ("_bucket", "_sum", "_count")
 @pytest.fixture(scope="module")
 def stack(model_cache, tiny_llama, tmp_path_factory) -> Iterator[dict[str, str]]:
     """A token-mode stack from `vllm-pd up`, its parts' URLs by name; stopped at the end."""
-    port = free_port()
-    tmp = tmp_path_factory.mktemp("deploy-metrics")
-    out_path = tmp / "up.out"
-    argv = [sys.executable, "-m", "vllm_pd_ext.cli", "up", "--mode", "token"]
-    argv += ["--port", str(port), "--log-dir", str(tmp / "logs")]
-    argv += ["--min-split-prompt-tokens", "32", "--no-cost-model"]
-    env = {**os.environ, "VLLM_PD_EXT_CACHE": str(model_cache)}
-    with open(out_path, "wb") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + 420
-        while "ready:" not in out_path.read_text():
-            assert proc.poll() is None, out_path.read_text()
-            assert time.monotonic() < deadline, out_path.read_text()
-            time.sleep(1)
-        banner = out_path.read_text()
-        parts = dict(re.findall(r"^  (render-0|prefill-0|decode-0): (http://\S+)$", banner, re.M))
-        assert len(parts) == 3, banner
-        found = re.search(r"\(model '([^']+)'", banner)
-        assert found, banner
-        children = psutil.Process(proc.pid).children(recursive=True)
-        yield {**parts, "proxy": f"http://127.0.0.1:{port}", "model": found.group(1)}
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [p.pid for p in alive]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # its children get SIGTERM (PDEATHSIG)
+    args = ["--mode", "token", "--min-split-prompt-tokens", "32", "--no-cost-model"]
+    with running_up(args, tmp_path_factory.mktemp("deploy-metrics"), model_cache) as up:
+        assert set(up.parts) == {"render-0", "prefill-0", "decode-0"}, up.banner
+        yield {**up.parts, "proxy": up.proxy, "model": up.model}
 
 
 def _stream(url: str, body: dict) -> None:

@@ -11,31 +11,25 @@ MultiConnector next to NixlConnector and reuses A's KV through the shared direct
 
 from __future__ import annotations
 
-import time
-
-import httpx
 import pytest
 
-from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
+from tests.integration.flexkv_helpers import (
+    cached,
+    eventually,
+    files_in,
+    flexkv,
+    generate,
+    reset_cpu_tier,
+)
+from vllm_pd_ext.tools.pd_demo import make_prompt_ids
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
 
-CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 PROMPT = 300
 BLOCK = 32  # the CPU attention backend wants multiples of 32
 HIT = (PROMPT - 1) // BLOCK * BLOCK  # whole blocks, the last prompt token is always computed
-MAX_TOKENS = 12
-
-
-def flexkv(**extra) -> dict:
-    return {
-        "kv_connector": "PdExtFlexKVConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"cpu_capacity_gb": 0.25, **extra},
-    }
 
 
 @pytest.fixture(scope="module")
@@ -80,43 +74,6 @@ def servers(vllm_servers, tiny_qwen, dirs):
     b.wait_healthy()
     b.calm_idle_pollers()  # NIXL's progress thread polls without pause: see util/busy_threads
     return a, b
-
-
-@pytest.fixture(scope="module")
-def client():
-    with httpx.Client(timeout=120.0) as c:
-        yield c
-
-
-def generate(client, server, ids, salt: str | None = None) -> list[int]:
-    body = completion_body(server, ids, MAX_TOKENS)
-    if salt is not None:
-        body["cache_salt"] = salt
-    out, _ = stream_completion(client, server, body)
-    assert len(out) == MAX_TOKENS
-    return out
-
-
-def cached(server, source: str) -> float:
-    return server.metric(CACHED_BY_SOURCE, source=source)
-
-
-def eventually(fn, want, timeout: float = 20.0):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = fn()
-        if got == want or time.monotonic() > deadline:
-            return got
-        time.sleep(0.25)
-
-
-def reset_cpu_tier(client, server) -> None:
-    r = client.post(f"{server.base_url}/reset_prefix_cache", params={"reset_external": "true"})
-    assert r.status_code == 200, r.text
-
-
-def files_in(path) -> list:
-    return sorted(p for p in path.rglob("*.r0"))
 
 
 def test_cpu_then_ssd_hits_and_greedy_output_unchanged(servers, client, tiny_qwen, dirs):

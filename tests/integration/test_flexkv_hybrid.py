@@ -16,13 +16,13 @@ caching included); chunks of one block end on every boundary instead.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from tests.integration.test_flexkv import (
+from tests.integration.flexkv_helpers import (
     cached,
     eventually,
     files_in,
+    flexkv,
     generate,
     reset_cpu_tier,
 )
@@ -34,6 +34,8 @@ pytestmark = pytest.mark.integration
 PROMPT = 300
 BLOCK = 128  # one block size for every KV cache group in align mode
 HIT = (PROMPT - 1) // BLOCK * BLOCK  # the state kept at the last boundary before the last token
+#: A failed load must fail the test, not hide behind a recompute.
+FAILURE_POLICY = "fail"
 MODELS = {"tiny-granite-hybrid": "tiny_granite_hybrid", "tiny-mamba2": "tiny_mamba2"}
 ARGS = [
     "--dtype",
@@ -46,15 +48,6 @@ ARGS = [
 ]
 
 
-def flexkv(**extra) -> dict:
-    return {
-        "kv_connector": "PdExtFlexKVConnector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "fail",  # a failed load must fail the test, not hide
-        "kv_connector_extra_config": {"cpu_capacity_gb": 0.25, **extra},
-    }
-
-
 @pytest.fixture(scope="module", params=list(MODELS))
 def hybrid(request, vllm_servers, tmp_path_factory):
     model = request.getfixturevalue(MODELS[request.param])
@@ -65,7 +58,7 @@ def hybrid(request, vllm_servers, tmp_path_factory):
         name=f"flexkv-{request.param}-a",
         wait=False,
         cpu_core=0,
-        kv_transfer_config=flexkv(ssd_dir=str(ssd), shared_dir=str(shared)),
+        kv_transfer_config=flexkv(FAILURE_POLICY, ssd_dir=str(ssd), shared_dir=str(shared)),
         extra_args=ARGS,
         env={"VLLM_SERVER_DEV_MODE": "1"},
     )
@@ -74,7 +67,7 @@ def hybrid(request, vllm_servers, tmp_path_factory):
         name=f"flexkv-{request.param}-b",
         wait=False,
         cpu_core=1,
-        kv_transfer_config=flexkv(shared_dir=str(shared)),
+        kv_transfer_config=flexkv(FAILURE_POLICY, shared_dir=str(shared)),
         extra_args=ARGS,
     )
     a.wait_healthy()
@@ -82,12 +75,6 @@ def hybrid(request, vllm_servers, tmp_path_factory):
     yield model, a, b, ssd
     a.stop()
     b.stop()
-
-
-@pytest.fixture(scope="module")
-def client():
-    with httpx.Client(timeout=120.0) as c:
-        yield c
 
 
 def drop_device_cache(client, server) -> None:

@@ -16,18 +16,17 @@ from contextlib import ExitStack
 import httpx
 import pytest
 
+from tests.integration.flexkv_helpers import cached, flexkv, generate
 from tests.skips import need
-from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
+from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids
 
 pytestmark = pytest.mark.integration
 
-CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
 SAVE_BYTES = "vllm:pdext_flexkv_save_bytes_total"
 REMOTE_DOWN = "vllm:pdext_flexkv_remote_down_total"
 PROMPT = 300
 BLOCK = 32  # the CPU attention backend wants multiples of 32
 HIT = (PROMPT - 1) // BLOCK * BLOCK  # whole blocks, the last prompt token is always computed
-MAX_TOKENS = 10
 #: Bytes a block file or object carries before its payload with a fleet key (header + MAC).
 HEAD = 64 + 32
 
@@ -42,26 +41,16 @@ def stack(vllm_servers, tiny_qwen, tmp_path_factory):
     with ExitStack() as masters:
         m = masters.enter_context(mooncake_master(logs / "master-1.log"))
 
-        def flexkv() -> dict:
-            return {
-                "kv_connector": "PdExtFlexKVConnector",
-                "kv_role": "kv_both",
-                "kv_load_failure_policy": "recompute",
-                "kv_connector_extra_config": {
-                    "cpu_capacity_gb": 0.25,
-                    "remote": {"master": m.master, "segment_gb": 0.25, "buffer_mb": 32},
-                },
-            }
-
+        config = flexkv(remote={"master": m.master, "segment_gb": 0.25, "buffer_mb": 32})
         env = {"VLLM_PD_FLEET_KEY": "3c" * 32}
         args = ["--no-enable-prefix-caching", "--block-size", str(BLOCK)]
         a = vllm_servers.start(
             tiny_qwen, name="flexkv-remote-a", wait=False, cpu_core=0,
-            kv_transfer_config=flexkv(), extra_args=args, env=env,
+            kv_transfer_config=config, extra_args=args, env=env,
         )  # fmt: skip
         b = vllm_servers.start(
             tiny_qwen, name="flexkv-remote-b", wait=False, cpu_core=1,
-            kv_transfer_config=flexkv(), extra_args=args, env=env,
+            kv_transfer_config=config, extra_args=args, env=env,
         )  # fmt: skip
         a.wait_healthy()
         b.wait_healthy()
@@ -78,18 +67,6 @@ def stack(vllm_servers, tiny_qwen, tmp_path_factory):
         yield a, b, Master
         a.stop()
         b.stop()
-
-
-@pytest.fixture(scope="module")
-def client():
-    with httpx.Client(timeout=120.0) as c:
-        yield c
-
-
-def generate(client, server, ids) -> list[int]:
-    out, _ = stream_completion(client, server, completion_body(server, ids, MAX_TOKENS))
-    assert len(out) == MAX_TOKENS
-    return out
 
 
 def saved_bytes(server) -> tuple[float, float]:
@@ -122,9 +99,9 @@ def test_a_prefix_one_instance_computed_loads_on_another_from_the_store(stack, c
     before = saved_bytes(a)
     computed = generate(client, a, ids)
     assert saved(a, before, HIT // BLOCK)
-    hits = b.metric(CACHED_BY_SOURCE, source="external_unspecified")
+    hits = cached(b, "external_unspecified")
     assert generate(client, b, ids) == computed
-    assert b.metric(CACHED_BY_SOURCE, source="external_unspecified") - hits == HIT
+    assert cached(b, "external_unspecified") - hits == HIT
     assert b.metric("vllm:pdext_flexkv_corrupt_blocks_total") == 0
 
 
@@ -135,9 +112,9 @@ def test_a_killed_master_turns_hits_into_misses_and_a_new_one_serves_again(
     master.kill()
     ids = list(reversed(make_prompt_ids(tiny_qwen, PROMPT)))
     computed = generate(client, a, ids)  # served: A's save finds the store down
-    hits = b.metric(CACHED_BY_SOURCE, source="external_unspecified")
+    hits = cached(b, "external_unspecified")
     assert generate(client, b, ids) == computed  # served: B's lookup finds nothing
-    assert b.metric(CACHED_BY_SOURCE, source="external_unspecified") == hits
+    assert cached(b, "external_unspecified") == hits
     deadline = time.monotonic() + 30
     while a.metric(REMOTE_DOWN) < 1 or b.metric(REMOTE_DOWN) < 1:
         assert time.monotonic() < deadline, "the instances did not count the store down"
@@ -153,9 +130,9 @@ def test_a_killed_master_turns_hits_into_misses_and_a_new_one_serves_again(
         if not saved(a, before, HIT // BLOCK, timeout=5.0):
             assert time.monotonic() < deadline, "A put nothing after the master came back"
             continue  # A's client has not found the new master yet
-        hits = b.metric(CACHED_BY_SOURCE, source="external_unspecified")
+        hits = cached(b, "external_unspecified")
         assert generate(client, b, prompt) == computed
-        if b.metric(CACHED_BY_SOURCE, source="external_unspecified") - hits == HIT:
+        if cached(b, "external_unspecified") - hits == HIT:
             return
         assert time.monotonic() < deadline, "no remote hit after the master came back"
     pytest.fail("no remote hit after the master came back")

@@ -5,22 +5,14 @@ mode's (the engine's own OpenAI routes); SIGINT leaves no process behind."""
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
-import subprocess
-import sys
-import time
 
 import httpx
-import psutil
 import pytest
 
 from tests.conftest import requires_vllm
-from tests.integration.fleet_helpers import Trap
+from tests.integration.fleet_helpers import Trap, running_up
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE, parse_metrics
-from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, requires_vllm]
 
@@ -79,36 +71,15 @@ def _external_tokens(url: str) -> float:
 
 @pytest.mark.parametrize("connector", ["nixl", "pdext"])
 def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, connector):
-    port = free_port()
-    out_path = tmp_path / "up.out"
-    env = {**os.environ, "VLLM_PD_EXT_CACHE": str(model_cache)}
-    argv = [sys.executable, "-m", "vllm_pd_ext.cli", "up", "--mode", "token"]
-    argv += ["--connector", connector, "--port", str(port), "--log-dir", str(tmp_path / "logs")]
-    argv += ["--min-split-prompt-tokens", "32", "--no-cost-model"]
-    with open(out_path, "wb") as out:
-        proc = subprocess.Popen(
-            argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-    try:
-        deadline = time.monotonic() + 420
-        while "ready:" not in out_path.read_text():
-            assert proc.poll() is None, out_path.read_text()
-            assert time.monotonic() < deadline, out_path.read_text()
-            time.sleep(1)
-        banner = out_path.read_text()
+    args = ["--mode", "token", "--connector", connector]
+    args += ["--min-split-prompt-tokens", "32", "--no-cost-model"]
+    with running_up(args, tmp_path, model_cache) as up:
+        banner = up.banner
         assert "token mode" in banner and f"connector {connector}" in banner
-        found = re.search(r"decode-0: (http://\S+)", banner)
-        assert found, banner
-        decode_url = found.group(1)
-        found = re.search(r"render-0: (http://\S+)", banner)
-        assert found, banner
-        render_url = found.group(1)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 4  # render server, two engines (and their workers), proxy
-        found = re.search(r"\(model '([^']+)'", banner)
-        assert found, banner
-        model = found.group(1)
-        proxy = f"http://127.0.0.1:{port}/v1"
+        decode_url, render_url = up.parts["decode-0"], up.parts["render-0"]
+        assert len(up.children) >= 4  # render server, two engines (and their workers), proxy
+        model = up.model
+        proxy = f"{up.proxy}/v1"
 
         long_prompt = make_prompt_ids(tiny_llama, 120)
         greedy = {"model": model, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
@@ -151,7 +122,7 @@ def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, conne
         bad = httpx.post(f"{proxy}/completions", json={**body, "suffix": "x"}, timeout=60)
         assert bad.status_code == 400 and bad.json()["error"]["type"] == "BadRequestError"
 
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        metrics = httpx.get(f"{up.proxy}/metrics").text
         # the launcher's warm-up, long completion x2, chat x2 split; the 3-token prompt x2
         # colocated
         assert 'vllm_pd_decisions_total{decision="split",reason="split"} 5.0' in metrics
@@ -168,12 +139,3 @@ def test_up_token_mode_equals_text_mode(model_cache, tiny_llama, tmp_path, conne
             assert served.total("vllm_pd_render_requests_total", route=route) == n, route
 
         _client_cannot_steer_the_decode_connector(proxy, decode_url, body)
-
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]
-        assert "stopped everything it started" in out_path.read_text()
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [p.pid for p in alive]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # its children get SIGTERM (PDEATHSIG)

@@ -4,18 +4,15 @@ tcp backend, or vLLM's NixlConnector with one flag); Ctrl-C leaves no process be
 from __future__ import annotations
 
 import json
-import os
-import re
-import signal
 import subprocess
 import sys
 import time
 
 import httpx
-import psutil
 import pytest
 
 from tests.conftest import requires_nixl_pair, requires_vllm
+from tests.integration.fleet_helpers import running_up
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
 from vllm_pd_ext.util.prom import (
     EXTERNAL_KV,
@@ -24,7 +21,6 @@ from vllm_pd_ext.util.prom import (
     PROMPT_TOKENS_BY_SOURCE,
     parse_metrics,
 )
-from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = [pytest.mark.integration, requires_vllm]
 
@@ -39,49 +35,15 @@ pytestmark = [pytest.mark.integration, requires_vllm]
 def test_up_serves_split_requests_and_sigint_stops_everything(
     model_cache, tiny_llama, tmp_path, flags, connector
 ):
-    port = free_port()
-    out_path = tmp_path / "up.out"
-    env = {**os.environ, "VLLM_PD_EXT_CACHE": str(model_cache)}
-    with open(out_path, "wb") as out:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "vllm_pd_ext.cli",
-                "up",
-                "--port",
-                str(port),
-                "--log-dir",
-                str(tmp_path / "logs"),
-                "--min-split-prompt-tokens",
-                "32",
-                "--no-cost-model",
-                *flags,
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
-    try:
-        deadline = time.monotonic() + 420
-        while "ready:" not in out_path.read_text():
-            assert proc.poll() is None, out_path.read_text()
-            assert time.monotonic() < deadline, out_path.read_text()
-            time.sleep(1)
-        banner = out_path.read_text()
+    args = ["--min-split-prompt-tokens", "32", "--no-cost-model", *flags]
+    with running_up(args, tmp_path, model_cache) as up:
+        banner, proxy = up.banner, up.proxy
         assert f"text mode, connector {connector})" in banner, banner
-        found = re.search(r"decode-0: (http://\S+)", banner)
-        assert found, banner
-        decode_url = found.group(1)
-        children = psutil.Process(proc.pid).children(recursive=True)
-        assert len(children) >= 3  # two engines (with their EngineCore/workers) and the proxy
+        decode_url = up.parts["decode-0"]
+        assert len(up.children) >= 3  # two engines (with their EngineCore/workers) and the proxy
 
-        found = re.search(r"\(model '([^']+)'", banner)
-        assert found, banner
-        model = found.group(1)
         body = {
-            "model": model,
+            "model": up.model,
             "prompt": make_prompt_ids(tiny_llama, 120),
             "max_tokens": 10,
             "temperature": 0,
@@ -92,10 +54,10 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
         # there (cached_on_decode: up routes on the engines' KV events)
         direct = {**body, "cache_salt": "direct"}
         expected = httpx.post(f"{decode_url}/v1/completions", json=direct, timeout=120).json()
-        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=120)
+        resp = httpx.post(f"{proxy}/v1/completions", json=body, timeout=120)
         assert resp.status_code == 200, resp.text
         assert resp.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
-        metrics = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        metrics = httpx.get(f"{proxy}/metrics").text
         # the warm-up request before the banner, then ours
         assert 'vllm_pd_decisions_total{decision="split",reason="split"} 2.0' in metrics
         assert "warm-up request (long enough to split) served in" in banner
@@ -104,12 +66,12 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
         assert "KV events: the engines publish them on ipc sockets in" in banner, banner
         deadline = time.monotonic() + 60
         while (
-            parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics").text).total(
+            parse_metrics(httpx.get(f"{proxy}/metrics").text).total(
                 "vllm_pd_kv_events", instance="decode-0", figure="blocks"
             )
             < 1
         ):
-            assert time.monotonic() < deadline, httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            assert time.monotonic() < deadline, httpx.get(f"{proxy}/metrics").text
             time.sleep(0.2)
         for engine in ("prefill-0", "decode-0"):
             if connector == "nixl":  # NIXL's progress thread polls without pause: up calmed it
@@ -118,12 +80,10 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
                 assert f"{engine}: lowered the CPU priority" not in banner, banner
 
         if connector != "nixl":
-            _non_streamed_split_answers_from_the_decodes_cache(port, decode_url, body, tiny_llama)
+            _non_streamed_split_answers_from_the_decodes_cache(proxy, decode_url, body, tiny_llama)
             # doctor on the stack as up leaves it (prefix caching on): its colocated run must not
             # warm the decode's cache for its split one (it did: "NOT loaded", falsely)
-            found = re.search(r"prefill-0: (http://\S+)", banner)
-            assert found, banner
-            report = _doctor(found.group(1), decode_url)
+            report = _doctor(up.parts["prefill-0"], decode_url)
             assert not any("NOT loaded" in a for a in report["advice"]), report["advice"]
             for r in report["rounds"]:
                 assert r["external_tokens"] >= r["prompt_tokens"] - 1, r
@@ -138,19 +98,11 @@ def test_up_serves_split_requests_and_sigint_stops_everything(
             assert all(e["cpu_pct"] is not None for e in report["idle"]), report["idle"]
             assert not any("busy-polls" in a for a in report["advice"]), report["advice"]
             assert report["kv_counter_moves"] == [], report["kv_counter_moves"]
-
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 0, out_path.read_text()[-3000:]
-        assert "stopped everything it started" in out_path.read_text()
-        _, alive = psutil.wait_procs(children, timeout=30)
-        assert not alive, [p.pid for p in alive]
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)  # its children get SIGTERM (PDEATHSIG)
+    # running_up stopped it with SIGINT: exit 0, every process it started gone
 
 
 def _non_streamed_split_answers_from_the_decodes_cache(
-    port: int, decode_url: str, body: dict, tiny_llama
+    proxy: str, decode_url: str, body: dict, tiny_llama
 ) -> None:
     """A non-streamed split on a real pair (prefix caching on, as up leaves it): the decode
     engine loads the prompt's KV in a one-token first step, then answers the request from its
@@ -162,7 +114,7 @@ def _non_streamed_split_answers_from_the_decodes_cache(
     before = parse_metrics(httpx.get(f"{decode_url}/metrics").text)
     (block,) = before.by_label("vllm:cache_config_info", "block_size")
     split = {**alone, "cache_salt": "split"}  # nothing of it in either engine's cache
-    resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json=split, timeout=120)
+    resp = httpx.post(f"{proxy}/v1/completions", json=split, timeout=120)
     assert resp.status_code == 200, resp.text
     assert resp.json()["choices"][0]["token_ids"] == expected["choices"][0]["token_ids"]
     after = parse_metrics(httpx.get(f"{decode_url}/metrics").text)
@@ -175,7 +127,7 @@ def _non_streamed_split_answers_from_the_decodes_cache(
     assert moved(EXTERNAL_KV) >= 199  # the first step: the KV over the connector
     assert moved(LOCAL_CACHE_HIT) >= 200 - int(block)  # the second: from the prefix cache
     assert moved(LOCAL_COMPUTE) <= int(block) + 1
-    proxy_metrics = parse_metrics(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
+    proxy_metrics = parse_metrics(httpx.get(f"{proxy}/metrics").text)
     assert proxy_metrics.total("vllm_pd_fallbacks_total") == 0
 
 

@@ -14,6 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from vllm_pd_ext.util.hf_encode import encode_ids
+
 logger = logging.getLogger(__name__)
 
 #: Prompts longer than this (characters) are not tokenized: routed on the estimate.
@@ -36,7 +38,7 @@ class PromptTokenizer:
             raise ValueError(f"tokenizer: cannot load {path}: {exc}") from exc
         tokenizer.no_truncation()
         tokenizer.no_padding()
-        self._encode_batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+        self._tokenizer = tokenizer
         self._pool = ThreadPoolExecutor(THREADS, thread_name_prefix="pd-tokenize")
         logger.info("text prompts are tokenized for prefix lookups with %s", path)
 
@@ -45,7 +47,7 @@ class PromptTokenizer:
         None for a prompt over ``MAX_PROMPT_CHARS``. Blocks for the encoding."""
         if len(prompt) > MAX_PROMPT_CHARS:
             return None
-        return self._encode_batch([prompt], add_special_tokens=True)[0].ids
+        return encode_ids(self._tokenizer, [prompt], add_special_tokens=True)[0]
 
     async def encode(self, prompt: str) -> list[int] | None:
         """:meth:`encode_now` on the tokenizer's threads."""

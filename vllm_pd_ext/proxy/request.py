@@ -8,12 +8,13 @@ check only what the proxy itself relies on, so a malformed body never becomes a 
 
 from __future__ import annotations
 
+import enum
 import itertools
 import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Final, Literal
 
 from fastapi import Request
 
@@ -49,6 +50,15 @@ if hasattr(os, "register_at_fork"):  # a forked worker never repeats ids
     os.register_at_fork(after_in_child=_new_id_prefix)
 
 
+class _Unset(enum.Enum):
+    NOT_LOOKED_UP = enum.auto()
+
+
+#: ``RequestContext.lookup`` before the prefix lookup was made (None is a made lookup's
+#: "nothing to look up").
+NOT_LOOKED_UP: Final = _Unset.NOT_LOOKED_UP
+
+
 @dataclass
 class RequestContext:
     route: Route
@@ -68,10 +78,9 @@ class RequestContext:
     raw: bytes | None = None
     #: The client's ``X-Request-Id``, echoed in the answer and logged; nothing else uses it.
     client_request_id: str | None = None
-    #: The prompt as the engines' prefix indexes look it up (``routing.lookup_of``), once
-    #: ``looked_up``.
-    lookup: Lookup | None = None
-    looked_up: bool = False
+    #: The prompt as the engines' prefix indexes look it up (``routing.lookup_of``), or
+    #: ``NOT_LOOKED_UP`` until it is made.
+    lookup: Lookup | Literal[_Unset.NOT_LOOKED_UP] | None = NOT_LOOKED_UP
 
     @property
     def echo_id(self) -> str:

@@ -19,7 +19,7 @@ from vllm_pd_ext.proxy.kv_events import Lookup
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.policies import make_policy
 from vllm_pd_ext.proxy.prompt_ids import PromptTokenizer
-from vllm_pd_ext.proxy.request import RequestContext
+from vllm_pd_ext.proxy.request import NOT_LOOKED_UP, RequestContext
 from vllm_pd_ext.proxy.stall_guard import StallGuard
 from vllm_pd_ext.util.throttle import Throttle
 
@@ -32,8 +32,8 @@ def lookup_of(ctx: RequestContext) -> Lookup | None:
     a text completion's prompt the proxy's tokenizer made ids of (``Router.tokenize``). None
     for a chat in text mode (its template is the engine's) or a text prompt without a
     tokenizer: those requests are routed on the estimate. Computed once per request."""
-    if not ctx.looked_up:
-        ctx.lookup, ctx.looked_up = _lookup(ctx), True
+    if ctx.lookup is NOT_LOOKED_UP:
+        ctx.lookup = _lookup(ctx)
     return ctx.lookup
 
 
@@ -91,7 +91,7 @@ class Router:
             return
         if ctx.route == "completions":
             ids = await tokenizer.encode(prompt)
-            ctx.lookup, ctx.looked_up = (_with_salt(ids, ctx.body) if ids else None), True
+            ctx.lookup = _with_salt(ids, ctx.body) if ids else None
 
     def decode_pool(self) -> list[Instance]:
         """The healthy decode instances; with none, the healthy prefill instances

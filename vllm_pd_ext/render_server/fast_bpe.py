@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from vllm_pd_ext.util.hf_encode import encode_ids
+
 logger = logging.getLogger(__name__)
 
 #: The regex of ``pre_tokenizers.ByteLevel(use_regex=True)`` (GPT-2's), as in ``tokenizers``.
@@ -313,10 +315,9 @@ def _checked(
 
 def first_mismatch(fast: FastBPE, backend: Any, texts: list[str]) -> str | None:
     """The first text whose fast ids differ from the HF tokenizer's, or None."""
-    encode = getattr(backend, "encode_batch_fast", backend.encode_batch)
-    expected = encode(texts, add_special_tokens=False)
-    for text, enc in zip(texts, expected, strict=True):
-        if fast.encode(text) != enc.ids:
+    expected = encode_ids(backend, texts, add_special_tokens=False)
+    for text, ids in zip(texts, expected, strict=True):
+        if fast.encode(text) != ids:
             return text
     return None
 

@@ -25,6 +25,8 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+from vllm_pd_ext.util.hf_encode import encode_ids
+
 logger = logging.getLogger(__name__)
 
 #: Segments shorter than this are tokenized directly (a dict entry costs more than they do).
@@ -117,8 +119,7 @@ class SegmentCache:
         return out
 
     def _hf_encode_pieces(self, pieces: list[str]) -> list[list[int]]:
-        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-        return [e.ids for e in encode(pieces, add_special_tokens=False)]
+        return encode_ids(self.backend, pieces, add_special_tokens=False)
 
     def _put(self, piece: str, ids: list[int]) -> None:
         if piece in self._entries:

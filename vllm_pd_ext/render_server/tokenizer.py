@@ -14,6 +14,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from vllm_pd_ext.util.hf_encode import encode_ids
+
 logger = logging.getLogger(__name__)
 
 #: Post-processors that only put fixed ids around a single sequence (checked at startup too).
@@ -128,9 +130,8 @@ class TokenizerInfo:
         return self._hf_encode_batch(texts, add_special_tokens=add_special_tokens)
 
     def _hf_encode_batch(self, texts: list[str], *, add_special_tokens: bool) -> list[list[int]]:
-        """Ids of each text; ``encode_batch_fast`` skips the offsets we never use (~20% less)."""
-        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
-        return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
+        """Ids of each text from the HF tokenizer's Rust backend, no segment cache."""
+        return encode_ids(self.backend, texts, add_special_tokens=add_special_tokens)
 
     def decode(self, ids: list[int], *, skip_special_tokens: bool = False) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)

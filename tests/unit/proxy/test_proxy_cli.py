@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 
+from tests.cli_server import cli_server, json_lines
 from tests.skips import need
 from tests.spans import OtlpCollector
 from vllm_pd_ext.cli import build_parser
 from vllm_pd_ext.proxy.cli import build_config
-from vllm_pd_ext.util.vllm_process import free_port
 
 
 def test_file_env_and_flags_merge(tmp_path, monkeypatch):
@@ -79,36 +76,22 @@ def test_the_proxy_logs_json_and_sends_its_traces_to_an_otlp_collector(engines, 
     from tests.unit.proxy.helpers import LONG
 
     collector = OtlpCollector()
-    port = free_port()
-    argv = [sys.executable, "-m", "vllm_pd_ext.cli", "proxy", "--port", str(port)]
-    argv += ["--prefill", engines["p1"].url, "--decode", engines["d1"].url]
-    argv += ["--log-format", "json", "--otlp-traces-endpoint", collector.url]
+    args = ["proxy", "--prefill", engines["p1"].url, "--decode", engines["d1"].url]
+    args += ["--log-format", "json", "--otlp-traces-endpoint", collector.url]
     log = tmp_path / "proxy.log"
     env = {**os.environ, "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
-        base = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, log.read_text()
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                    break
-            assert time.monotonic() < deadline, log.read_text()
-            time.sleep(0.1)
-        resp = httpx.post(
-            f"{base}/v1/completions",
-            json={"model": "fake", "prompt": LONG, "max_tokens": 3},
-            timeout=30,
-        )
-        assert resp.status_code == 200, resp.text
-        rid = resp.headers["x-request-id"]
+        with cli_server(args, log, ready_within=60, env=env) as base:
+            resp = httpx.post(
+                f"{base}/v1/completions",
+                json={"model": "fake", "prompt": LONG, "max_tokens": 3},
+                timeout=30,
+            )
+            assert resp.status_code == 200, resp.text
+            rid = resp.headers["x-request-id"]
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
         collector.close()
-    lines = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
+    lines = json_lines(log)
     assert any("Application startup complete" in line["message"] for line in lines)
     (done,) = [line for line in lines if line["message"].startswith(f"request {rid} ")]
     assert done["request_id"] == rid and done["logger"] == "vllm_pd_ext.proxy.call"
