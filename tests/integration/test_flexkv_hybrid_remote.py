@@ -14,15 +14,9 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_flexkv import cached
+from tests.integration.flexkv_helpers import CACHED_BY_SOURCE, cached, generate
 from tests.integration.test_flexkv_hybrid import ARGS, BLOCK, HIT, PROMPT
-from tests.integration.test_flexkv_remote import (
-    CACHED_BY_SOURCE,
-    client,  # noqa: F401 (a fixture: the test asks for it by name)
-    generate,
-    saved,
-    saved_bytes,
-)
+from tests.integration.test_flexkv_remote import saved, saved_bytes
 from tests.skips import need
 from vllm_pd_ext.tools.pd_demo import make_prompt_ids
 
@@ -72,7 +66,7 @@ def pair(vllm_servers, tiny_granite_hybrid, tmp_path_factory):
 
 def test_a_hybrid_prefix_one_instance_computed_loads_on_another_from_the_store(
     pair,
-    client,  # noqa: F811 (the fixture imported above)
+    client,
     tiny_granite_hybrid,
 ):
     a, b = pair
