@@ -79,3 +79,27 @@ class OtlpCollector:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+#: The environment of an engine that traces to an ``OtlpCollector`` (vLLM's exporter over
+#: OTLP/HTTP, which the collector speaks).
+OTLP_HTTP = {"OTEL_EXPORTER_OTLP_TRACES_PROTOCOL": "http/protobuf"}
+
+
+def engine_spans(
+    collector: OtlpCollector, parent, timeout: float = 60.0, name: str | None = None
+) -> list:
+    """The spans (called ``name``, when given) the engines exported under the proxy's span
+    ``parent`` (vLLM exports in batches: polled)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found = [
+            s
+            for s in list(collector.spans)
+            if s.trace_id == parent.context.trace_id.to_bytes(16, "big")
+            and s.parent_span_id == parent.context.span_id.to_bytes(8, "big")
+            and (name is None or s.name == name)
+        ]
+        if found or time.monotonic() > deadline:
+            return found
+        time.sleep(0.2)
