@@ -39,6 +39,18 @@ from vllm_pd_ext.util.vllm_process import VllmServer, free_port
 FLEET_KEY = secrets.token_hex(fleet_key.MIN_KEY_BYTES)
 
 
+def wait_whole_fleet(proxy_url: str, prefill: int = 1, decode: int = 1, timeout=120.0) -> None:
+    """Until the proxy at ``proxy_url`` sees ``prefill`` prefill and ``decode`` decode instances
+    healthy."""
+    deadline = time.monotonic() + timeout
+    doc: dict = {}
+    while doc.get("healthy_prefill") != prefill or doc.get("healthy_decode") != decode:
+        assert time.monotonic() < deadline, doc
+        time.sleep(0.2)
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            doc = httpx.get(f"{proxy_url}/health", timeout=5).json()
+
+
 def stream_token_ids(url: str, body: dict) -> list[int]:
     """The token ids of a streamed completion of ``body`` (with return_token_ids) at ``url``;
     asserts a 200 and no error event."""

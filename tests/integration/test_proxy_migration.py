@@ -9,7 +9,6 @@ has not sent it whole by the time the client reads its first events."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ import httpx
 import pytest
 
 from tests.integration.fleet_helpers import running_proxy
+from tests.integration.fleet_helpers import wait_whole_fleet as wait_fleet
 from vllm_pd_ext.tools.pd_demo import NIXL_CPU, make_prompt_ids
 from vllm_pd_ext.util.prom import parse_metrics
 from vllm_pd_ext.util.vllm_process import free_port
@@ -93,15 +93,9 @@ def metrics(proxy_url: str):
     return parse_metrics(httpx.get(f"{proxy_url}/metrics", timeout=30).text)
 
 
-def wait_whole_fleet(proxy_url: str, timeout: float = HEALTHY_WITHIN) -> None:
+def wait_whole_fleet(proxy_url: str) -> None:
     """Until the proxy sees every instance healthy (each test restores what it kills)."""
-    deadline = time.monotonic() + timeout
-    doc: dict = {}
-    while doc.get("healthy_prefill") != 1 or doc.get("healthy_decode") != 2:
-        assert time.monotonic() < deadline, doc
-        time.sleep(0.2)
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            doc = httpx.get(f"{proxy_url}/health", timeout=5).json()
+    wait_fleet(proxy_url, prefill=1, decode=2, timeout=HEALTHY_WITHIN)
 
 
 def request_body(route: str, model: str, tiny_llama) -> dict:
