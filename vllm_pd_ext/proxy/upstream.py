@@ -126,6 +126,34 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        sink = self.sink
+        if (
+            sink is not None
+            and self.state == _CHUNK_SIZE
+            and not self.buf
+            and not self.chunks
+            and self.error is None
+        ):
+            # A streamed event as a rule: one read, one whole chunk, for the sink (the
+            # general parse below does the same, with more steps)
+            end = data.find(b"\r\n")
+            try:
+                size = int(data[:end], 16) if end > 0 else 0
+            except ValueError:  # chunk extensions: the general parse
+                size = 0
+            stop = end + 2 + size
+            if size > 0 and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                piece = data[end + 2 : stop]
+                self.rx_at = self.loop.time()
+                if sink(piece):
+                    return
+                self.chunks.append(piece)  # left to whoever reads the response
+                self.buffered = size
+                if size > _HIGH_WATER and not self.paused and self.transport is not None:
+                    self.paused = True
+                    self.transport.pause_reading()
+                self._wake()
+                return
         if self.state == _DONE or self.error is not None:
             self.keep_alive = False  # bytes nobody asked for: never reuse this connection
             return
