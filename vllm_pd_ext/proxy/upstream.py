@@ -534,6 +534,7 @@ class Upstream:
         host_header = parts.netloc.rpartition("@")[2]
         self._head_tail = f" HTTP/1.1\r\nHost: {host_header}\r\n".encode("latin-1")
         self._idle: list[_Conn] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it was last used on
         self._max_idle = max(1, max_connections)
         self._keepalive_s = keepalive_s
         self._closed = False
@@ -629,7 +630,9 @@ class Upstream:
         if self._closed:
             raise UpstreamError("disconnected", f"{self.base_url}: client closed")
         payload = self._request(method, path, body, headers, body_open)
-        loop = asyncio.get_running_loop()
+        loop = self._loop  # (asyncio's get_running_loop costs a getpid() call on 3.11)
+        if loop is None or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
         deadline = None if timeouts.total is None else loop.time() + timeouts.total
         read_s = timeouts.read
         conn = self._pooled(loop)
