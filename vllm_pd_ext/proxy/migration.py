@@ -275,70 +275,73 @@ class Migration:
     def feed(self, ready: bytes) -> bytes:
         """Complete events from the current leg, recorded; what the client gets of them
         (may be empty). Runs inside the engine connection's ``data_received``: never
-        raises."""
-        if self.moves == 0 and self.error is None and ready.find(b"\n\n") == len(ready) - 2:
-            # one event (as a rule, but under load): as it is, its end included
-            if ready.startswith(b"data: {"):
-                return self._event(ready) or b""
+        raises.
+
+        One event of the first leg (the rule) is recorded here, in this one call: scanned,
+        not parsed (one choice per event: ``n`` > 1 is not continued). vLLM writes compact
+        JSON with the ids last: they are found from the end without a regex; JSON with
+        spaces takes the regexes."""
+        if self.moves or self.error is not None or ready.find(b"\n\n") != len(ready) - 2:
+            return self._feed_each(ready)
+        if not ready.startswith(b"data: {"):
             if ready.startswith(b"data: [DONE]"):
                 self.done = True
             return ready
+        if ready.startswith(b'data: {"error"'):
+            return self._engine_error(ready)
+        first = self._first_event is None
+        if first:
+            self._first_event = ready
+        start = ready.rfind(b'"token_ids":[')
+        end = ready.find(b"]", start) + 1 if start >= 0 else 0
+        if end:
+            self._unparsed.append(ready[start + 13 : end - 1])
+        elif b'"token_ids"' in ready and (ids := _IDS.search(ready)) is not None:
+            start, end = ids.span()
+            self._unparsed.append(ids.group(1))
+        elif self.why_not is None and _TEXT.search(ready):
+            self.why_not = "text without token ids"
+        if self.finish is None and (_FINISH in ready or _FINISH_SPACED in ready):
+            self.finish = "sent"
+        if b'"usage"' in ready and _USAGE.search(ready) and _FINAL_USAGE.search(ready):
+            self.usage_sent = True
+        if b'"reasoning' in ready:
+            self.why_not = "reasoning content"
+        if self.client_ids:
+            return ready
+        if (
+            self.chat
+            and b"{}" in ready
+            and _EMPTY_DELTA.search(ready)
+            and _UNFINISHED.search(ready)
+        ):
+            return b""  # sent only for its ids
+        if end:
+            ready = ready[:start] + b'"token_ids":null' + ready[end:]
+        return _PROMPT_IDS.sub(b'"prompt_token_ids":null', ready, 1) if first else ready
+
+    def _feed_each(self, ready: bytes) -> bytes:
+        """``feed`` for several events, or a continuation's: event by event."""
         out: list[bytes] = []
         for event in ready[:-2].split(b"\n\n"):
             if self.error is not None:
                 continue  # after an engine's error event: its [DONE]
-            if event.startswith(b"data: {"):
-                kept = self._event(event) if self.moves == 0 else self._rewrite(event)
+            if self.moves == 0:
+                out.append(self.feed(event + b"\n\n"))
+            elif event.startswith(b"data: {"):
+                kept = self._rewrite(event)
                 if kept is not None:
                     out.append(kept + b"\n\n")
-            elif event.startswith(b"data: [DONE]"):
-                self.done = True
-                out.append(event + b"\n\n")
             else:
+                if event.startswith(b"data: [DONE]"):
+                    self.done = True
                 out.append(event + b"\n\n")
         return b"".join(out)
 
-    def _event(self, event: bytes) -> bytes | None:
-        """The first leg's event, recorded: scanned, not parsed (one choice per event:
-        ``n`` > 1 is not continued). vLLM writes compact JSON with the ids last: they are
-        found from the end without a regex; JSON with spaces takes the regexes."""
-        if event.startswith(b'data: {"error"'):
-            return self._engine_error(event)
-        first = self._first_event is None
-        if first:
-            self._first_event = event
-        start = event.rfind(b'"token_ids":[')
-        end = event.find(b"]", start) + 1 if start >= 0 else 0
-        if end:
-            self._unparsed.append(event[start + 13 : end - 1])
-        elif b'"token_ids"' in event and (ids := _IDS.search(event)) is not None:
-            start, end = ids.span()
-            self._unparsed.append(ids.group(1))
-        elif self.why_not is None and _TEXT.search(event):
-            self.why_not = "text without token ids"
-        if self.finish is None and (_FINISH in event or _FINISH_SPACED in event):
-            self.finish = "sent"
-        if b'"usage"' in event and _USAGE.search(event) and _FINAL_USAGE.search(event):
-            self.usage_sent = True
-        if b'"reasoning' in event:
-            self.why_not = "reasoning content"
-        if self.client_ids:
-            return event
-        if (
-            self.chat
-            and b"{}" in event
-            and _EMPTY_DELTA.search(event)
-            and _UNFINISHED.search(event)
-        ):
-            return None  # sent only for its ids
-        if end:
-            event = event[:start] + b'"token_ids":null' + event[end:]
-        return _PROMPT_IDS.sub(b'"prompt_token_ids":null', event, 1) if first else event
-
-    def _engine_error(self, event: bytes) -> bytes | None:
+    def _engine_error(self, event: bytes) -> bytes:
         """An engine's error event: kept back (the stream is broken), nothing shown."""
         self.error = event[6:200].decode("utf-8", "replace")
-        return None
+        return b""
 
     def _rewrite(self, event: bytes) -> bytes | None:
         """A continuation's event as the first leg's would read."""
@@ -346,7 +349,8 @@ class Migration:
         if data is None:
             return None
         if "error" in data:
-            return self._engine_error(event)
+            self._engine_error(event)
+            return None
         head = self.head or {}
         data.update(head)
         if self.convert:

@@ -352,7 +352,7 @@ class StreamRelay:
             chunk = _patch_events(chunk, cached)
         if self.first is None:
             self.observe(chunk, now)
-        else:
+        else:  # (``observe``, inlined)
             self.itl.observe(now - self.last)
             self.last = now
         writer.write(chunk)
