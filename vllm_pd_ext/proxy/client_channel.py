@@ -40,7 +40,16 @@ class DisconnectWatch:
     then reports the channel as disconnected.
     """
 
-    def __init__(self, request: ClientRequest, *, hooked: bool = True):
+    def __init__(
+        self,
+        request: ClientRequest,
+        *,
+        hooked: bool = True,
+        loop: asyncio.AbstractEventLoop | None = None,
+    ):
+        # the request's loop (``loop``: the running one, as its caller knows it): asking
+        # asyncio for it costs a getpid() system call each time on Python 3.11
+        self._loop = loop if loop is not None else asyncio.get_running_loop()
         self.gone = asyncio.Event()
         self._target: asyncio.Task | None = None
         self._cancelled = False
@@ -77,7 +86,7 @@ class DisconnectWatch:
     def _arm(self) -> None:
         """From now on a disconnect cancels the current task (until ``_disarm``). A pair of
         calls, not a context manager: this runs twice per request on the hot path."""
-        self._target, self._cancelled = asyncio.current_task(), False
+        self._target, self._cancelled = asyncio.current_task(self._loop), False
 
     def _disarm(self) -> None:
         self._target = None
@@ -87,7 +96,7 @@ class DisconnectWatch:
         if not self._cancelled:
             return False
         self._cancelled = False
-        task = asyncio.current_task()
+        task = asyncio.current_task(self._loop)
         if task is not None and hasattr(task, "uncancel"):
             task.uncancel()
         return True

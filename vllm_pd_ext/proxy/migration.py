@@ -106,13 +106,13 @@ _CHAT_ONLY = ("tools", "response_format", "structured_outputs", "guided_json", "
 # colon is allowed too)
 _IDS = re.compile(rb'"token_ids": ?\[([0-9, ]*)\]')
 _PROMPT_IDS = re.compile(rb'"prompt_token_ids": ?\[[0-9, ]*\]')
-_FINISH = re.compile(rb'"finish_reason": ?"')
+_FINISH = b'"finish_reason":"'
+_FINISH_SPACED = b'"finish_reason": "'
 _TEXT = re.compile(rb'"(?:text|content)": ?"[^"]')
 _UNFINISHED = re.compile(rb'"finish_reason": ?null')
 _EMPTY_DELTA = re.compile(rb'"delta": ?\{\}')
 _FINAL_USAGE = re.compile(rb'"choices": ?\[\]')
 _USAGE = re.compile(rb'"usage": ?\{')
-_ERROR = re.compile(rb'^data: \{"error"')
 
 
 def _unsupported(ctx: RequestContext) -> str | None:
@@ -152,7 +152,36 @@ def _limit(route: str, body: dict[str, Any]) -> int | None:
 
 class Migration:
     """One stream's record: enough to continue it elsewhere, and to make the continuation's
-    events read as the first leg's. See the module docstring for its states."""
+    events read as the first leg's. See the module docstring for its states.
+
+    While the first leg streams (every stream, nearly always to the end), its events are
+    only scanned, never parsed: the first event's bytes are kept as they came (its
+    ``id``, ``created``, ``model`` and the prompt's ids are read from them on a break),
+    each later event's ids as the engine wrote them."""
+
+    __slots__ = (
+        "_first_event",
+        "_generated",
+        "_head",
+        "_prompt_ids",
+        "_role_sent",
+        "_unparsed",
+        "before",
+        "chat",
+        "client_ids",
+        "continuous",
+        "convert",
+        "done",
+        "error",
+        "finish",
+        "include_usage",
+        "limit",
+        "min_tokens",
+        "moves",
+        "usage_sent",
+        "via",
+        "why_not",
+    )
 
     def __init__(self, ctx: RequestContext, client_ids: bool):
         body = ctx.body
@@ -164,9 +193,12 @@ class Migration:
         self.continuous = bool(options.get("continuous_usage_stats"))
         self.limit = _limit(ctx.route, body)
         self.min_tokens = body.get("min_tokens") if type(body.get("min_tokens")) is int else None
-        #: The first event's ``id``, ``created``, ``model`` (the continuation's are replaced).
-        self.head: dict[str, Any] | None = None
-        self.prompt_ids: list[int] | None = None
+        #: The first leg's first event as the engine sent it (None: none yet), read on a
+        #: break (``_read_first``) into what follows.
+        self._first_event: bytes | None = None
+        self._head: dict[str, Any] | None = None
+        self._prompt_ids: list[int] | None = None
+        self._role_sent = False
         self._generated: list[int] = []
         #: The first leg's ids as the engine wrote them (``b"9,8"``), parsed when needed:
         #: most streams never break.
@@ -176,7 +208,6 @@ class Migration:
         self.finish: str | None = None  # the finish_reason sent
         self.usage_sent = False
         self.done = False  # [DONE] seen
-        self.role_sent = False
         self.error: str | None = None  # an error event from the engine (dropped)
         self.why_not: str | None = None  # found while streaming: cannot be continued
         self.moves = 0
@@ -188,78 +219,129 @@ class Migration:
     def generated(self) -> list[int]:
         """The ids generated so far, in order."""
         if self._unparsed:
-            for raw in self._unparsed:
-                self._generated.extend(int(t) for t in raw.split(b",") if t.strip())
+            try:
+                for raw in self._unparsed:
+                    self._generated.extend(int(t) for t in raw.split(b",") if t.strip())
+            except ValueError:
+                self.why_not = "token ids that are not integers"
             self._unparsed.clear()
         return self._generated
+
+    @property
+    def head(self) -> dict[str, Any] | None:
+        """The first event's ``id``, ``created``, ``model`` (the continuation's are
+        replaced with them); None before the first event."""
+        self._read_first()
+        return self._head
+
+    @property
+    def prompt_ids(self) -> list[int] | None:
+        """The prompt's ids, from the first event (None: it carried none)."""
+        self._read_first()
+        return self._prompt_ids
+
+    @property
+    def role_sent(self) -> bool:
+        """Did the client get a chat's ``role`` delta already?"""
+        self._read_first()
+        return self._role_sent
+
+    @role_sent.setter
+    def role_sent(self, value: bool) -> None:
+        self._read_first()
+        self._role_sent = value
+
+    def _read_first(self) -> None:
+        """Read the first event kept as it came (once): its head, the prompt's ids and
+        whether it gave a chat's role."""
+        event = self._first_event
+        if event is None or self._head is not None:
+            return
+        data = _loads(event) or {}
+        self._head = {k: data[k] for k in ("id", "created", "model") if k in data}
+        ids = data.get("prompt_token_ids")
+        choices = data.get("choices")
+        choice = choices[0] if isinstance(choices, list) and choices else None
+        if ids is None and isinstance(choice, dict):
+            ids = choice.get("prompt_token_ids")
+        if isinstance(ids, list):
+            self._prompt_ids = ids
+        if isinstance(choice, dict):
+            delta = choice.get("delta")
+            self._role_sent = isinstance(delta, dict) and "role" in delta
 
     # -- events on their way to the client ---------------------------------------------
 
     def feed(self, ready: bytes) -> bytes:
         """Complete events from the current leg, recorded; what the client gets of them
         (may be empty). Runs inside the engine connection's ``data_received``: never
-        raises."""
+        raises.
+
+        One event of the first leg (the rule) is recorded here, in this one call: scanned,
+        not parsed (one choice per event: ``n`` > 1 is not continued). vLLM writes compact
+        JSON with the ids last: they are found from the end without a regex; JSON with
+        spaces takes the regexes."""
+        if self.moves or self.error is not None or ready.find(b"\n\n") != len(ready) - 2:
+            return self._feed_each(ready)
+        if not ready.startswith(b"data: {"):
+            if ready.startswith(b"data: [DONE]"):
+                self.done = True
+            return ready
+        if ready.startswith(b'data: {"error"'):
+            return self._engine_error(ready)
+        first = self._first_event is None
+        if first:
+            self._first_event = ready
+        start = ready.rfind(b'"token_ids":[')
+        end = ready.find(b"]", start) + 1 if start >= 0 else 0
+        if end:
+            self._unparsed.append(ready[start + 13 : end - 1])
+        elif b'"token_ids"' in ready and (ids := _IDS.search(ready)) is not None:
+            start, end = ids.span()
+            self._unparsed.append(ids.group(1))
+        elif self.why_not is None and _TEXT.search(ready):
+            self.why_not = "text without token ids"
+        if self.finish is None and (_FINISH in ready or _FINISH_SPACED in ready):
+            self.finish = "sent"
+        if b'"usage"' in ready and _USAGE.search(ready) and _FINAL_USAGE.search(ready):
+            self.usage_sent = True
+        if b'"reasoning' in ready:
+            self.why_not = "reasoning content"
+        if self.client_ids:
+            return ready
+        if (
+            self.chat
+            and b"{}" in ready
+            and _EMPTY_DELTA.search(ready)
+            and _UNFINISHED.search(ready)
+        ):
+            return b""  # sent only for its ids
+        if end:
+            ready = ready[:start] + b'"token_ids":null' + ready[end:]
+        return _PROMPT_IDS.sub(b'"prompt_token_ids":null', ready, 1) if first else ready
+
+    def _feed_each(self, ready: bytes) -> bytes:
+        """``feed`` for several events, or a continuation's: event by event."""
         out: list[bytes] = []
         for event in ready[:-2].split(b"\n\n"):
             if self.error is not None:
                 continue  # after an engine's error event: its [DONE]
-            if event.startswith(b"data: {"):
-                kept = self._event(event) if self.moves == 0 else self._rewrite(event)
+            if self.moves == 0:
+                out.append(self.feed(event + b"\n\n"))
+            elif event.startswith(b"data: {"):
+                kept = self._rewrite(event)
                 if kept is not None:
                     out.append(kept + b"\n\n")
-            elif event.startswith(b"data: [DONE]"):
-                self.done = True
-                out.append(event + b"\n\n")
             else:
+                if event.startswith(b"data: [DONE]"):
+                    self.done = True
                 out.append(event + b"\n\n")
         return b"".join(out)
 
-    def _event(self, event: bytes) -> bytes | None:
-        """The first leg's event, recorded (bytes only but for the first event, which alone
-        carries the prompt's ids; one choice per event: ``n`` > 1 is not continued)."""
-        first = self.head is None
-        if first:
-            data = _loads(event)
-            if data is None or "error" in data:
-                return self._engine_error(event)
-            self._first(data)
-        elif _ERROR.match(event):
-            return self._engine_error(event)
-        ids = _IDS.search(event)
-        if ids is not None:
-            self._unparsed.append(ids.group(1))
-        elif _TEXT.search(event):
-            self.why_not = "text without token ids"
-        if b'"reasoning' in event:
-            self.why_not = "reasoning content"
-        if _FINISH.search(event):
-            self.finish = "sent"
-        if _USAGE.search(event) and _FINAL_USAGE.search(event):
-            self.usage_sent = True
-        if self.client_ids:
-            return event
-        if self.chat and _EMPTY_DELTA.search(event) and _UNFINISHED.search(event):
-            return None  # sent only for its ids
-        if ids is not None:
-            event = event[: ids.start()] + b'"token_ids":null' + event[ids.end() :]
-        return _PROMPT_IDS.sub(b'"prompt_token_ids":null', event) if first else event
-
-    def _engine_error(self, event: bytes) -> bytes | None:
+    def _engine_error(self, event: bytes) -> bytes:
         """An engine's error event: kept back (the stream is broken), nothing shown."""
         self.error = event[6:200].decode("utf-8", "replace")
-        return None
-
-    def _first(self, data: dict[str, Any]) -> None:
-        self.head = {k: data[k] for k in ("id", "created", "model") if k in data}
-        ids = data.get("prompt_token_ids")
-        choices = data.get("choices")
-        if ids is None and isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            ids = choices[0].get("prompt_token_ids")
-        if isinstance(ids, list):
-            self.prompt_ids = ids
-        if isinstance(choices, list) and choices and isinstance(choices[0], dict):
-            delta = choices[0].get("delta")
-            self.role_sent = isinstance(delta, dict) and "role" in delta
+        return b""
 
     def _rewrite(self, event: bytes) -> bytes | None:
         """A continuation's event as the first leg's would read."""
@@ -267,7 +349,8 @@ class Migration:
         if data is None:
             return None
         if "error" in data:
-            return self._engine_error(event)
+            self._engine_error(event)
+            return None
         head = self.head or {}
         data.update(head)
         if self.convert:

@@ -21,6 +21,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse
@@ -234,13 +235,25 @@ class StreamRelay:
     no task woken, when it may.
     """
 
-    __slots__ = ("buffer", "call", "first", "headers", "itl", "last", "relay", "writer")
+    __slots__ = (
+        "buffer",
+        "call",
+        "first",
+        "headers",
+        "itl",
+        "last",
+        "migration",
+        "relay",
+        "writer",
+    )
 
     def __init__(self, relay: Relay, call: Call):
         self.relay = relay
         self.call = call
         metrics = relay.metrics
         self.itl = metrics.child(metrics.itl, call.label)
+        #: The stream's record for a migration (``call.migration``, made before this).
+        self.migration = call.migration
         self.headers = [
             (b"content-type", b"text/event-stream"),
             (b"x-request-id", call.ctx.echo_id.encode("latin-1")),
@@ -285,7 +298,7 @@ class StreamRelay:
         ready = self.split(chunk)
         if ready is None:
             return None
-        migration = self.call.migration
+        migration = self.migration
         if migration is not None:  # its record, and the token ids it asked for hidden
             ready = migration.feed(ready)
             if not ready:
@@ -294,9 +307,7 @@ class StreamRelay:
         if b'"kv_transfer_params"' in ready or (
             cached is not None and b'"prompt_tokens_details"' in ready
         ):
-            ready = b"".join(
-                _patch_event(event, cached) + b"\n\n" for event in ready[:-2].split(b"\n\n")
-            )
+            ready = _patch_events(ready, cached)
         self.observe(ready, now)
         return ready
 
@@ -318,11 +329,33 @@ class StreamRelay:
         writer = self.writer
         if writer is None or not writer.ready():
             return False
-        if (self.buffer + chunk if self.buffer else chunk).endswith(STREAM_END):
+        now = perf_counter()
+        if self.buffer or not chunk.endswith(b"\n\n"):  # a partial event held, or left
+            if (self.buffer + chunk if self.buffer else chunk).endswith(STREAM_END):
+                return False
+            ready = self.events(chunk, now)
+            if ready is not None:
+                writer.write(ready)
+            return True
+        if chunk.endswith(STREAM_END):
             return False
-        ready = self.events(chunk, time.perf_counter())
-        if ready is not None:
-            writer.write(ready)
+        # complete events, nothing held back: the rule, in this one call (``events``)
+        migration = self.migration
+        if migration is not None:
+            chunk = migration.feed(chunk)
+            if not chunk:
+                return True
+        cached = self.call.cached
+        if b'"kv_transfer_params"' in chunk or (
+            cached is not None and b'"prompt_tokens_details"' in chunk
+        ):
+            chunk = _patch_events(chunk, cached)
+        if self.first is None:
+            self.observe(chunk, now)
+        else:  # (``observe``, inlined)
+            self.itl.observe(now - self.last)
+            self.last = now
+        writer.write(chunk)
         return True
 
 
@@ -346,6 +379,11 @@ def patch_payload(data: dict[str, Any], cached: int | None) -> dict[str, Any]:
         if isinstance(details, dict):
             details["cached_tokens"] = cached
     return data
+
+
+def _patch_events(ready: bytes, cached: int | None) -> bytes:
+    """Complete events with ``kv_transfer_params`` hidden and the prefill's cache hits in."""
+    return b"".join(_patch_event(event, cached) + b"\n\n" for event in ready[:-2].split(b"\n\n"))
 
 
 def _patch_event(event: bytes, cached: int | None) -> bytes:

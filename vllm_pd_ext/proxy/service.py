@@ -40,6 +40,7 @@ Failure semantics (all timeouts come from ``TimeoutConfig``):
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -137,8 +138,11 @@ class ProxyService:
         self.batch = Batch(self.decode, self.relay, self.router, self.fleet)
         #: Token mode's render tier (created on the event loop in ``start``).
         self.render: RenderTier | None = None
+        #: The event loop the service runs on (set in ``start``).
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self) -> None:
+        self.loop = asyncio.get_running_loop()
         if self.config.render:
             t = self.config.timeouts
             self.render = RenderTier(
@@ -187,7 +191,10 @@ class ProxyService:
             self.metrics.rejected.labels(exc.code or "saturated").inc()
             raise
         call = Call(
-            ctx, DisconnectWatch(request, hooked=self.fast_path), self.admission, self.metrics
+            ctx,
+            DisconnectWatch(request, hooked=self.fast_path, loop=self.loop),
+            self.admission,
+            self.metrics,
         )
         if self.tracing is not None:
             call.trace = self.tracing.start(ctx, header(request, b"traceparent"))

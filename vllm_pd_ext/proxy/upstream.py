@@ -126,6 +126,34 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.got_bytes = True
+        sink = self.sink
+        if (
+            sink is not None
+            and self.state == _CHUNK_SIZE
+            and not self.buf
+            and not self.chunks
+            and self.error is None
+        ):
+            # A streamed event as a rule: one read, one whole chunk, for the sink (the
+            # general parse below does the same, with more steps)
+            end = data.find(b"\r\n")
+            try:
+                size = int(data[:end], 16) if end > 0 else 0
+            except ValueError:  # chunk extensions: the general parse
+                size = 0
+            stop = end + 2 + size
+            if size > 0 and len(data) == stop + 2 and data.endswith(b"\r\n"):
+                piece = data[end + 2 : stop]
+                self.rx_at = self.loop.time()
+                if sink(piece):
+                    return
+                self.chunks.append(piece)  # left to whoever reads the response
+                self.buffered = size
+                if size > _HIGH_WATER and not self.paused and self.transport is not None:
+                    self.paused = True
+                    self.transport.pause_reading()
+                self._wake()
+                return
         if self.state == _DONE or self.error is not None:
             self.keep_alive = False  # bytes nobody asked for: never reuse this connection
             return
@@ -506,6 +534,7 @@ class Upstream:
         host_header = parts.netloc.rpartition("@")[2]
         self._head_tail = f" HTTP/1.1\r\nHost: {host_header}\r\n".encode("latin-1")
         self._idle: list[_Conn] = []
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one it was last used on
         self._max_idle = max(1, max_connections)
         self._keepalive_s = keepalive_s
         self._closed = False
@@ -601,7 +630,9 @@ class Upstream:
         if self._closed:
             raise UpstreamError("disconnected", f"{self.base_url}: client closed")
         payload = self._request(method, path, body, headers, body_open)
-        loop = asyncio.get_running_loop()
+        loop = self._loop  # (asyncio's get_running_loop costs a getpid() call on 3.11)
+        if loop is None or not loop.is_running():
+            loop = self._loop = asyncio.get_running_loop()
         deadline = None if timeouts.total is None else loop.time() + timeouts.total
         read_s = timeouts.read
         conn = self._pooled(loop)

@@ -307,3 +307,48 @@ def test_an_answer_without_a_limit_goes_on_without_one(route, limits):
     _, body = m.continuation(ctx)
     assert "max_tokens" in body and body["max_tokens"] is None
     assert body["prompt"] == [1, 2, 3, 9, 8]
+
+
+def _vllm_stream(ids: bytes | None) -> list[bytes]:
+    """A completion's events as vLLM writes them (compact JSON), with ``ids`` (``b"[%d]"``
+    for the ids asked for, ``b"null"`` for none) or without the fields."""
+    out = []
+    for i, finish in enumerate((b"null", b"null", b'"length"')):
+        extra = b""
+        if ids is not None:
+            prompt = b"[1,2,3]" if ids != b"null" else b"null"
+            own = ids % (9 - i) if ids != b"null" else b"null"
+            extra = (b',"prompt_token_ids":%b' % prompt if i == 0 else b"") + (
+                b',"token_ids":%b' % own
+            )
+        out.append(
+            b'data: {"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":'
+            b'[{"index":0,"text":" t%d","logprobs":null,"finish_reason":%b,"stop_reason":null'
+            b"%b}]}\n\n" % (i, finish, extra)
+        )
+    out.append(
+        b'data: {"id":"cmpl-1","object":"text_completion","created":7,"model":"m","choices":[],'
+        b'"usage":{"prompt_tokens":3,"total_tokens":6,"completion_tokens":3}}\n\n'
+    )
+    return out
+
+
+def test_a_stream_read_event_by_event_or_in_one_piece_gives_the_same_record_and_bytes():
+    ctx = _ctx("completions", prompt="abc", max_tokens=5, stream_options={"include_usage": True})
+    asked = _vllm_stream(b"[%d]")
+    one, whole = Migration(ctx, False), Migration(ctx, False)
+    shown = b"".join(one.feed(e) for e in asked)
+    assert shown == whole.feed(b"".join(asked))
+    # the client sees what vLLM writes when not asked for ids: null in their place
+    assert shown == b"".join(_vllm_stream(b"null"))
+    for m in (one, whole):
+        assert m.generated == [9, 8, 7] and m.prompt_ids == [1, 2, 3]
+        assert m.finish == "sent" and m.usage_sent and m.why_not is None
+        assert m.head == {"id": "cmpl-1", "created": 7, "model": "m"}
+
+
+def test_an_engine_that_sends_no_ids_leaves_a_stream_that_cannot_be_continued():
+    m = Migration(_ctx("completions", prompt="abc", max_tokens=5), False)
+    events = _vllm_stream(None)
+    assert b"".join(m.feed(e) for e in events) == b"".join(events)
+    assert m.why_not == "text without token ids" and m.generated == [] and m.finish == "sent"

@@ -313,6 +313,28 @@ def test_a_sink_gets_one_piece_per_read_and_once_it_refuses_one_later_reads_stay
     assert left == b"data: c\n\ndata: d\n\n" and not chunks
 
 
+def test_a_read_of_one_whole_chunk_reaches_the_sink_as_its_payload_whatever_its_size_line():
+    """One read, one whole chunk (a streamed event as a rule) goes to the sink at once; a
+    size line with an extension, or a read that is not exactly one chunk, takes the general
+    parse and gives the sink the same payload."""
+
+    async def go():
+        conn = _Conn(asyncio.get_running_loop())
+        taken: list[bytes] = []
+        conn.sink_on_ok = _sink_into(taken, refuse=None)
+        conn.data_received(HEAD)
+        conn.data_received(_chunk(b"data: a\n\n"))
+        conn.data_received(b"9;ext=1\r\ndata: b\n\n\r\n")
+        conn.data_received(_chunk(b"data: c\n\n")[:5])
+        conn.data_received(_chunk(b"data: c\n\n")[5:] + _chunk(b"data: d\n\n"))
+        conn.data_received(b"0\r\n\r\n")
+        return taken, conn.chunks, conn.state
+
+    taken, chunks, state = asyncio.run(go())
+    assert b"".join(taken) == b"data: a\n\ndata: b\n\ndata: c\n\ndata: d\n\n"
+    assert taken[:2] == [b"data: a\n\n", b"data: b\n\n"] and not chunks and state == _DONE
+
+
 def test_sink_on_ok_takes_the_body_that_comes_with_a_200_head_and_not_an_error_body():
     async def go():
         taken: dict[int, list[bytes]] = {200: [], 503: []}
