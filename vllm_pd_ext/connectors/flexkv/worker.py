@@ -32,10 +32,11 @@ blocks are a fixed set of byte pieces works.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -320,7 +321,7 @@ class FlexKVWorker:
                 self._pending_writes -= 1
 
     def _read(
-        self, tier: str, key: str, out, fetched: Mapping[str, bytes] | None = None
+        self, tier: str, key: str, out, fetched: Mapping[str, bytes | memoryview] | None = None
     ) -> str | None:
         """Read one block file into ``out`` (a row, or the block's pieces); None on
         success, else why it failed (``out`` then holds garbage). ``fetched``: the remote
@@ -382,17 +383,23 @@ class FlexKVWorker:
             self.stats.add("failed_blocks", len(failed))
         return failed
 
-    def _fetch_remote(self, items: list[LoadItem]) -> dict[str, bytes] | None:
+    @contextlib.contextmanager
+    def _fetch_remote(
+        self, items: list[LoadItem]
+    ) -> Iterator[Mapping[str, bytes | memoryview] | None]:
         """The remote tier's objects among ``items``, got in one call to the store (one
-        round to the master for all of them, instead of one per block); None when none."""
+        round to the master for all of them, instead of one per block), valid inside the
+        ``with`` (they may be views into the store's staging buffer); None when none."""
         store = self.stores.get(REMOTE)
-        keys = [it.key for it in items if it.tier == REMOTE]
-        if not keys or not isinstance(store, MooncakeBlockStore):
-            return None
-        return store.fetch_many(keys, self.tp_rank)
+        sizes = {it.key: self._copier(it.group).block_bytes for it in items if it.tier == REMOTE}
+        if not sizes or not isinstance(store, MooncakeBlockStore):
+            yield None
+            return
+        with store.fetching(sizes, self.tp_rank) as fetched:
+            yield fetched
 
     def _read_in_place(
-        self, items: list[LoadItem], fetched: Mapping[str, bytes] | None = None
+        self, items: list[LoadItem], fetched: Mapping[str, bytes | memoryview] | None = None
     ) -> list[tuple[LoadItem, str | None]]:
         """I/O pool: read each block file straight into its block's pieces in the (CPU)
         cache, verify it, and promote the block into its CPU row; (item, None on success
@@ -420,16 +427,16 @@ class FlexKVWorker:
         loaded: dict[str, int] = {}
         loaded_bytes: dict[str, int] = {}
         promoted: set[int] = set()
-        fetched = self._fetch_remote(items)
-        if self._blocks.in_place:  # one task per I/O thread, a contiguous share of blocks each
-            k = min(self.cfg.io_threads, len(items))
-            shares = [items[i * len(items) // k : (i + 1) * len(items) // k] for i in range(k)]
-            futures = [self._io.submit(self._read_in_place, share, fetched) for share in shares]
-            results = [r for f in futures for r in f.result()]
-        else:
-            results = []
-            for group, group_items in _by_group(items).items():
-                results += self._read_staged(group, group_items, fetched, after)
+        with self._fetch_remote(items) as fetched:
+            if self._blocks.in_place:  # one task per I/O thread, a contiguous share each
+                k = min(self.cfg.io_threads, len(items))
+                shares = [items[i * len(items) // k : (i + 1) * len(items) // k] for i in range(k)]
+                futures = [self._io.submit(self._read_in_place, s, fetched) for s in shares]
+                results = [r for f in futures for r in f.result()]
+            else:
+                results = []
+                for group, group_items in _by_group(items).items():
+                    results += self._read_staged(group, group_items, fetched, after)
         bad_rows: set[int] = set()
         for it, err in results:
             if err is None:
@@ -463,7 +470,7 @@ class FlexKVWorker:
         self,
         group: int,
         items: list[LoadItem],
-        fetched: Mapping[str, bytes] | None,
+        fetched: Mapping[str, bytes | memoryview] | None,
         after: Any = None,
     ) -> list[tuple[LoadItem, str | None]]:
         """Read one group's block files ``STAGE_BYTES`` at a time into a per-thread pinned
