@@ -131,14 +131,17 @@ def test_a_block_is_read_only_whole_and_checked(remote):
 def test_a_batch_read_through_the_registered_buffer_is_checked_like_any_other(remote):
     """A worker's client reads a batch through its registered staging buffer: good blocks
     come back whole; a block with a flipped payload byte, one a byte too long (it does not
-    fit its slot: read as before) and a missing one are refused."""
+    fit its slot: read as before) and a missing one are refused, exactly as a client
+    without the buffer (``get_batch``) refuses them."""
     cfg = RemoteTierConfig(**remote)
     store = MooncakeBlockStore(cfg, "staged-1")
-    reader = MooncakeBlockStore(cfg, "staged-1")
-    try:
-        size = 3000
-        keys = [f"{i:02x}" * 16 for i in range(5)]
-        payloads = {k: bytes((i + j) % 251 for j in range(size)) for i, k in enumerate(keys)}
+    staged = MooncakeBlockStore(cfg, "staged-1")
+    plain = MooncakeBlockStore(cfg, "staged-1", segment=False)  # registers no buffer
+    size = 3000
+    keys = [f"{i:02x}" * 16 for i in range(5)]
+    payloads = {k: bytes((i + j) % 251 for j in range(size)) for i, k in enumerate(keys)}
+
+    def damage() -> None:
         for k in keys[:4]:
             store.write(k, payloads[k], "layout-a")
         flipped = bytearray(store._store.get(store.name(keys[1])))
@@ -146,28 +149,38 @@ def test_a_batch_read_through_the_registered_buffer_is_checked_like_any_other(re
         assert store._store.upsert_parts(store.name(keys[1]), bytes(flipped)) == 0
         longer = bytes(store._store.get(store.name(keys[2]))) + b"x"
         assert store._store.upsert_parts(store.name(keys[2]), longer) == 0
-        before = reader.staged_reads
-        outcome = {}
+
+    def outcome(reader: MooncakeBlockStore) -> dict[str, str]:
+        seen = {}
         with reader.fetching(dict.fromkeys(keys, size)) as got:
             for k in keys:
                 out = bytearray(size)
                 try:
                     reader.check_into(k, got.get(k, b""), out, "layout-a")
-                    outcome[k] = "ok" if out == payloads[k] else "wrong bytes"
+                    seen[k] = "ok" if out == payloads[k] else "wrong bytes"
                 except BlockFileError as e:
-                    outcome[k] = str(e).rpartition(": ")[2]
+                    seen[k] = str(e).rpartition(": ")[2]
                 except FileNotFoundError:
-                    outcome[k] = "missing"
-        assert outcome == {
+                    seen[k] = "missing"
+        return seen
+
+    try:
+        expected = {
             keys[0]: "ok",
             keys[1]: "checksum mismatch",
             keys[2]: "payload of 3001 bytes, expected exactly 3000",
             keys[3]: "ok",
             keys[4]: "missing",
         }
-        assert reader.staged_reads - before == 3  # the too-long one came by get_batch
+        damage()
+        assert outcome(staged) == expected
+        assert staged.staged_reads == 3  # the too-long one came by get_batch
+        damage()
+        assert outcome(plain) == expected
+        assert plain.staged_reads == 0
     finally:
-        reader.close()
+        plain.close()
+        staged.close()
         store.close()
 
 
