@@ -90,8 +90,9 @@ class RemoteStoreError(OSError):
 
 
 class MooncakeBlockStore:
-    """Blocks in a Mooncake Store; the interface of :class:`~.store.FileStore` (``exists``,
-    ``write``, ``read_into``, ``delete``), plus :meth:`exists_many` and :meth:`close`.
+    """Blocks in a Mooncake Store: the remote tier's
+    :class:`~vllm_pd_ext.connectors.flexkv.remote_base.RemoteBlockStore` (the scheduler and
+    the worker call nothing else), plus :class:`~.store.FileStore`'s ``exists`` and ``delete``.
 
     ``segment`` False: a client that contributes no memory (the scheduler's, which only
     asks what exists). ``key``: the fleet key (blocks then carry a MAC). ``stats``: where

@@ -59,6 +59,7 @@ from vllm_pd_ext.connectors.flexkv.metadata import (
     SaveItem,
 )
 from vllm_pd_ext.connectors.flexkv.remote import MooncakeBlockStore
+from vllm_pd_ext.connectors.flexkv.remote_base import RemoteBlockStore
 from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
 from vllm_pd_ext.connectors.flexkv.store import BlockFileError, FileStore
 
@@ -98,16 +99,17 @@ class FlexKVWorker:
         self.fingerprint = ""
         self.block_bytes = 0
         self.copier: BlockCopier | None = None
-        self.stores: dict[str, FileStore | MooncakeBlockStore] = {}
+        self.stores: dict[str, FileStore | RemoteBlockStore] = {}
+        #: The remote tier's store (also ``stores[REMOTE]``), else None.
+        self.remote: RemoteBlockStore | None = None
         key = fleet_key.load_key() if cfg.ssd_dir or cfg.shared_dir or cfg.remote else None
         if cfg.ssd_dir:
             self.stores[SSD] = FileStore(cfg.ssd_dir, namespace, fsync=cfg.fsync, key=key)
         if cfg.shared_dir:
             self.stores[SHARED] = FileStore(cfg.shared_dir, namespace, fsync=cfg.fsync, key=key)
         if cfg.remote is not None:
-            self.stores[REMOTE] = MooncakeBlockStore(
-                cfg.remote, namespace, key=key, stats=self.stats
-            )
+            self.remote = MooncakeBlockStore(cfg.remote, namespace, key=key, stats=self.stats)
+            self.stores[REMOTE] = self.remote
         if self.stores:
             logger.info(
                 "tiered KV cache block files carry %s",
@@ -327,11 +329,12 @@ class FlexKVWorker:
         success, else why it failed (``out`` then holds garbage). ``fetched``: the remote
         tier's objects of this load, got in one call (:meth:`_fetch_remote`)."""
         try:
-            store = self.stores[tier]
-            if isinstance(store, MooncakeBlockStore) and fetched is not None:
-                store.check_into(key, fetched.get(key, b""), out, self.fingerprint, self.tp_rank)
+            if tier == REMOTE and self.remote is not None and fetched is not None:
+                self.remote.check_into(
+                    key, fetched.get(key, b""), out, self.fingerprint, self.tp_rank
+                )
             else:
-                store.read_into(key, out, self.fingerprint, self.tp_rank)
+                self.stores[tier].read_into(key, out, self.fingerprint, self.tp_rank)
             return None
         except BlockFileError as e:
             self.stats.add("corrupt_blocks")
@@ -390,12 +393,11 @@ class FlexKVWorker:
         """The remote tier's objects among ``items``, got in one call to the store (one
         round to the master for all of them, instead of one per block), valid inside the
         ``with`` (they may be views into the store's staging buffer); None when none."""
-        store = self.stores.get(REMOTE)
         sizes = {it.key: self._copier(it.group).block_bytes for it in items if it.tier == REMOTE}
-        if not sizes or not isinstance(store, MooncakeBlockStore):
+        if not sizes or self.remote is None:
             yield None
             return
-        with store.fetching(sizes, self.tp_rank) as fetched:
+        with self.remote.fetching(sizes, self.tp_rank) as fetched:
             yield fetched
 
     def _read_in_place(
@@ -565,9 +567,8 @@ class FlexKVWorker:
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True)
         self._io.shutdown(wait=True)
-        remote = self.stores.get(REMOTE)
-        if isinstance(remote, MooncakeBlockStore):
-            remote.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def _by_group(items: Sequence[Any]) -> dict[int, list[Any]]:
