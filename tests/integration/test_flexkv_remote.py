@@ -4,7 +4,8 @@ Two instances, A and B (one core each, prefix caching off, a fleet key: blocks c
 share a ``mooncake_master`` on 127.0.0.1. A prompt A computed loads on B from the store: B's
 ``prompt_tokens_cached_by_source`` counts its whole blocks under ``external_unspecified``
 (vLLM's source for a remote store) and B's greedy output equals A's, computed, token for token.
-Then the master is killed: requests keep being served (the store is down: misses), and once a
+Then the master is killed with a prompt of A's in the store: B serves that prompt as a miss
+(no remote hit, the same output) and A keeps serving (its saves find the store down); once a
 new master runs on the same address the instances find it again and B loads A's prompts from it.
 """
 
@@ -109,12 +110,15 @@ def test_a_killed_master_turns_hits_into_misses_and_a_new_one_serves_again(
     stack, client, tiny_qwen
 ):
     a, b, master = stack
-    master.kill()
     ids = list(reversed(make_prompt_ids(tiny_qwen, PROMPT)))
-    computed = generate(client, a, ids)  # served: A's save finds the store down
+    before = saved_bytes(a)
+    computed = generate(client, a, ids)
+    assert saved(a, before, HIT // BLOCK)  # in the store: B, which never saw it, would hit
+    master.kill()
     hits = cached(b, "external_unspecified")
-    assert generate(client, b, ids) == computed  # served: B's lookup finds nothing
+    assert generate(client, b, ids) == computed  # served: the hit became a miss
     assert cached(b, "external_unspecified") == hits
+    assert generate(client, a, [(t + 500) % 1000 + 10 for t in ids])  # served: no store
     deadline = time.monotonic() + 30
     while a.metric(REMOTE_DOWN) < 1 or b.metric(REMOTE_DOWN) < 1:
         assert time.monotonic() < deadline, "the instances did not count the store down"

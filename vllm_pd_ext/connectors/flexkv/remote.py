@@ -30,6 +30,12 @@ to a restarted master by themselves (the objects the old one knew are gone: miss
 that does not answer when the instance starts (a client's set-up would wait 90 s, then fail)
 leaves the tier down from the start, the engine serving; the probe sets the client up once
 the master answers.
+
+A worker's client reads a load's blocks with one ``batch_get_into`` into a staging buffer
+it registered with the store (:data:`STAGE_BYTES`, one load at a time), then checks and
+copies each block from there: no Python ``bytes`` per block. When registration fails
+(logged once), when the buffer is in use by another load, or for the blocks that do not
+fit, the reads go through ``get_batch`` as before; the checks are the same either way.
 """
 
 from __future__ import annotations
@@ -38,7 +44,7 @@ import contextlib
 import logging
 import socket
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NoReturn
 
 from vllm_pd_ext.connectors.flexkv.config import RemoteTierConfig
@@ -71,6 +77,12 @@ RPC_FAILED = -900
 #: Seconds before the first probe of a store marked down, and the longest wait between two.
 PROBE_FIRST_S = 1.0
 PROBE_MAX_S = 30.0
+#: What the store answers for an object it does not hold.
+OBJECT_NOT_FOUND = -704
+#: Bytes of the staging buffer a worker's client registers for batched reads.
+STAGE_BYTES = 16 * MiB
+
+_stage_warned = threading.Event()
 
 
 class RemoteStoreError(OSError):
@@ -78,8 +90,9 @@ class RemoteStoreError(OSError):
 
 
 class MooncakeBlockStore:
-    """Blocks in a Mooncake Store; the interface of :class:`~.store.FileStore` (``exists``,
-    ``write``, ``read_into``, ``delete``), plus :meth:`exists_many` and :meth:`close`.
+    """Blocks in a Mooncake Store: the remote tier's
+    :class:`~vllm_pd_ext.connectors.flexkv.remote_base.RemoteBlockStore` (the scheduler and
+    the worker call nothing else), plus :class:`~.store.FileStore`'s ``exists`` and ``delete``.
 
     ``segment`` False: a client that contributes no memory (the scheduler's, which only
     asks what exists). ``key``: the fleet key (blocks then carry a MAC). ``stats``: where
@@ -109,6 +122,10 @@ class MooncakeBlockStore:
         self._cfg = cfg
         self._segment = segment
         self._store: Any = None
+        self._stage: Any = None  # a registered numpy buffer, else None
+        self._stage_lock = threading.Lock()
+        #: Blocks got through the registered staging buffer (``batch_get_into``).
+        self.staged_reads = 0
         if _reachable(cfg.master):
             self._store = self._setup()
             if self._store is None:
@@ -143,7 +160,32 @@ class MooncakeBlockStore:
                 "master_server_addr": cfg.master,
             }
         )
-        return store if rc == 0 else None
+        if rc != 0:
+            return None
+        if self._segment:
+            self._register_stage(store)
+        return store
+
+    def _register_stage(self, store: Any) -> None:
+        """Register a staging buffer for batched reads with ``store``; without it (logged
+        once per process) reads go through ``get_batch``."""
+        import numpy as np
+
+        stage = np.empty(STAGE_BYTES, dtype=np.uint8)
+        try:
+            rc = store.register_buffer(stage.ctypes.data, stage.nbytes)
+        except Exception as e:
+            rc = f"raised {e}"
+        if rc == 0:
+            self._stage = stage
+            return
+        if not _stage_warned.is_set():
+            _stage_warned.set()
+            logger.warning(
+                "tiered KV cache: the remote tier's store refused a registered buffer (%s); "
+                "reads copy through Python bytes instead",
+                rc,
+            )
 
     @property
     def keyed(self) -> bool:
@@ -250,6 +292,71 @@ class MooncakeBlockStore:
             return {}
         return dict(zip(keys, got, strict=True))
 
+    @contextlib.contextmanager
+    def fetching(
+        self, sizes: Mapping[str, int], rank: int = 0
+    ) -> Iterator[Mapping[str, bytes | memoryview]]:
+        """:meth:`fetch_many` of the keys of ``sizes`` (each block's payload bytes), through
+        the registered staging buffer when there is one and no other load holds it: the
+        objects are views into it, valid only inside the ``with``."""
+        if self._stage is None or not sizes or not self._stage_lock.acquire(blocking=False):
+            yield self.fetch_many(list(sizes), rank)
+            return
+        try:
+            yield self._fetch_staged(sizes, rank)
+        finally:
+            self._stage_lock.release()
+
+    def _fetch_staged(
+        self, sizes: Mapping[str, int], rank: int
+    ) -> Mapping[str, bytes | memoryview]:
+        """The objects of ``sizes``' keys: those that fit in one ``batch_get_into`` into the
+        staging buffer, the rest (and any that does not fit its slot: too long, so its checks
+        see it whole) through :meth:`fetch_many`."""
+        if not self._up:
+            return {}
+        base, room = self._stage.ctypes.data, self._stage.nbytes
+        staged: list[str] = []
+        offsets: list[int] = []
+        lengths: list[int] = []
+        off = 0
+        for key, size in sizes.items():
+            n = self.header_bytes + size
+            if off + n > room:
+                break
+            staged.append(key)
+            offsets.append(off)
+            lengths.append(n)
+            off += n
+        if not staged:
+            return self.fetch_many(list(sizes), rank)
+        try:
+            got = list(
+                self._store.batch_get_into(
+                    [self.name(k, rank) for k in staged], [base + o for o in offsets], lengths
+                )
+            )
+        except Exception as e:  # a store failure is a miss
+            self._down(f"batch_get_into raised {e}")
+            return {}
+        if RPC_FAILED in got:
+            self._down(f"batch_get_into answered {RPC_FAILED}")
+        if len(got) != len(staged) or RPC_FAILED in got:
+            return {}
+        view = memoryview(self._stage)
+        out: dict[str, bytes | memoryview] = {}
+        rest = list(sizes)[len(staged) :]
+        for key, o, rc in zip(staged, offsets, got, strict=True):
+            if rc >= 0:
+                out[key] = view[o : o + rc]
+                self.staged_reads += 1
+            elif rc == OBJECT_NOT_FOUND:
+                out[key] = b""
+            else:
+                rest.append(key)
+        out.update(self.fetch_many(rest, rank))
+        return out
+
     def read_into(self, key: str, out, fingerprint: str, rank: int = 0) -> int:
         """Get and verify one block into ``out`` (one buffer or the block's pieces, in
         order); returns the bytes got. ``FileNotFoundError`` when the store has no such
@@ -266,8 +373,11 @@ class MooncakeBlockStore:
             raise RemoteStoreError(f"get of {name} failed: {e}") from e
         return self.check_into(key, raw, out, fingerprint, rank)
 
-    def check_into(self, key: str, raw: bytes, out, fingerprint: str, rank: int = 0) -> int:
-        """:meth:`read_into` for an object already got (``raw``, from :meth:`fetch_many`)."""
+    def check_into(
+        self, key: str, raw: bytes | memoryview, out, fingerprint: str, rank: int = 0
+    ) -> int:
+        """:meth:`read_into` for an object already got (``raw``, from :meth:`fetch_many` or
+        :meth:`fetching`)."""
         name = self.name(key, rank)
         parts = byte_views(out)
         size = sum(p.nbytes for p in parts)
@@ -324,6 +434,9 @@ class MooncakeBlockStore:
         if self._store is None:
             return
         try:
+            with self._stage_lock:
+                if self._stage is not None:
+                    self._store.unregister_buffer(self._stage.ctypes.data)
             self._store.close()
         except Exception:
             logger.debug("remote tier: close failed", exc_info=True)

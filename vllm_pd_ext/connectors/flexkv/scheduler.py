@@ -59,6 +59,7 @@ from vllm_pd_ext.connectors.flexkv.metadata import (
     SaveItem,
 )
 from vllm_pd_ext.connectors.flexkv.remote import MooncakeBlockStore
+from vllm_pd_ext.connectors.flexkv.remote_base import RemoteBlockStore
 from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
 from vllm_pd_ext.connectors.flexkv.store import DirQuota, FileStore
 
@@ -152,7 +153,7 @@ class FlexKVScheduler:
             self.shared_quota = DirQuota(self.shared_store, int(cfg.shared_capacity_gb * GiB))
         #: The remote tier: the master is asked once per lookup for the run of keys after the
         #: local tiers'; keys it had (or we put) are remembered (a bounded set).
-        self.remote_store: MooncakeBlockStore | None = None
+        self.remote_store: RemoteBlockStore | None = None
         self._remote_known: set[str] = set()
         if cfg.remote is not None:
             self.remote_store = MooncakeBlockStore(

@@ -32,10 +32,11 @@ blocks are a fixed set of byte pieces works.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -58,6 +59,7 @@ from vllm_pd_ext.connectors.flexkv.metadata import (
     SaveItem,
 )
 from vllm_pd_ext.connectors.flexkv.remote import MooncakeBlockStore
+from vllm_pd_ext.connectors.flexkv.remote_base import RemoteBlockStore
 from vllm_pd_ext.connectors.flexkv.stats import FlexKVRecorder
 from vllm_pd_ext.connectors.flexkv.store import BlockFileError, FileStore
 
@@ -97,16 +99,17 @@ class FlexKVWorker:
         self.fingerprint = ""
         self.block_bytes = 0
         self.copier: BlockCopier | None = None
-        self.stores: dict[str, FileStore | MooncakeBlockStore] = {}
+        self.stores: dict[str, FileStore | RemoteBlockStore] = {}
+        #: The remote tier's store (also ``stores[REMOTE]``), else None.
+        self.remote: RemoteBlockStore | None = None
         key = fleet_key.load_key() if cfg.ssd_dir or cfg.shared_dir or cfg.remote else None
         if cfg.ssd_dir:
             self.stores[SSD] = FileStore(cfg.ssd_dir, namespace, fsync=cfg.fsync, key=key)
         if cfg.shared_dir:
             self.stores[SHARED] = FileStore(cfg.shared_dir, namespace, fsync=cfg.fsync, key=key)
         if cfg.remote is not None:
-            self.stores[REMOTE] = MooncakeBlockStore(
-                cfg.remote, namespace, key=key, stats=self.stats
-            )
+            self.remote = MooncakeBlockStore(cfg.remote, namespace, key=key, stats=self.stats)
+            self.stores[REMOTE] = self.remote
         if self.stores:
             logger.info(
                 "tiered KV cache block files carry %s",
@@ -320,17 +323,18 @@ class FlexKVWorker:
                 self._pending_writes -= 1
 
     def _read(
-        self, tier: str, key: str, out, fetched: Mapping[str, bytes] | None = None
+        self, tier: str, key: str, out, fetched: Mapping[str, bytes | memoryview] | None = None
     ) -> str | None:
         """Read one block file into ``out`` (a row, or the block's pieces); None on
         success, else why it failed (``out`` then holds garbage). ``fetched``: the remote
         tier's objects of this load, got in one call (:meth:`_fetch_remote`)."""
         try:
-            store = self.stores[tier]
-            if isinstance(store, MooncakeBlockStore) and fetched is not None:
-                store.check_into(key, fetched.get(key, b""), out, self.fingerprint, self.tp_rank)
+            if tier == REMOTE and self.remote is not None and fetched is not None:
+                self.remote.check_into(
+                    key, fetched.get(key, b""), out, self.fingerprint, self.tp_rank
+                )
             else:
-                store.read_into(key, out, self.fingerprint, self.tp_rank)
+                self.stores[tier].read_into(key, out, self.fingerprint, self.tp_rank)
             return None
         except BlockFileError as e:
             self.stats.add("corrupt_blocks")
@@ -382,17 +386,22 @@ class FlexKVWorker:
             self.stats.add("failed_blocks", len(failed))
         return failed
 
-    def _fetch_remote(self, items: list[LoadItem]) -> dict[str, bytes] | None:
+    @contextlib.contextmanager
+    def _fetch_remote(
+        self, items: list[LoadItem]
+    ) -> Iterator[Mapping[str, bytes | memoryview] | None]:
         """The remote tier's objects among ``items``, got in one call to the store (one
-        round to the master for all of them, instead of one per block); None when none."""
-        store = self.stores.get(REMOTE)
-        keys = [it.key for it in items if it.tier == REMOTE]
-        if not keys or not isinstance(store, MooncakeBlockStore):
-            return None
-        return store.fetch_many(keys, self.tp_rank)
+        round to the master for all of them, instead of one per block), valid inside the
+        ``with`` (they may be views into the store's staging buffer); None when none."""
+        sizes = {it.key: self._copier(it.group).block_bytes for it in items if it.tier == REMOTE}
+        if not sizes or self.remote is None:
+            yield None
+            return
+        with self.remote.fetching(sizes, self.tp_rank) as fetched:
+            yield fetched
 
     def _read_in_place(
-        self, items: list[LoadItem], fetched: Mapping[str, bytes] | None = None
+        self, items: list[LoadItem], fetched: Mapping[str, bytes | memoryview] | None = None
     ) -> list[tuple[LoadItem, str | None]]:
         """I/O pool: read each block file straight into its block's pieces in the (CPU)
         cache, verify it, and promote the block into its CPU row; (item, None on success
@@ -420,16 +429,16 @@ class FlexKVWorker:
         loaded: dict[str, int] = {}
         loaded_bytes: dict[str, int] = {}
         promoted: set[int] = set()
-        fetched = self._fetch_remote(items)
-        if self._blocks.in_place:  # one task per I/O thread, a contiguous share of blocks each
-            k = min(self.cfg.io_threads, len(items))
-            shares = [items[i * len(items) // k : (i + 1) * len(items) // k] for i in range(k)]
-            futures = [self._io.submit(self._read_in_place, share, fetched) for share in shares]
-            results = [r for f in futures for r in f.result()]
-        else:
-            results = []
-            for group, group_items in _by_group(items).items():
-                results += self._read_staged(group, group_items, fetched, after)
+        with self._fetch_remote(items) as fetched:
+            if self._blocks.in_place:  # one task per I/O thread, a contiguous share each
+                k = min(self.cfg.io_threads, len(items))
+                shares = [items[i * len(items) // k : (i + 1) * len(items) // k] for i in range(k)]
+                futures = [self._io.submit(self._read_in_place, s, fetched) for s in shares]
+                results = [r for f in futures for r in f.result()]
+            else:
+                results = []
+                for group, group_items in _by_group(items).items():
+                    results += self._read_staged(group, group_items, fetched, after)
         bad_rows: set[int] = set()
         for it, err in results:
             if err is None:
@@ -463,7 +472,7 @@ class FlexKVWorker:
         self,
         group: int,
         items: list[LoadItem],
-        fetched: Mapping[str, bytes] | None,
+        fetched: Mapping[str, bytes | memoryview] | None,
         after: Any = None,
     ) -> list[tuple[LoadItem, str | None]]:
         """Read one group's block files ``STAGE_BYTES`` at a time into a per-thread pinned
@@ -558,9 +567,8 @@ class FlexKVWorker:
         self._loader.shutdown(wait=True, cancel_futures=True)
         self._saver.shutdown(wait=True)
         self._io.shutdown(wait=True)
-        remote = self.stores.get(REMOTE)
-        if isinstance(remote, MooncakeBlockStore):
-            remote.close()
+        if self.remote is not None:
+            self.remote.close()
 
 
 def _by_group(items: Sequence[Any]) -> dict[int, list[Any]]:

@@ -45,6 +45,7 @@ def test_blocks_one_instance_saved_load_on_another_from_the_remote_tier(engine_f
     assert_blocks_hold(b, second, 4)
     assert b.hit_sources == {"external_unspecified": 4 * BLOCK_SIZE}
     assert b.worker_stats["load_bytes.remote"] > 0
+    assert b.worker._worker.stores[REMOTE].staged_reads == 4  # via its registered buffer
     # read from the store, the blocks were promoted: B's next hit is in its CPU tier
     run(b, request(prompt(1)))
     assert [it.tier for it in loads_of(b)[-1].items] == [CPU] * 4
@@ -124,6 +125,62 @@ def test_a_block_is_read_only_whole_and_checked(remote):
         assert out == payload[:1000]
     finally:
         reader.close()
+        store.close()
+
+
+def test_a_batch_read_through_the_registered_buffer_is_checked_like_any_other(remote):
+    """A worker's client reads a batch through its registered staging buffer: good blocks
+    come back whole; a block with a flipped payload byte, one a byte too long (it does not
+    fit its slot: read as before) and a missing one are refused, exactly as a client
+    without the buffer (``get_batch``) refuses them."""
+    cfg = RemoteTierConfig(**remote)
+    store = MooncakeBlockStore(cfg, "staged-1")
+    staged = MooncakeBlockStore(cfg, "staged-1")
+    plain = MooncakeBlockStore(cfg, "staged-1", segment=False)  # registers no buffer
+    size = 3000
+    keys = [f"{i:02x}" * 16 for i in range(5)]
+    payloads = {k: bytes((i + j) % 251 for j in range(size)) for i, k in enumerate(keys)}
+
+    def damage() -> None:
+        for k in keys[:4]:
+            store.write(k, payloads[k], "layout-a")
+        flipped = bytearray(store._store.get(store.name(keys[1])))
+        flipped[-1] ^= 1  # a payload byte
+        assert store._store.upsert_parts(store.name(keys[1]), bytes(flipped)) == 0
+        longer = bytes(store._store.get(store.name(keys[2]))) + b"x"
+        assert store._store.upsert_parts(store.name(keys[2]), longer) == 0
+
+    def outcome(reader: MooncakeBlockStore) -> dict[str, str]:
+        seen = {}
+        with reader.fetching(dict.fromkeys(keys, size)) as got:
+            for k in keys:
+                out = bytearray(size)
+                try:
+                    reader.check_into(k, got.get(k, b""), out, "layout-a")
+                    seen[k] = "ok" if out == payloads[k] else "wrong bytes"
+                except BlockFileError as e:
+                    seen[k] = str(e).rpartition(": ")[2]
+                except FileNotFoundError:
+                    seen[k] = "missing"
+        return seen
+
+    try:
+        expected = {
+            keys[0]: "ok",
+            keys[1]: "checksum mismatch",
+            keys[2]: "payload of 3001 bytes, expected exactly 3000",
+            keys[3]: "ok",
+            keys[4]: "missing",
+        }
+        damage()
+        assert outcome(staged) == expected
+        assert staged.staged_reads == 3  # the too-long one came by get_batch
+        damage()
+        assert outcome(plain) == expected
+        assert plain.staged_reads == 0
+    finally:
+        plain.close()
+        staged.close()
         store.close()
 
 
