@@ -19,7 +19,8 @@ Then, with the servers stopped, the store's raw rates: ``--raw-objects`` objects
 block's bytes put and got by :class:`~vllm_pd_ext.connectors.flexkv.remote.MooncakeBlockStore`
 (header, MAC and checks included) between two clients in this process, and up to 64 of them
 in one call (as a load gets a request's blocks), beside a plain ``bytes`` copy of the same
-size (the memcpy floor). The JSON (``benchmarks/results/
+size (the memcpy floor) and the same bytes over one loopback TCP connection (the loopback
+floor: a round trip per block, and per batch), taking turns. The JSON (``benchmarks/results/
 flexkv_remote.json``) holds the date, the commit, the machine, every round, and the model's
 FLOPs per KV byte beside Qwen2.5-7B's (a hit saves the FLOPs and moves the bytes: the smaller
 that ratio, the less a hit can save).
@@ -33,8 +34,10 @@ import argparse
 import datetime
 import json
 import os
+import socket
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -113,16 +116,70 @@ def wait_stored(store: MooncakeBlockStore, ids: list[int], blocks: int) -> None:
         time.sleep(0.02)
 
 
+class Loopback:
+    """One TCP connection on 127.0.0.1 to a thread of this process that takes each message
+    whole and answers one byte: the floor under a store's get (the bytes through the
+    loopback device and one round trip, no store in between)."""
+
+    def __init__(self) -> None:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            self.sock = socket.create_connection(server.getsockname())
+            self.peer, _ = server.accept()
+        for s in (self.sock, self.peer):
+            s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    @staticmethod
+    def _recv_exactly(sock: socket.socket, view: memoryview) -> None:
+        while view:
+            n = sock.recv_into(view)
+            if not n:
+                raise ConnectionError("loopback peer closed")
+            view = view[n:]
+
+    def _serve(self) -> None:
+        head = bytearray(8)
+        buf = bytearray()
+        while True:
+            self._recv_exactly(self.peer, memoryview(head))
+            size = int.from_bytes(head, "big")
+            if size == 0:
+                return
+            if len(buf) < size:
+                buf = bytearray(size)
+            self._recv_exactly(self.peer, memoryview(buf)[:size])
+            self.peer.sendall(b"k")
+
+    def once(self, payload: bytes | bytearray) -> float:
+        """Seconds to send ``payload`` and have it taken whole."""
+        t0 = time.perf_counter()
+        self.sock.sendall(len(payload).to_bytes(8, "big"))
+        self.sock.sendall(payload)
+        if self.sock.recv(1) != b"k":
+            raise ConnectionError("loopback peer answered nothing")
+        return time.perf_counter() - t0
+
+    def close(self) -> None:
+        self.sock.sendall((0).to_bytes(8, "big"))
+        self.thread.join(timeout=10)
+        self.sock.close()
+        self.peer.close()
+
+
 def raw_rates(master: str, block_bytes: int, objects: int) -> dict[str, float]:
     """Median seconds per put and get of one block through the store (two clients: the
-    writer holds the memory, the reader none), and per plain copy of as many bytes."""
+    writer holds the memory, the reader none), per plain copy of as many bytes, and per
+    loopback TCP round trip carrying them (:class:`Loopback`), taking turns; then a batch
+    of up to 64 blocks in one get, and in one loopback message."""
     cfg = RemoteTierConfig(master=master, segment_gb=1.0, buffer_mb=64)
     key = bytes.fromhex(FLEET_KEY)
     writer = MooncakeBlockStore(cfg, "raw", key=key)
     reader = MooncakeBlockStore(cfg, "raw", key=key, segment=False)
     payload = bytearray(block_bytes)
     out = bytearray(block_bytes)
-    puts, gets, copies = [], [], []
+    puts, gets, copies, wires = [], [], [], []
+    loopback = Loopback()
     try:
         for i in range(objects):
             k = f"{i:032x}"
@@ -136,20 +193,27 @@ def raw_rates(master: str, block_bytes: int, objects: int) -> dict[str, float]:
             puts.append(t1 - t0)
             gets.append(t2 - t1)
             copies.append(t3 - t2)
+            wires.append(loopback.once(payload))
         batch = [f"{i:032x}" for i in range(min(objects, 64))]
-        batches = []
+        batch_payload = bytearray(len(batch) * block_bytes)
+        batches, batch_wires = [], []
         for _ in range(10):
             t0 = time.perf_counter()
             reader.fetch_many(batch)
             batches.append(time.perf_counter() - t0)
+            batch_wires.append(loopback.once(batch_payload))
     finally:
+        loopback.close()
         reader.close()
         writer.close()
     per_batch = statistics.median(batches)
+    per_batch_wire = statistics.median(batch_wires)
     return {
         "batch_blocks": len(batch),
         "batch_get_ms": round(per_batch * 1e3, 3),
         "batch_get_gbps": round(len(batch) * block_bytes / per_batch / 1e9, 2),
+        "batch_loopback_ms": round(per_batch_wire * 1e3, 3),
+        "batch_loopback_gbps": round(len(batch) * block_bytes / per_batch_wire / 1e9, 2),
         "block_bytes": block_bytes,
         "put_ms": round(statistics.median(puts) * 1e3, 3),
         "get_ms": round(statistics.median(gets) * 1e3, 3),
@@ -157,6 +221,8 @@ def raw_rates(master: str, block_bytes: int, objects: int) -> dict[str, float]:
         "put_gbps": round(block_bytes / statistics.median(puts) / 1e9, 2),
         "get_gbps": round(block_bytes / statistics.median(gets) / 1e9, 2),
         "copy_gbps": round(block_bytes / statistics.median(copies) / 1e9, 2),
+        "loopback_ms": round(statistics.median(wires) * 1e3, 3),
+        "loopback_gbps": round(block_bytes / statistics.median(wires) / 1e9, 2),
     }
 
 
