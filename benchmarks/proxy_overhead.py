@@ -30,6 +30,9 @@ Reported per target: p50/p99 TTFT and p50 ITL, and their excess over direct in t
 (median over rounds); TTFT p99 pooled over all rounds (more samples in the tail); requests/s
 at saturation and its ratio to direct; the CPU time each proxy process spent per request it
 served, at low load and at saturation, also net of its idle background rate (health checks).
+CPU time is read to the nanosecond (each process's CPU clock, every thread, ended ones
+included; ``vllm_pd_ext.util.proc_cpu.group_cpu``), in 10 ms ticks only where Linux refuses
+that; ``cpu_read_with`` in the JSON says which, per target.
 CPU per request is the figure least disturbed by other work on a shared machine. Also
 recorded: what our proxy's health loop parses every 2 s (the engine's ``/metrics``), timed.
 
@@ -75,7 +78,7 @@ from typing import Any
 import aiohttp
 import httpx
 
-from vllm_pd_ext.util.proc_cpu import group_cpu_s
+from vllm_pd_ext.util.proc_cpu import group_cpu, group_cpu_s
 from vllm_pd_ext.util.vllm_process import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -699,6 +702,8 @@ async def run_rounds(fleet: Fleet, args: argparse.Namespace, log_dir: Path) -> d
     try:
         await warm_up(names)
 
+        # How each target's CPU time is read: "cpu-clock" (ns) unless Linux refuses.
+        cpu_methods = {n: group_cpu(pid).method for n, pid in fleet.pids.items()}
         # Background CPU of each proxy with no requests (health checks): subtracted below.
         idle0 = {n: group_cpu_s(pid) for n, pid in fleet.pids.items() if n in clients}
         t_idle = time.perf_counter()
@@ -783,6 +788,7 @@ async def run_rounds(fleet: Fleet, args: argparse.Namespace, log_dir: Path) -> d
                 clients["ours"], fleet.pids["ours"], args, fleet.model, log_dir
             )
         return {
+            "cpu_read_with": cpu_methods,
             "idle_cpu_ms_per_s": {n: ms(v) for n, v in idle_rate.items()},
             "rounds": rounds,
             "summary": summarize(rounds, pooled),

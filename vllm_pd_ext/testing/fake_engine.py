@@ -677,13 +677,29 @@ def _headers(content_type: bytes) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", content_type)]
 
 
+#: The id of :class:`BareEngine`'s first generated token; the next ones count up.
+FAKE_TOKEN_ID = 1000
+
+
+def _word_ids(body: dict[str, Any], chat: bool) -> list[int]:
+    """:class:`BareEngine`'s made-up ids for a request's prompt: a prompt of ids is its own,
+    text gets a BOS and one id per word (about as many as a tokenizer gives)."""
+    given = body.get("prompt")
+    if isinstance(given, list) and all(type(t) is int for t in given):
+        return given
+    words = _prompt_text(body, chat).split()
+    return [1, *(FAKE_TOKEN_ID + sum(word.encode()) % 30000 for word in words)]
+
+
 def _event(payload: dict[str, Any]) -> bytes:
     return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"
 
 
 class BareEngine:
     """The benchmark's upstream, an ASGI app. ``token_interval_s`` is the pause between streamed
-    tokens."""
+    tokens. Its streams are vLLM's field for field (a chat's role event first; with
+    ``return_token_ids``, made-up prompt and token ids where vLLM puts them), so a proxy that
+    asks for ids pays here what it pays with vLLM."""
 
     def __init__(self, token_interval_s: float):
         self.token_interval_s = token_interval_s
@@ -753,15 +769,34 @@ class BareEngine:
             }
         )
         obj_chunk = "chat.completion.chunk" if chat else "text_completion"
+        # vLLM's stream, field for field (its models dumped with ``exclude_unset``): with
+        # ``return_token_ids``, the prompt's ids in the first event (a chat's role event, a
+        # completion's first choice) and each event's new ids in its choice.
+        ask_ids = bool(body.get("return_token_ids"))
+        prompt_ids = _word_ids(body, chat) if ask_ids else None
+        if chat:
+            role = {"index": 0, "delta": {"role": "assistant", "content": ""}}
+            role |= {"logprobs": None, "finish_reason": None}
+            head = {"id": rid, "object": obj_chunk, "created": created, "model": MODEL}
+            first = head | {"choices": [role], "prompt_token_ids": prompt_ids, "prompt_text": None}
+            await send({"type": "http.response.body", "body": _event(first), "more_body": True})
         for i in range(n):
             if i and self.token_interval_s > 0:
                 await asyncio.sleep(self.token_interval_s)
             last = i == n - 1
+            ids = [FAKE_TOKEN_ID + i] if ask_ids else None
             if chat:
-                choice = {"index": 0, "delta": {"content": f" t{i}"}}
+                choice = {"index": 0, "delta": {"content": f" t{i}"}, "logprobs": None}
+                choice["finish_reason"] = "length" if last else None
+                if last:
+                    choice["stop_reason"] = None
+                choice["token_ids"] = ids
             else:
                 choice = {"index": 0, "text": f" t{i}", "logprobs": None}
-            choice["finish_reason"] = "length" if last else None
+                choice["finish_reason"] = "length" if last else None
+                choice["stop_reason"] = None
+                choice["prompt_token_ids"] = prompt_ids if i == 0 else None
+                choice["token_ids"] = ids
             event = _event(
                 {
                     "id": rid,

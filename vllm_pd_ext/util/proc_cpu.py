@@ -3,6 +3,12 @@ server with its children: a ``vllm serve`` API server, its EngineCore and worker
 window, which of its threads used it, and which local process listens on a TCP port.
 
 Linux only (``/proc``); elsewhere no process is found and every figure is 0.
+
+A process's CPU time so far (:func:`process_cpu_ns`) is read to the nanosecond where Linux
+allows: from its process CPU clock (``clock_gettime`` on the clock of another pid: every
+thread, ended ones included), else by summing the first field of ``schedstat`` (ns on CPU)
+over its live threads, else in clock ticks (``utime + stime`` of ``stat``, 10 ms apiece with
+the usual ``CLK_TCK`` of 100). Windows over processes (:func:`cpu_over`) count in ticks.
 """
 
 from __future__ import annotations
@@ -64,6 +70,12 @@ def stat_fields(path: Path) -> list[str] | None:
     return text[text.rindex(")") + 2 :].split()
 
 
+#: How a process's CPU time was read, finest first (see the module docstring).
+CPU_METHODS = ("cpu-clock", "schedstat", "ticks")
+#: ``CPUCLOCK_SCHED``: the kind of a pid's CPU clock that counts scheduler runtime in ns.
+_CPUCLOCK_SCHED = 2
+
+
 def _ticks(fields: list[str]) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime
 
@@ -115,10 +127,72 @@ def thread_ticks(pids: Iterable[int]) -> dict[tuple[int, int], int]:
     return ticks
 
 
+def _clock_ns(pid: int) -> int | None:
+    """ns on CPU of every thread of ``pid`` so far, ended ones included, from its process CPU
+    clock (the id glibc's ``clock_getcpuclockid`` makes), or None when it cannot be read."""
+    clock = (~pid << 3) | _CPUCLOCK_SCHED
+    try:
+        return time.clock_gettime_ns(clock)
+    except (OSError, OverflowError, AttributeError):
+        return None
+
+
+def _schedstat_ns(pid: int) -> int | None:
+    """ns on CPU so far summed over the live threads of ``pid`` (``schedstat``'s first
+    field), or None when the process has ended or the kernel keeps no ``schedstat``."""
+    try:
+        tasks = list((PROC / str(pid) / "task").iterdir())
+    except OSError:
+        return None
+    total, seen = 0, False
+    for task in tasks:
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+            seen = True
+        except (OSError, ValueError, IndexError):
+            continue  # the thread ended, or no schedstat
+    return total if seen else None
+
+
+def process_cpu_ns(pid: int) -> tuple[int, str] | None:
+    """CPU time ``pid`` has used so far in ns, and how it was read (one of
+    :data:`CPU_METHODS`), or None when the process has ended. Only ``cpu-clock`` and
+    ``ticks`` count threads that have ended."""
+    ns = _clock_ns(pid)
+    if ns is not None:
+        return ns, CPU_METHODS[0]
+    ns = _schedstat_ns(pid)
+    if ns is not None:
+        return ns, CPU_METHODS[1]
+    fields = stat_fields(PROC / str(pid) / "stat")
+    if fields is None:
+        return None
+    return _ticks(fields) * 1_000_000_000 // os.sysconf("SC_CLK_TCK"), CPU_METHODS[2]
+
+
+@dataclass(frozen=True)
+class GroupCpu:
+    """CPU time a process group has used so far."""
+
+    s: float  # seconds, every process now in the group
+    method: str  # the coarsest of :data:`CPU_METHODS` used for any of them ("" for none)
+
+
+def group_cpu(pgid: int) -> GroupCpu:
+    """CPU seconds that the processes now in group ``pgid`` have used so far, read as finely
+    as Linux allows (:func:`process_cpu_ns`); 0.0 where there is no ``/proc``."""
+    total, coarsest = 0, -1
+    for pid in group_pids(pgid):
+        read = process_cpu_ns(pid)
+        if read is not None:
+            total += read[0]
+            coarsest = max(coarsest, CPU_METHODS.index(read[1]))
+    return GroupCpu(total / 1e9, CPU_METHODS[coarsest] if coarsest >= 0 else "")
+
+
 def group_cpu_s(pgid: int) -> float:
-    """CPU seconds (user + system, every thread, ended ones included) that the processes now
-    in group ``pgid`` have used so far; 0.0 where there is no ``/proc``."""
-    return sum(process_ticks(group_pids(pgid)).values()) / os.sysconf("SC_CLK_TCK")
+    """:attr:`GroupCpu.s` of :func:`group_cpu`."""
+    return group_cpu(pgid).s
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,12 @@ from pathlib import Path
 import pytest
 
 from vllm_pd_ext.util.proc_cpu import (
+    _schedstat_ns,
+    group_cpu,
     group_cpu_s,
     is_local_host,
     listening_pid,
+    process_cpu_ns,
     tree_pids,
     trees_cpu,
 )
@@ -32,6 +35,7 @@ def test_group_cpu_adds_up_every_process_of_the_group_and_grows_while_it_polls(g
     pid, ids = group
     parts = _own_cpu_s(pid) + _own_cpu_s(ids["child"])  # read first: the total is later
     total = group_cpu_s(pid)
+    assert group_cpu(pid).method == "cpu-clock"
     assert total >= parts - 1e-9  # the same ticks, summed in another order
     deadline = time.monotonic() + 30
     while group_cpu_s(pid) < total + 0.5:
@@ -50,6 +54,42 @@ def test_group_cpu_of_a_sleeping_group_stays_near_zero():
         proc.kill()
         proc.wait(timeout=10)
     assert group_cpu_s(proc.pid) == 0.0  # nobody left in the group
+
+
+#: Burns 0.3 s of CPU in a thread that then ends and 0.2 s in the main thread, each measured
+#: by its own CPU clock, prints what the process and its main thread used, and waits.
+BURNER = """
+import sys, threading, time
+def burn(s):
+    while time.thread_time() < s:
+        pass
+t = threading.Thread(target=burn, args=(0.3,)); t.start(); t.join()
+burn(0.2)
+print(time.process_time_ns(), time.thread_time_ns(), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_process_cpu_is_read_to_below_a_tick_ended_threads_included():
+    proc = subprocess.Popen([sys.executable, "-c", BURNER], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        own, main_thread = map(int, proc.stdout.readline().split())
+        read = process_cpu_ns(proc.pid)
+        assert read is not None
+        ns, method = read
+        assert method == "cpu-clock"
+        assert own <= ns < own + 200_000_000  # the same clock, read later while it sleeps
+        assert own >= 500_000_000  # the ended thread's 0.3 s is in it
+        assert ns % (1_000_000_000 // os.sysconf("SC_CLK_TCK")) != 0  # not whole ticks
+        # the fallback: live threads only, so the ended thread's 0.3 s is missing
+        live = _schedstat_ns(proc.pid)
+        assert live is not None
+        assert main_thread <= live < main_thread + 200_000_000
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    assert process_cpu_ns(proc.pid) is None
 
 
 def test_a_tree_is_its_root_and_every_descendant(group):
