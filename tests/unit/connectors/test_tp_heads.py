@@ -234,3 +234,17 @@ def test_pairs_of_every_size_up_to_four_agree_with_the_matrix():
             continue
         for q in range(d_tp):
             assert sum(s.count for s in head_slices(q, d_tp, p_tp, 4)) == 4 // d_tp
+
+
+def test_a_layout_that_knows_its_heads_differs_from_one_that_does_not():
+    """Same shapes, one side told its caches are head-major and the other not: a mismatch
+    named by the key, never a crash; a layout without heads keeps its former fingerprint
+    keys (the tiered cache's block files are named by it)."""
+    cache = cpu_cache(2, True)
+    known, _ = layout_of(cache, 2, 1)
+    unknown, _ = layout_from_caches(
+        cache, num_blocks=NUM_BLOCKS, block_size=BLOCK, model={"layers": 2, "tp_size": 1}
+    )
+    assert "heads" not in unknown.views[0].shape_key()
+    with pytest.raises(LayoutMismatch, match="heads: 2 here, None remote"):
+        known.check_compatible(unknown)

@@ -74,16 +74,19 @@ class CacheView:
         return self.piece_len // self.heads
 
     def shape_key(self) -> dict[str, Any]:
-        """What must match on both sides (addresses and block counts may differ)."""
-        return {
+        """What must match on both sides (addresses and block counts may differ); ``heads``
+        only where known (so a layout without it keeps its fingerprint)."""
+        key: dict[str, Any] = {
             "layers": list(self.layers),
             "group": self.group,
             "dtype": self.dtype,
             "block_shape": list(self.block_shape),
             "pieces": len(self.piece_offsets),
             "piece_len": self.piece_len,
-            "heads": self.heads,
         }
+        if self.heads:
+            key["heads"] = self.heads
+        return key
 
     def split_key(self) -> dict[str, Any]:
         """What must match between engines of different TP sizes (besides the total heads)."""
@@ -103,6 +106,7 @@ class CacheView:
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.shape_key(),
+            "heads": self.heads,
             "region": self.region,
             "offset": self.offset,
             "num_blocks": self.num_blocks,
@@ -197,10 +201,11 @@ class CacheLayout:
                 self._check_split(mine, theirs, remote.tp_size)
                 continue
             a, b = mine.shape_key(), theirs.shape_key()
-            for key in a:
-                if a[key] != b[key]:
+            for key in a | b:
+                if a.get(key) != b.get(key):
                     raise LayoutMismatch(
-                        f"KV cache of {mine.layers[0]} {key}: {a[key]!r} here, {b[key]!r} remote"
+                        f"KV cache of {mine.layers[0]} {key}: {a.get(key)!r} here, "
+                        f"{b.get(key)!r} remote"
                     )
 
     def _check_split(self, mine: CacheView, theirs: CacheView, remote_tp: int) -> None:
