@@ -315,6 +315,32 @@ def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(back
             w.shutdown()
 
 
+def test_a_release_reaches_every_prefill_rank_a_decode_rank_of_a_smaller_tp_reads(backend):
+    """A TP 1 decode engine's request ends before it loads from a TP 2 prefill engine: its
+    "done" goes to both prefill ranks (each holds the blocks of its own heads), and both free
+    them at once, without waiting for their leases."""
+    port = free_port()
+    ps = [
+        worker("kv_producer", port, backend=backend, tp_size=2, tp_rank=r, heads=1) for r in (0, 1)
+    ]
+    d = worker("kv_consumer", free_port(), backend=backend, heads=2)
+    try:
+        for w, c in zip([*ps, d], [caches(True, heads=1), caches(True, heads=1), caches(False)]):
+            w.register_kv_caches(c)
+        for p in ps:
+            p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+            assert p.get_finished({"p-req"}) == (None, None)  # held
+        ref = RemoteRef(ps[0].engine_id, "127.0.0.1", port, "p-req", tp_size=2)
+        d.bind(PdTransferMetadata(release=[ref]))
+        d.start_load_kv()
+        for p in ps:
+            sending = poll(lambda p=p: p.get_finished(set())[0], "a rank's release")
+            assert sending == {"p-req"}
+    finally:
+        for w in [d, *ps]:
+            w.shutdown()
+
+
 def test_write_mode_prefill_that_lost_its_blocks_reports_failure(pair):
     p, _pc, d, _, port = pair
     p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-2", ((1, 2),), PROMPT_HASH)]))
