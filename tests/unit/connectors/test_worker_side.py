@@ -325,8 +325,8 @@ def test_a_release_reaches_every_prefill_rank_a_decode_rank_of_a_smaller_tp_read
     ]
     d = worker("kv_consumer", free_port(), backend=backend, heads=2)
     try:
-        for w, c in zip([*ps, d], [caches(True, heads=1), caches(True, heads=1), caches(False)]):
-            w.register_kv_caches(c)
+        for w, heads in ((ps[0], 1), (ps[1], 1), (d, 2)):
+            w.register_kv_caches(caches(w.is_producer, heads=heads))
         for p in ps:
             p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
             assert p.get_finished({"p-req"}) == (None, None)  # held
