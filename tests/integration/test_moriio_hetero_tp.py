@@ -19,7 +19,7 @@ from tests.integration.test_moriio_tp import HELD, LEASE_S, warm_up
 from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 
-# Three ranks on a 2-core host take minutes to start and warm up (about 5 min a pair): run it
+# Three ranks on a 2-core host take minutes to start and warm up (2 to 5 min a pair): run it
 # by hand (`pytest -m manual tests/integration/test_moriio_hetero_tp.py`), as test_moriio_tp.
 pytestmark = [pytest.mark.integration, pytest.mark.manual]
 
