@@ -264,29 +264,34 @@ def pdext_pair(
     tp: int = 1,
     env: dict[str, str] | None = None,
     extra_args: list[str] | None = None,
+    decode_tp: int | None = None,
     **extra: Any,
 ):
     """A healthy PdExtMoRIIOConnector prefill (core 0) and decode (core 1), prefix caching off;
     returns (prefill, decode, prefill side-channel port). Both hold ``FLEET_KEY``: the prefill
     signs its answers, the decode loads only what is signed. ``tp`` > 1: both engines at that
     tensor parallel size, rank i of each on core i (the engines share the cores), each with
-    ``tp`` side-channel ports from the one given; ``env``, ``extra_args``: more of both
+    ``tp`` side-channel ports from the one given; ``decode_tp``: the decode engine's TP size
+    when it differs (``tp`` is then the prefill's); ``env``, ``extra_args``: more of both
     engines' environment and `vllm serve` arguments; ``extra``: more connector config keys."""
     side = free_port() if tp == 1 else free_port_run(tp)
-    tp_args = ["--tensor-parallel-size", str(tp)] if tp > 1 else []
     servers = [
         vllm_servers.start(
             model,
             name=f"{name}-{role}",
             wait=False,
-            cpu_core=core if tp == 1 else range(tp),
+            cpu_core=core if size == 1 else range(size),
             kv_transfer_config=pdext_connector(kv_role, port, backend, lease_s, **extra),
-            extra_args=["--no-enable-prefix-caching", *tp_args, *(extra_args or ())],
+            extra_args=[
+                "--no-enable-prefix-caching",
+                *(["--tensor-parallel-size", str(size)] if size > 1 else []),
+                *(extra_args or ()),
+            ],
             env={fleet_key.KEY_ENV: FLEET_KEY, **(env or {})},
         )
-        for role, kv_role, core, port in (
-            ("prefill", "kv_producer", 0, side),
-            ("decode", "kv_consumer", 1, free_port()),
+        for role, kv_role, core, port, size in (
+            ("prefill", "kv_producer", 0, side, tp),
+            ("decode", "kv_consumer", 1, free_port(), tp if decode_tp is None else decode_tp),
         )
     ]
     for server in servers:

@@ -5,8 +5,9 @@ the two engines share the cores), our ``tcp`` transport, READ mode: decode rank 
 prefill rank r the KV heads both hold. Greedy split output must equal the prefill engine's
 own (colocated, same TP) output token for token, the decode side's external_kv_transfer
 counter must grow by the prompt, and every prefill rank must free its blocks (vLLM completes
-a request's send only once each rank reported it). Engines of different TP sizes are refused
-(unit tests: ``test_worker_side.py``, ``test_scheduler_side.py``).
+a request's send only once each rank reported it). Engines of different TP sizes:
+``test_moriio_hetero_tp.py`` (READ, head slices); their refusals are unit-tested
+(``test_tp_heads.py``, ``test_worker_side.py``, ``test_scheduler_side.py``).
 
 Four ranks on a small host make the first transfer of each rank pair slow (handshakes under
 load): leases and timeouts are generous, and one warm-up split, retried, runs before the

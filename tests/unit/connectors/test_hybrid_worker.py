@@ -204,7 +204,7 @@ def test_a_peer_reads_only_the_state_pages_and_blocks_leased_to_it():
             "127.0.0.1", port, "/renew", {"req": "p-req", "engine_id": d.transport.engine_id}, 5
         )
         peer = d._peer(ref)
-        d._move(peer, (((11, 3),), ((14, 5), (15, 6))), deadline, read=True)
+        d._read([peer], (((11, 3),), ((14, 5), (15, 6))), deadline)
         for layer, group in GROUPS.items():
             moved = [(10, 1), (11, 3)] if group == 0 else [(17, 8), (18, 9), (14, 5), (15, 6)]
             for mine, theirs in moved:
@@ -212,7 +212,7 @@ def test_a_peer_reads_only_the_state_pages_and_blocks_leased_to_it():
                 assert torch.equal(got, want), (layer, mine)
         for outside in [(((12, 4),), ()), ((), ((16, 7),)), ((), ((12, 3),))]:
             with pytest.raises(TransferError, match="read outside the spans granted"):
-                d._move(peer, outside, deadline, read=True)
+                d._read([peer], outside, deadline)
         for layer in GROUPS:
             for b in (12, 16):
                 assert torch.count_nonzero(dc[layer][b].view(torch.uint8)) == 0, (layer, b)

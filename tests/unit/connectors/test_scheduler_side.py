@@ -121,7 +121,7 @@ def test_decode_loads_remote_prompt_then_runs(producer_config, consumer_config):
     assert spec.mode == "read"
     assert spec.pairs == (tuple(zip(local, params["remote_block_ids"], strict=True)),)
     assert spec.remote == RemoteRef(
-        "engine-kv_producer", "127.0.0.1", SIDE_PORT, params["remote_request_id"]
+        "engine-kv_producer", "127.0.0.1", SIDE_PORT, params["remote_request_id"], tp_size=1
     )
     assert out.total_num_scheduled_tokens == 0
     # Worker reports the load done: only the last prompt token is computed locally.
@@ -256,14 +256,22 @@ def test_with_a_fleet_key_decode_takes_write_params_the_proxy_signed_only(
         assert out.num_scheduled_tokens[req.request_id] == PROMPT, name  # computed locally
 
 
-def test_decode_refuses_a_prefill_of_another_tp_size_on_arrival(
-    producer_config, consumer_config, caplog
+@pytest.mark.parametrize(
+    ("prefill_tp", "refusal"),
+    [
+        (2, "prefill TP 2 is more than the model's 1 KV heads"),
+        (0, "one is below 1"),
+    ],
+)
+def test_decode_refuses_a_prefill_of_a_tp_size_that_cannot_split_heads_on_arrival(
+    producer_config, consumer_config, caplog, prefill_tp, refusal
 ):
-    """A READ answer from a prefill engine of TP size 2 reaches a TP 1 decode engine: refused
-    on arrival with a message naming both sizes and counted; no block is read, the prompt is
-    computed locally and the prefill is told to free its blocks at once."""
+    """A READ answer from a prefill engine whose TP size does not split the model's one KV
+    head reaches a TP 1 decode engine: refused on arrival with a message naming both sizes
+    and counted; no block is read, the prompt is computed locally and the prefill is told to
+    free its blocks at once."""
     caplog.set_level("WARNING", logger="vllm_pd_ext.connectors.common.scheduler")
-    params = {**finished_params(producer_config), "tp_size": 2}
+    params = {**finished_params(producer_config), "tp_size": prefill_tp}
     sched = make_scheduler(consumer_config)
     req = make_request(PROMPT, params)
     sched.add_request(req)
@@ -274,7 +282,23 @@ def test_decode_refuses_a_prefill_of_another_tp_size_on_arrival(
     assert [r.request_id for r in out.kv_connector_metadata.release] == [
         params["remote_request_id"]
     ]
-    assert "tensor parallel sizes differ (prefill TP 2, decode TP 1)" in caplog.text
+    assert f"tensor parallel sizes differ (prefill TP {prefill_tp}, decode TP 1)" in caplog.text
+    assert refusal in caplog.text
+
+
+def test_decode_loads_from_a_prefill_of_another_tp_size_that_splits_heads(tiny_llama):
+    """A READ answer from a prefill engine of TP 2 (one of the model's two KV heads a rank)
+    reaches a TP 1 decode engine: the load is planned, and the worker learns the prefill's TP
+    size (it reads both prefill ranks)."""
+    producer = make_vllm_config(tiny_llama, "kv_producer", {"side_channel_port": SIDE_PORT})
+    params = {**finished_params(producer), "tp_size": 2}
+    sched = make_scheduler(make_vllm_config(tiny_llama, "kv_consumer"))
+    req = make_request(PROMPT, params)
+    sched.add_request(req)
+    assert _refused_on_arrival(sched) == 0
+    out, _ = step(sched)
+    [spec] = out.kv_connector_metadata.recv
+    assert spec.mode == "read" and spec.remote.tp_size == 2
 
 
 def test_decode_refuses_too_few_remote_blocks(producer_config, consumer_config):

@@ -77,8 +77,12 @@ def worker(
     tp_rank: int = 0,
     key: bytes | None = None,
     num_blocks: int = NUM_BLOCKS,
+    heads: int = HEADS,
+    kv_heads: int | None = None,
     **cfg,
 ) -> TransferWorker:
+    """A worker whose caches (``caches(heads=heads)``) hold ``heads`` of the model's
+    ``kv_heads`` (default ``heads * tp_size``) KV heads, head-major as on the CPU backend."""
     settings = {
         "backend": backend,
         "backend_settings": {"host": "127.0.0.1"},
@@ -99,7 +103,8 @@ def worker(
         kv_ip="127.0.0.1",
         num_blocks=num_blocks,
         block_sizes=(BLOCK,),
-        model={"layers": LAYERS},
+        model={"layers": LAYERS, "kv_heads": kv_heads or heads * tp_size},
+        head_major={0: heads},
         key=key,
         **({"clock": clock} if clock else {}),
     )
@@ -121,7 +126,8 @@ def pair(request, backend):
     d_key = opts.get("d_key", key)
     d = worker("kv_consumer", free_port(), backend=backend, key=d_key, **opts.get("d", {}))
     shape = opts.get("shape", "cpu")
-    pc, dc = caches(True, shape=shape), caches(False, shape=shape, **opts.get("dcache", {}))
+    pc = caches(True, shape=shape, **opts.get("pcache", {}))
+    dc = caches(False, shape=shape, **opts.get("dcache", {}))
     p.register_kv_caches(pc)
     d.register_kv_caches(dc)
     p.clock = clock  # type: ignore[attr-defined]  # the tests move the lease clock
@@ -309,6 +315,32 @@ def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(back
             w.shutdown()
 
 
+def test_a_release_reaches_every_prefill_rank_a_decode_rank_of_a_smaller_tp_reads(backend):
+    """A TP 1 decode engine's request ends before it loads from a TP 2 prefill engine: its
+    "done" goes to both prefill ranks (each holds the blocks of its own heads), and both free
+    them at once, without waiting for their leases."""
+    port = free_port()
+    ps = [
+        worker("kv_producer", port, backend=backend, tp_size=2, tp_rank=r, heads=1) for r in (0, 1)
+    ]
+    d = worker("kv_consumer", free_port(), backend=backend, heads=2)
+    try:
+        for w, heads in ((ps[0], 1), (ps[1], 1), (d, 2)):
+            w.register_kv_caches(caches(w.is_producer, heads=heads))
+        for p in ps:
+            p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+            assert p.get_finished({"p-req"}) == (None, None)  # held
+        ref = RemoteRef(ps[0].engine_id, "127.0.0.1", port, "p-req", tp_size=2)
+        d.bind(PdTransferMetadata(release=[ref]))
+        d.start_load_kv()
+        for p in ps:
+            sending = poll(lambda p=p: p.get_finished(set())[0], "a rank's release")
+            assert sending == {"p-req"}
+    finally:
+        for w in [d, *ps]:
+            w.shutdown()
+
+
 def test_write_mode_prefill_that_lost_its_blocks_reports_failure(pair):
     p, _pc, d, _, port = pair
     p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-2", ((1, 2),), PROMPT_HASH)]))
@@ -429,31 +461,126 @@ def test_layout_mismatch_fails_closed(pair):
 
 
 @pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)
-@pytest.mark.parametrize("mode", ["read", "write"])
-def test_a_peer_with_another_tp_size_is_refused_at_handshake(pair, mode, caplog):
-    """Same layout, tensor parallel size 2 on the prefill side and 1 on the decode side: the
-    decode side refuses the prefill's handshake before it reads or offers its blocks (the load
-    fails, nothing is copied), and the prefill side refuses an offer that says TP 1."""
+def test_a_write_between_tp_sizes_is_refused_at_handshake(pair, caplog):
+    """Same layout, tensor parallel size 2 on the prefill side and 1 on the decode side, WRITE
+    mode: the decode side refuses the prefill's handshake before it offers its blocks (the
+    load fails, nothing is copied), and the prefill side refuses an offer that says TP 1."""
     p, _, d, dc, port = pair
     caplog.set_level("WARNING", logger="vllm_pd_ext.connectors.common.worker")
-    if mode == "read":
-        p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1,),))]))
-        ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req")
-        recv(d, RecvSpec("d-req", "read", ref, (((5, 1),),), ((5,),)))
-    else:
-        write_offer(d, port, "t-tp", ((5, 0),))
+    write_offer(d, port, "t-tp", ((5, 0),))
     assert poll(lambda: d.get_finished(set())[1], "the refused load") == {"d-req"}
     assert d.get_block_ids_with_load_errors() == {5}
     assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
     assert "tensor parallel sizes differ (prefill TP 2, decode TP 1)" in caplog.text
-    assert "the same --tensor-parallel-size" in caplog.text
-    if mode == "write":  # the offer the decode side would have sent, sent anyway
-        offer = offer_of(d, "t-tp")
-        with pytest.raises(SideChannelError, match="prefill TP 2, decode TP 1"):
-            post_json("127.0.0.1", port, "/write_target", offer, 5.0)
-        offer["tp_size"] = 2  # the same offer with the prefill's TP size is taken
+    assert "WRITE mode moves KV only between engines with the same" in caplog.text
+    offer = offer_of(d, "t-tp")  # the offer the decode side would have sent, sent anyway
+    with pytest.raises(SideChannelError, match="prefill TP 2, decode TP 1"):
         post_json("127.0.0.1", port, "/write_target", offer, 5.0)
-        assert "t-tp" in p._targets
+    assert "t-tp" not in p._targets
+
+
+@pytest.mark.parametrize(
+    ("pair", "refusal"),
+    [
+        (
+            {"shape": "kv-first", "p": {"tp_size": 2}, "d": {"heads": 4}, "dcache": {"heads": 4}},
+            "is not head-major, so a slice of its heads is not one span per block",
+        ),
+        ({"p": {"tp_size": 2}}, "model kv_heads: 2 here, 4 remote"),
+        (
+            {
+                "p": {"tp_size": 2, "heads": 1, "kv_heads": 1},
+                "pcache": {"heads": 1},
+                "d": {"heads": 1},
+                "dcache": {"heads": 1},
+            },
+            "prefill TP 2 is more than the model's 1 KV heads",
+        ),
+    ],
+    indirect=["pair"],
+    ids=["token-major layout", "other heads", "more ranks than heads"],
+)
+def test_a_read_between_tp_sizes_that_cannot_split_heads_is_refused_at_handshake(
+    pair, refusal, caplog
+):
+    """READ from a prefill of TP 2 into a decode of TP 1 where a head slice is not
+    addressable (heads inside each token), the two sides disagree on the model's heads, or the
+    prefill has more ranks than heads: refused at the handshake with prefill rank 0, nothing
+    copied, the load fails (recomputed)."""
+    p, _, d, dc, port = pair
+    caplog.set_level("WARNING", logger="vllm_pd_ext.connectors.common.worker")
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1,),))]))
+    ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req", tp_size=2)
+    recv(d, RecvSpec("d-req", "read", ref, (((5, 1),),), ((5,),)))
+    assert poll(lambda: d.get_finished(set())[1], "the refused load") == {"d-req"}
+    assert d.get_block_ids_with_load_errors() == {5}
+    assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
+    assert refusal in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_read_between_tp_sizes_moves_each_decode_ranks_heads(backend, prefill_tp, decode_tp):
+    """Four KV heads, prefill TP 2 -> decode TP 1 (the decode rank reads both prefill ranks'
+    heads into its blocks) and TP 1 -> TP 2 (each decode rank reads its half of the prefill
+    rank's heads). Every decode block equals the model's heads it holds; a prefill rank frees
+    the request only once every decode rank that reads it said done."""
+    heads = 4
+    port, dport = free_port(), free_port()  # every decode rank: one engine id
+    ps = [
+        worker(
+            "kv_producer",
+            port,
+            backend=backend,
+            tp_size=prefill_tp,
+            tp_rank=r,
+            heads=heads // prefill_tp,
+        )
+        for r in range(prefill_tp)
+    ]
+    ds = [
+        worker(
+            "kv_consumer",
+            dport,
+            backend=backend,
+            tp_size=decode_tp,
+            tp_rank=q,
+            heads=heads // decode_tp,
+        )
+        for q in range(decode_tp)
+    ]
+    pcs = [caches(True, heads=heads // prefill_tp) for _ in ps]
+    dcs = [caches(False, heads=heads // decode_tp) for _ in ds]
+    try:
+        for w, c in zip(ps + ds, pcs + dcs, strict=True):
+            w.register_kv_caches(c)
+        for p in ps:
+            p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+            assert p.get_finished({"p-req"}) == (None, None)  # held
+        pairs = ((5, 1), (9, 2))
+        ref = RemoteRef(ps[0].engine_id, "127.0.0.1", port, "p-req", tp_size=prefill_tp)
+        for i, d in enumerate(ds):
+            recv(d, RecvSpec("d-req", "read", ref, (pairs,), ((5, 9),)))
+            assert poll(lambda d=d: d.get_finished(set())[1], "a rank's load") == {"d-req"}
+            assert d.get_block_ids_with_load_errors() == set()
+            if i + 1 < len(ds):  # another decode rank still reads the prefill's heads
+                assert ps[0].get_finished(set()) == (None, None)
+                assert "p-req" in ps[0]._held
+        per_d = heads // decode_tp
+        for q, dc in enumerate(dcs):
+            for name in dc:
+                for loc, r in pairs:
+                    model = torch.cat([block(pc, name, r) for pc in pcs])  # all heads
+                    assert torch.equal(block(dc, name, loc), model[q * per_d : (q + 1) * per_d])
+            assert torch.count_nonzero(block(dc, next(iter(dc)), 1)) == 0  # nothing else
+            stats = ds[q].stats.take()
+            assert stats is not None
+            assert stats.data["bytes"] == [2 * LAYERS * per_d * BLOCK * 2 * HEAD * 4]
+        for p in ps:
+            sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's release")
+            assert sending == {"p-req"}
+    finally:
+        for w in ds + ps:
+            w.shutdown()
 
 
 def offer_of(d: TransferWorker, transfer_id: str, **changes) -> dict:
@@ -741,7 +868,7 @@ def test_a_fleet_peer_reads_only_the_blocks_leased_to_it(pair):
     deadline = time.monotonic() + 10
 
     def read(w: TransferWorker, pairs) -> None:
-        w._move(w._peer(ref), (pairs,), deadline, read=True)
+        w._read([w._peer(ref)], (pairs,), deadline)
 
     read(d, ((5, 1), (6, 2)))
     assert_copied(pc, dc, [(1, 5), (2, 6)])
@@ -776,7 +903,7 @@ def test_a_lease_that_runs_out_is_not_readable(pair):
     p.clock.now += p.cfg.lease_s + 1
     assert p.get_finished(set()) == ({"p-req"}, None)
     with pytest.raises(TransferError, match="read outside the spans granted"):
-        d._move(d._peer(ref), (((5, 1),),), time.monotonic() + 10, read=True)
+        d._read([d._peer(ref)], (((5, 1),),), time.monotonic() + 10)
     assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
 
 

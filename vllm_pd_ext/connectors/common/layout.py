@@ -10,8 +10,11 @@ as on vLLM's CPU backend ``[blocks, heads, block_size, 2*head]`` or a Mamba stat
 ``[2, blocks, ...]`` K/V layouts).
 
 Copying block ``b`` of a group on one worker into block ``c`` on another is then a fixed set of
-``(local offset, remote offset, length)`` spans per view. :func:`layout_from_caches` runs in
-the worker; :class:`CacheLayout` travels in the handshake and
+``(local offset, remote offset, length)`` spans per view. A view whose pieces start with the KV
+heads dimension (``heads`` > 0: vLLM's head-major layout, as on the CPU backend) holds each
+head's bytes contiguously in each piece, so a slice of heads is one span per piece: that is
+what moves between engines of different tensor parallel sizes (``parallel.py``).
+:func:`layout_from_caches` runs in the worker; :class:`CacheLayout` travels in the handshake and
 :meth:`CacheLayout.check_compatible` fails closed on any difference that would put bytes in
 the wrong place.
 """
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from vllm_pd_ext.connectors.common.parallel import HeadSlice
 
 if TYPE_CHECKING:
     import torch
@@ -57,10 +62,21 @@ class CacheView:
     piece_len: int
     dtype: str
     block_shape: tuple[int, ...]
+    #: KV heads of this rank in each piece's outermost dimension (``block_shape[heads_axis]``);
+    #: 0: the pieces are not split by heads (or not head-major), so no head slice is
+    #: addressable.
+    heads: int = 0
+    heads_axis: int = -1
+
+    @property
+    def head_len(self) -> int:
+        """Bytes of one head in one piece (``heads`` > 0 only)."""
+        return self.piece_len // self.heads
 
     def shape_key(self) -> dict[str, Any]:
-        """What must match on both sides (addresses and block counts may differ)."""
-        return {
+        """What must match on both sides (addresses and block counts may differ); ``heads``
+        only where known (so a layout without it keeps its fingerprint)."""
+        key: dict[str, Any] = {
             "layers": list(self.layers),
             "group": self.group,
             "dtype": self.dtype,
@@ -68,15 +84,35 @@ class CacheView:
             "pieces": len(self.piece_offsets),
             "piece_len": self.piece_len,
         }
+        if self.heads:
+            key["heads"] = self.heads
+        return key
+
+    def split_key(self) -> dict[str, Any]:
+        """What must match between engines of different TP sizes (besides the total heads)."""
+        rest = list(self.block_shape)
+        if self.heads:
+            del rest[self.heads_axis]
+        return {
+            "layers": list(self.layers),
+            "group": self.group,
+            "dtype": self.dtype,
+            "pieces": len(self.piece_offsets),
+            "heads_axis": self.heads_axis,
+            "shape_per_head": rest,
+            "head_len": self.head_len if self.heads else None,
+        }
 
     def to_dict(self) -> dict[str, Any]:
         return {
             **self.shape_key(),
+            "heads": self.heads,
             "region": self.region,
             "offset": self.offset,
             "num_blocks": self.num_blocks,
             "block_stride": self.block_stride,
             "piece_offsets": list(self.piece_offsets),
+            "heads_axis": self.heads_axis,
         }
 
     @classmethod
@@ -92,17 +128,42 @@ class CacheView:
             piece_len=int(d["piece_len"]),
             dtype=str(d["dtype"]),
             block_shape=tuple(int(x) for x in d["block_shape"]),
+            heads=int(d.get("heads", 0)),
+            heads_axis=int(d.get("heads_axis", -1)),
         )
+
+
+#: Model facts that differ between engines of different tensor parallel sizes: compared only
+#: when the sizes are equal (per-rank head counts: ``CacheView.heads`` times the TP size).
+_PER_RANK_FACTS = ("tp_size",)
+_PER_RANK_GROUP_FACTS = ("num_kv_heads",)
+
+
+def _tp_free(key: str, value: Any) -> Any:
+    """Model fact ``key`` without what depends on the TP size."""
+    if key in _PER_RANK_FACTS:
+        return None
+    if key == "groups" and isinstance(value, list):
+        return [
+            {k: v for k, v in g.items() if k not in _PER_RANK_GROUP_FACTS}
+            if isinstance(g, Mapping)
+            else g
+            for g in value
+        ]
+    return value
 
 
 @dataclass(frozen=True)
 class CacheLayout:
-    """All regions and views of one worker, the groups' block sizes, and model facts."""
+    """All regions and views of one worker, the groups' block sizes, model facts, and the
+    worker's tensor parallel size and rank."""
 
     regions: tuple[MemoryRegion, ...]
     views: tuple[CacheView, ...]
     block_sizes: tuple[int, ...]
     model: Mapping[str, Any]
+    tp_size: int = 1
+    tp_rank: int = 0
 
     def fingerprint(self) -> str:
         """A short hash of everything :meth:`check_compatible` compares."""
@@ -114,14 +175,20 @@ class CacheLayout:
         return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
 
     def check_compatible(self, remote: CacheLayout) -> None:
-        """Raise :class:`LayoutMismatch` naming the first difference from ``remote``."""
+        """Raise :class:`LayoutMismatch` naming the first difference from ``remote``. Of
+        different TP sizes, every view must be head-major on both sides, with the same total
+        heads and the same bytes per head (a slice of heads is then addressable)."""
+        split = self.tp_size != remote.tp_size
         if list(self.block_sizes) != list(remote.block_sizes):
             raise LayoutMismatch(
                 f"block sizes per KV cache group {list(self.block_sizes)} here, "
                 f"{list(remote.block_sizes)} remote"
             )
         for key in sorted(set(self.model) | set(remote.model)):
-            if self.model.get(key) != remote.model.get(key):
+            a, b = self.model.get(key), remote.model.get(key)
+            if split:
+                a, b = _tp_free(key, a), _tp_free(key, b)
+            if a != b:
                 raise LayoutMismatch(
                     f"model {key}: {self.model.get(key)!r} here, {remote.model.get(key)!r} remote"
                 )
@@ -130,15 +197,42 @@ class CacheLayout:
                 f"{len(self.views)} KV cache tensors here, {len(remote.views)} remote"
             )
         for mine, theirs in zip(self.views, remote.views, strict=True):
+            if split:
+                self._check_split(mine, theirs, remote.tp_size)
+                continue
             a, b = mine.shape_key(), theirs.shape_key()
-            for key in a:
-                if a[key] != b[key]:
+            for key in a | b:
+                if a.get(key) != b.get(key):
                     raise LayoutMismatch(
-                        f"KV cache of {mine.layers[0]} {key}: {a[key]!r} here, {b[key]!r} remote"
+                        f"KV cache of {mine.layers[0]} {key}: {a.get(key)!r} here, "
+                        f"{b.get(key)!r} remote"
                     )
+
+    def _check_split(self, mine: CacheView, theirs: CacheView, remote_tp: int) -> None:
+        where = f"KV cache of {mine.layers[0]}"
+        for view, side, tp in ((mine, "here", self.tp_size), (theirs, "remote", remote_tp)):
+            if not view.heads:
+                raise LayoutMismatch(
+                    f"tensor parallel sizes differ (TP {self.tp_size} here, {remote_tp} "
+                    f"remote) and the {where} {side} (block shape {list(view.block_shape)}, "
+                    f"TP {tp}) is not head-major, so a slice of its heads is not one span per "
+                    "block: use the same --tensor-parallel-size on both sides"
+                )
+        total, remote_total = mine.heads * self.tp_size, theirs.heads * remote_tp
+        if total != remote_total:
+            raise LayoutMismatch(
+                f"{where} holds {total} KV heads in all here ({mine.heads} x TP "
+                f"{self.tp_size}), {remote_total} remote ({theirs.heads} x TP {remote_tp})"
+            )
+        a, b = mine.split_key(), theirs.split_key()
+        for key in a:
+            if a[key] != b[key]:
+                raise LayoutMismatch(f"{where} {key}: {a[key]!r} here, {b[key]!r} remote")
 
     def to_dict(self) -> dict[str, Any]:
         return {
+            "tp_size": self.tp_size,
+            "tp_rank": self.tp_rank,
             "block_sizes": list(self.block_sizes),
             "model": dict(self.model),
             "regions": [[r.name, r.addr, r.size] for r in self.regions],
@@ -153,13 +247,22 @@ class CacheLayout:
                 views=tuple(CacheView.from_dict(v) for v in d["views"]),
                 block_sizes=tuple(int(b) for b in d["block_sizes"]),
                 model=dict(d["model"]),
+                tp_size=int(d.get("tp_size", 1)),
+                tp_rank=int(d.get("tp_rank", 0)),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise LayoutMismatch(f"malformed KV layout from peer: {e}") from e
 
 
 def _view_of(
-    layers: tuple[str, ...], group: int, region: str, base: int, t: torch.Tensor, num_blocks: int
+    layers: tuple[str, ...],
+    group: int,
+    region: str,
+    base: int,
+    t: torch.Tensor,
+    num_blocks: int,
+    heads: int = 0,
+    block_size: int = 0,
 ) -> CacheView:
     shape, stride = tuple(t.shape), tuple(t.stride())
     candidates = [d for d, n in enumerate(shape) if n == num_blocks]
@@ -178,6 +281,13 @@ def _view_of(
                 f"inside a block"
             )
         expected *= n
+    # head-major pieces: [heads, block_size, ...] with the heads the caller says this rank has
+    head_major = (
+        heads > 0
+        and len(shape) > d + 2
+        and shape[d + 1] == heads
+        and (not block_size or shape[d + 2] == block_size)
+    )
     offsets = [0]
     for n, s in zip(shape[:d], stride[:d], strict=True):
         offsets = [o + i * s * elem for o in offsets for i in range(n)]
@@ -192,6 +302,8 @@ def _view_of(
         piece_len=expected * elem,
         dtype=str(t.dtype).removeprefix("torch."),
         block_shape=shape[:d] + shape[d + 1 :],
+        heads=heads if head_major else 0,
+        heads_axis=d if head_major else -1,
     )
 
 
@@ -212,12 +324,17 @@ def layout_from_caches(
     model: Mapping[str, Any],
     group_of: Mapping[str, int] | None = None,
     block_size: int | None = None,
+    head_major: Mapping[int, int] | None = None,
+    tp_size: int = 1,
+    tp_rank: int = 0,
 ) -> tuple[CacheLayout, dict[str, torch.Tensor]]:
     """The layout of a worker's caches and, per region name, a byte tensor over its storage.
 
     ``kv_caches`` values are tensors or lists of tensors; ``group_of`` maps layer names to KV
     cache groups (all group 0 when omitted; ``block_size`` is shorthand for one group's
-    ``block_sizes``). Regions are named ``kv0``, ``kv1``... and views ordered by layer name, so
+    ``block_sizes``). ``head_major`` maps the groups whose blocks are laid out heads first
+    (``[heads, block_size, ...]`` per piece) to this rank's KV heads; their views get
+    ``heads``. Regions are named ``kv0``, ``kv1``... and views ordered by layer name, so
     both sides name them alike.
     """
     import torch
@@ -245,7 +362,14 @@ def layout_from_caches(
             tensors[vkey] = (t, regions[skey].name, skey[0])
     out = [
         _view_of(
-            tuple(layers), vkey[3], tensors[vkey][1], tensors[vkey][2], tensors[vkey][0], num_blocks
+            tuple(layers),
+            vkey[3],
+            tensors[vkey][1],
+            tensors[vkey][2],
+            tensors[vkey][0],
+            num_blocks,
+            (head_major or {}).get(vkey[3], 0),
+            int(block_sizes[vkey[3]]) if vkey[3] < len(block_sizes) else 0,
         )
         for vkey, layers in views.items()
     ]
@@ -254,16 +378,23 @@ def layout_from_caches(
         views=tuple(out),
         block_sizes=tuple(int(b) for b in block_sizes),
         model=dict(model),
+        tp_size=tp_size,
+        tp_rank=tp_rank,
     )
     return layout, storages
 
 
 def block_spans(
-    local: CacheView, remote: CacheView, pairs: Sequence[tuple[int, int]] | np.ndarray
+    local: CacheView,
+    remote: CacheView,
+    pairs: Sequence[tuple[int, int]] | np.ndarray,
+    heads: HeadSlice | None = None,
 ) -> np.ndarray:
     """``(local offset, remote offset, length)`` rows moving block ``pairs[i] = (l, r)`` of the
-    views' group; offsets are relative to each view's region. Block ids outside either view
-    raise :class:`LayoutMismatch` (never a span into another block's memory)."""
+    views' group; offsets are relative to each view's region. With ``heads``, only that slice
+    of heads moves (from its place in the remote block to its place in the local one; both
+    views head-major). Block ids or heads outside either view raise :class:`LayoutMismatch`
+    (never a span into another block's memory)."""
     p = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
     if p.size and (
         p.min() < 0 or p[:, 0].max() >= local.num_blocks or p[:, 1].max() >= remote.num_blocks
@@ -273,8 +404,25 @@ def block_spans(
         )
     lo = local.offset + np.asarray(local.piece_offsets, dtype=np.int64)
     ro = remote.offset + np.asarray(remote.piece_offsets, dtype=np.int64)
+    length = local.piece_len
+    if heads is not None:
+        if not (
+            local.heads
+            and remote.heads
+            and local.head_len == remote.head_len
+            and heads.count > 0
+            and 0 <= heads.local_start <= local.heads - heads.count
+            and 0 <= heads.remote_start <= remote.heads - heads.count
+        ):
+            raise LayoutMismatch(
+                f"heads {heads} are not addressable in views of {local.heads} (local) and "
+                f"{remote.heads} (remote) head-major heads"
+            )
+        lo = lo + heads.local_start * local.head_len
+        ro = ro + heads.remote_start * remote.head_len
+        length = heads.count * local.head_len
     out = np.empty((len(p) * len(lo), 3), dtype=np.int64)
     out[:, 0] = (p[:, 0:1] * local.block_stride + lo[None, :]).reshape(-1)
     out[:, 1] = (p[:, 1:2] * remote.block_stride + ro[None, :]).reshape(-1)
-    out[:, 2] = local.piece_len
+    out[:, 2] = length
     return out

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterable
 
 
 class LeaseTable:
-    """Request id -> expiry time, and the peer that claimed the blocks (the first to say it
-    reads them). Not thread-safe: the caller holds one lock around every call.
+    """Request id -> expiry time, and the peers that claimed the blocks to read them.
+
+    A lease has reader **slots** (one unless the first claim names more: under tensor
+    parallelism of different sizes, several decode ranks read one prefill rank's blocks); the
+    first claim of each slot stands, and the blocks are released once every slot's holder said
+    done (or at once when nobody claimed them). Not thread-safe: the caller holds one lock
+    around every call.
 
     ``clock`` is injectable so tests can expire leases without sleeping.
     """
@@ -17,7 +22,9 @@ class LeaseTable:
         self.lease_s = lease_s
         self._clock = clock
         self._expiry: dict[str, float] = {}
-        self._holder: dict[str, str] = {}
+        self._slots: dict[str, frozenset[Hashable]] = {}
+        self._claims: dict[str, dict[Hashable, str]] = {}
+        self._done: dict[str, set[Hashable]] = {}
 
     def grant(self, req_id: str, lease_s: float | None = None) -> None:
         """Start (or restart) the lease of ``req_id``."""
@@ -30,21 +37,56 @@ class LeaseTable:
         self._expiry[req_id] = self._clock() + self.lease_s
         return True
 
-    def claim(self, req_id: str, peer: str) -> str | None:
-        """The peer the held blocks of ``req_id`` belong to once ``peer`` claims them (the first
-        claim stands); None if ``req_id`` holds no lease."""
+    def claim(
+        self,
+        req_id: str,
+        peer: str,
+        slot: Hashable = None,
+        slots: Iterable[Hashable] | None = None,
+    ) -> str | None:
+        """The peer ``slot`` of the held blocks of ``req_id`` belongs to once ``peer`` claims
+        it (the first claim of a slot stands); None if ``req_id`` holds no lease. The first
+        claim fixes the slots (``slots``, by default its own slot alone); ``ValueError`` for a
+        slot outside them."""
         if req_id not in self._expiry:
             return None
-        return self._holder.setdefault(req_id, peer)
+        expected = self._slots.setdefault(req_id, frozenset([slot] if slots is None else slots))
+        if slot not in expected:
+            raise ValueError(f"the blocks of {req_id} are leased to other readers")
+        return self._claims.setdefault(req_id, {}).setdefault(slot, peer)
+
+    def holders(self, req_id: str) -> set[str]:
+        """The peers that claimed the blocks of ``req_id`` (empty: nobody yet, or no lease)."""
+        return set(self._claims.get(req_id, {}).values())
 
     def holder(self, req_id: str) -> str | None:
-        """Who claimed the blocks of ``req_id`` (None: nobody yet, or no lease)."""
-        return self._holder.get(req_id)
+        """The first peer that claimed the blocks of ``req_id`` (None: nobody yet, or no
+        lease)."""
+        return next(iter(self._claims.get(req_id, {}).values()), None)
+
+    def done(self, req_id: str, peer: str) -> bool:
+        """``peer`` read what it claimed of ``req_id``; True once that released the lease
+        (every slot claimed and done, or nobody had claimed any)."""
+        if req_id not in self._expiry:
+            return False
+        claims = self._claims.get(req_id)
+        if not claims:
+            return self.release(req_id)
+        finished = self._done.setdefault(req_id, set())
+        finished.update(s for s, p in claims.items() if p == peer)
+        if finished >= self._slots[req_id]:
+            return self.release(req_id)
+        return False
 
     def release(self, req_id: str) -> bool:
         """Drop the lease; True if it was held."""
-        self._holder.pop(req_id, None)
+        self._forget(req_id)
         return self._expiry.pop(req_id, None) is not None
+
+    def _forget(self, req_id: str) -> None:
+        self._slots.pop(req_id, None)
+        self._claims.pop(req_id, None)
+        self._done.pop(req_id, None)
 
     def expired(self) -> list[str]:
         """Remove and return every lease past its expiry."""
@@ -52,7 +94,7 @@ class LeaseTable:
         gone = [r for r, t in self._expiry.items() if t <= now]
         for r in gone:
             del self._expiry[r]
-            self._holder.pop(r, None)
+            self._forget(r)
         return gone
 
     def __contains__(self, req_id: object) -> bool:

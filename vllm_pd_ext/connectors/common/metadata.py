@@ -24,6 +24,8 @@ class RemoteRef:
     host: str
     port: int
     request_id: str | None = None
+    #: The prefill engine's tensor parallel size (READ answers say it); None: ours.
+    tp_size: int | None = None
 
 
 @dataclass(frozen=True)

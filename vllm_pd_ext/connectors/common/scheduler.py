@@ -52,7 +52,7 @@ from vllm_pd_ext.connectors.common.metadata import (
     RemoteRef,
     SendSpec,
 )
-from vllm_pd_ext.connectors.common.parallel import tp_refusal
+from vllm_pd_ext.connectors.common.parallel import total_kv_heads, tp_refusal
 from vllm_pd_ext.connectors.common.stats import StatsRecorder
 from vllm_pd_ext.connectors.common.tracing import traceparent_of
 from vllm_pd_ext.transfer_params import (
@@ -115,6 +115,7 @@ def _read_ref(source: PdExtReadAnswer | ReadSource) -> RemoteRef:
         host=source.remote_host,
         port=source.remote_port,
         request_id=source.remote_request_id,
+        tp_size=source.tp_size if isinstance(source, PdExtReadAnswer) else None,
     )
 
 
@@ -160,6 +161,8 @@ class TransferScheduler:
         self.backoff = 1 if any(g.whole for g in groups) else 0
         self.host, self.port = side_channel_address(vllm_config, cfg)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        #: The model's KV heads (all ranks'), when known: decides which TP sizes may differ.
+        self.kv_heads = total_kv_heads(vllm_config)
         self.kv_cache_manager: KVCacheManager | None = None
         self._recv: dict[str, RecvSpec] = {}
         self._send: list[SendSpec] = []
@@ -204,7 +207,10 @@ class TransferScheduler:
                 raise InvalidParams("prompt too short to split")
             if mode == READ:
                 answer = PdExtReadAnswer.check(p, self.key, now)
-                if (refusal := tp_refusal(answer.tp_size, self.tp_size)) is not None:
+                refusal = tp_refusal(
+                    answer.tp_size, self.tp_size, kv_heads=self.kv_heads, state=bool(self.backoff)
+                )
+                if refusal is not None:
                     raise InvalidParams(refusal)
                 remote = _read_ref(answer)
                 n = answer.remote_num_tokens

