@@ -8,7 +8,8 @@ from collections.abc import Callable
 
 class LeaseTable:
     """Request id -> expiry time, and the peer that claimed the blocks (the first to say it
-    reads them). Not thread-safe: the caller holds one lock around every call.
+    reads them) with the engine id it named. Not thread-safe: the caller holds one lock
+    around every call.
 
     ``clock`` is injectable so tests can expire leases without sleeping.
     """
@@ -18,6 +19,7 @@ class LeaseTable:
         self._clock = clock
         self._expiry: dict[str, float] = {}
         self._holder: dict[str, str] = {}
+        self._engine: dict[str, str | None] = {}
 
     def grant(self, req_id: str, lease_s: float | None = None) -> None:
         """Start (or restart) the lease of ``req_id``."""
@@ -30,12 +32,16 @@ class LeaseTable:
         self._expiry[req_id] = self._clock() + self.lease_s
         return True
 
-    def claim(self, req_id: str, peer: str) -> str | None:
-        """The peer the held blocks of ``req_id`` belong to once ``peer`` claims them (the first
-        claim stands); None if ``req_id`` holds no lease."""
+    def claim(self, req_id: str, peer: str, engine: str | None = None) -> str | None:
+        """The peer the held blocks of ``req_id`` belong to once ``peer`` (of engine id
+        ``engine``, if it named one) claims them (the first claim stands); None if ``req_id``
+        holds no lease."""
         if req_id not in self._expiry:
             return None
-        return self._holder.setdefault(req_id, peer)
+        if req_id not in self._holder:
+            self._holder[req_id] = peer
+            self._engine[req_id] = engine
+        return self._holder[req_id]
 
     def holder(self, req_id: str) -> str | None:
         """Who claimed the blocks of ``req_id`` (None: nobody yet, or no lease)."""
@@ -44,16 +50,18 @@ class LeaseTable:
     def release(self, req_id: str) -> bool:
         """Drop the lease; True if it was held."""
         self._holder.pop(req_id, None)
+        self._engine.pop(req_id, None)
         return self._expiry.pop(req_id, None) is not None
 
-    def expired(self) -> list[str]:
-        """Remove and return every lease past its expiry."""
+    def expired(self) -> dict[str, str | None]:
+        """Remove every lease past its expiry; return their request ids, each with the engine
+        id its claimant named (None: nobody claimed it, or named none)."""
         now = self._clock()
         gone = [r for r, t in self._expiry.items() if t <= now]
         for r in gone:
             del self._expiry[r]
             self._holder.pop(r, None)
-        return gone
+        return {r: self._engine.pop(r, None) for r in gone}
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._expiry

@@ -454,7 +454,11 @@ class TransferWorker:
                     spec.remote.host,
                     spec.remote.port + self.tp_rank,
                     "/renew",
-                    {"req": spec.remote.request_id, "engine_id": self.transport.engine_id},
+                    {
+                        "req": spec.remote.request_id,
+                        "engine_id": self.transport.engine_id,
+                        "engine": self.engine_id,  # named in the prefill's lease metrics
+                    },
                     self.cfg.handshake_timeout_s,
                     self.key,
                 )
@@ -503,7 +507,7 @@ class TransferWorker:
                 )
             raise
         except (TransportError, SideChannelError, LayoutMismatch, LoadFailed, OSError) as e:
-            self.stats.failure()
+            self.stats.failure(spec.remote.engine_id)
             if isinstance(e, TransportError | SideChannelError):
                 self._forget_peer(spec.remote)
             raise LoadFailed(
@@ -516,7 +520,7 @@ class TransferWorker:
                 with self._lock:
                     self._awaiting.pop(str(spec.transfer_id), None)
                     self._written.pop(str(spec.transfer_id), None)
-        self.stats.transfer(time.perf_counter() - t0, nbytes)
+        self.stats.transfer(time.perf_counter() - t0, nbytes, spec.remote.engine_id)
         return nbytes
 
     def _move(self, peer: _Peer, pairs: Any, deadline: float, *, read: bool) -> int:
@@ -654,13 +658,17 @@ class TransferWorker:
         that will read them (``engine_id``; the first claim stands), which is then granted
         read access to them; ``ValueError`` (400) if none is held, another peer claimed it
         or no grant can be made."""
-        req, peer = str(body["req"]), body.get("engine_id")
+        req, peer, engine = str(body["req"]), body.get("engine_id"), body.get("engine")
         # The spans are computed outside the lock (the worker thread takes it every step);
         # only the claim and the registration happen under it.
         blocks = self._held.get(req) if peer is not None else None
         spans = self._grant_spans(blocks) if blocks is not None else None
         with self._lease_lock:
-            holder = self._leases.claim(req, str(peer)) if peer is not None else None
+            holder = (
+                self._leases.claim(req, str(peer), str(engine) if engine else None)
+                if peer is not None
+                else None
+            )
             if holder is not None and holder != peer:
                 raise ValueError(f"the blocks of {req} are leased to another peer")
             if not self._leases.renew(req):
@@ -736,11 +744,11 @@ class TransferWorker:
                 time.sleep(0.002)
         except (TransportError, LayoutMismatch, LoadFailed) as e:
             ok, error, failure = False, str(e), e
-            self.stats.failure()
+            self.stats.failure(push.peer)
             if push.cancelled:
                 return failure  # the decode side stopped listening
         else:
-            self.stats.transfer(time.perf_counter() - t0, push.nbytes)
+            self.stats.transfer(time.perf_counter() - t0, push.nbytes, push.peer)
         finally:
             with self._lock:
                 self._targets.pop(tid, None)
@@ -841,11 +849,12 @@ class TransferWorker:
         with self._lease_lock:
             expired = self._leases.expired()
         if expired:
-            self.stats.lease_expired(len(expired))
+            for holder in expired.values():
+                self.stats.lease_expired(holder)
             logger.warning(
                 "freed the KV blocks of %d request(s) whose lease ran out: %s",
                 len(expired),
-                expired,
+                list(expired),
             )
         for req in expired:
             self._free(req, "expired")
