@@ -58,6 +58,17 @@ def _exposition(url: str) -> tuple[set[str], set[str]]:
     return samples, declared
 
 
+def _engine_ids(url: str) -> list[str]:
+    """The engine ids ``url``'s ``vllm:pdext_kv_engine_info`` names."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return [
+        s.labels["engine_id"]
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "vllm:pdext_kv_engine_info" and s.value == 1
+    ]
+
+
 def _family(name: str) -> str:
     for suffix in _SUFFIXES:
         if name.endswith(suffix):
@@ -81,6 +92,15 @@ def test_every_dashboard_and_alert_metric_is_exported(stack, tiny_llama):
     # the split request moved KV: the connector's histogram has an observation
     assert re.search(
         r"^vllm:pdext_kv_transfer_seconds_count\{.*\} [1-9]",
+        httpx.get(f"{stack['decode-0']}/metrics", timeout=30).text,
+        re.M,
+    )
+
+    # ... counted per peer under the prefill's engine id, which the prefill says is its own
+    prefill_ids = _engine_ids(stack["prefill-0"])
+    assert len(prefill_ids) == 1, prefill_ids
+    assert re.search(
+        rf'^vllm:pdext_kv_peer_bytes_total\{{.*peer="{re.escape(prefill_ids[0])}".*\}} [1-9]',
         httpx.get(f"{stack['decode-0']}/metrics", timeout=30).text,
         re.M,
     )

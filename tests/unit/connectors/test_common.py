@@ -22,7 +22,12 @@ from vllm_pd_ext.connectors.common.side_channel import (
     fetch_handshake,
     post_json,
 )
-from vllm_pd_ext.connectors.common.stats import PdTransferStats, StatsRecorder
+from vllm_pd_ext.connectors.common.stats import (
+    MAX_PEERS,
+    PdTransferPromMetrics,
+    PdTransferStats,
+    StatsRecorder,
+)
 from vllm_pd_ext.transport import backend_names
 
 
@@ -50,7 +55,7 @@ def test_leases_expire_renew_and_release():
     now[0] = 8.0
     assert leases.renew("a") and not leases.renew("zzz")
     now[0] = 12.0
-    assert leases.expired() == ["b"]
+    assert leases.expired() == {"b": None}
     assert "a" in leases and len(leases) == 1
     assert leases.release("a") and not leases.release("a")
 
@@ -66,9 +71,12 @@ def test_the_first_claim_on_a_lease_stands_until_the_lease_ends():
     leases.release("a")
     assert leases.holder("a") is None
     leases.grant("b")
-    leases.claim("b", "d1")
+    leases.claim("b", "d1", engine="engine-d1")
+    assert leases.claim("b", "d2", engine="engine-d2") == "d1"
+    leases.grant("c")
     now[0] = 11.0
-    assert leases.expired() == ["b"] and leases.holder("b") is None
+    # each expired lease with the engine its claimant named (the first claim's)
+    assert leases.expired() == {"b": "engine-d1", "c": None} and leases.holder("b") is None
 
 
 def kv(num_blocks=8, heads=2, shape="cpu", dtype=torch.float16):
@@ -165,8 +173,171 @@ def test_stats_take_aggregate_reduce():
         "ungranted": 1,
         "fallbacks": 1,
         "blocks_held": 3,
+        "peers": 1,
     }
     assert PdTransferStats().is_empty()
+
+
+def _row(transfers=0, nbytes=0, seconds=0.0, failures=0, lease_expiries=0) -> dict[str, Any]:
+    return {
+        "transfers": transfers,
+        "bytes": nbytes,
+        "seconds": seconds,
+        "failures": failures,
+        "lease_expiries": lease_expiries,
+    }
+
+
+def test_stats_count_per_peer_engine_and_aggregate_per_peer():
+    rec = StatsRecorder()
+    rec.transfer(0.5, 1000, "engine-p")
+    rec.transfer(0.25, 3000, "engine-p")
+    rec.failure("engine-p")
+    rec.failure(None)  # before any handshake named the peer
+    rec.lease_expired("engine-d")
+    rec.lease_expired()  # nobody had claimed the blocks
+    first = rec.take()
+    assert first is not None
+    assert first.data["peers"] == {
+        "engine-p": _row(2, 4000, 0.75, failures=1),
+        "unknown": _row(failures=1, lease_expiries=1),
+        "engine-d": _row(lease_expiries=1),
+    }
+    assert first.data["failures"] == 2 and first.data["lease_expiries"] == 2
+    json.dumps(first.data)  # plain data: vLLM ships it from the worker to the logger
+    rec.transfer(1.0, 500, "engine-q")
+    rec.failure("engine-d")
+    second = rec.take()
+    assert second is not None
+    assert second.data["peers"] == {
+        "engine-q": _row(1, 500, 1.0),
+        "engine-d": _row(failures=1),
+    }
+    total = first.aggregate(second)
+    assert total.data["peers"] == {
+        "engine-p": _row(2, 4000, 0.75, failures=1),
+        "unknown": _row(failures=1, lease_expiries=1),
+        "engine-d": _row(failures=1, lease_expiries=1),
+        "engine-q": _row(1, 500, 1.0),
+    }
+    assert total.reduce()["peers"] == 4 and total.reduce()["transfers"] == 3
+
+
+def test_per_peer_stats_keep_a_bounded_number_of_peers():
+    """Peers past the first MAX_PEERS distinct ones count as "other", in one worker's stats
+    and in the sum of several workers' (or intervals') stats."""
+    rec = StatsRecorder()
+    for i in range(3 * MAX_PEERS):
+        rec.transfer(0.001, 10, f"engine-{i}")
+    rec.failure("engine-0")  # a peer seen before the bound was reached keeps its series
+    first = rec.take()
+    assert first is not None
+    peers = first.data["peers"]
+    assert len(peers) == MAX_PEERS + 1
+    assert peers["other"]["transfers"] == 2 * MAX_PEERS
+    assert peers["engine-0"] == _row(1, 10, 0.001, failures=1)
+    rec.transfer(0.001, 10, f"engine-{3 * MAX_PEERS}")  # later intervals: still "other"
+    assert rec.take().data["peers"] == {"other": _row(1, 10, 0.001)}  # type: ignore[union-attr]
+    # another worker saw other peers: the sum stays bounded, and no transfer is lost
+    other_worker = StatsRecorder()
+    for i in range(MAX_PEERS):
+        other_worker.transfer(0.001, 10, f"elsewhere-{i}")
+    other_worker.lease_expired()
+    total = first.aggregate(other_worker.take())
+    peers = total.data["peers"]
+    assert len(peers) == MAX_PEERS + 2  # + "other" + "unknown"
+    assert "elsewhere-0" not in peers and peers["unknown"] == _row(lease_expiries=1)
+    assert sum(row["transfers"] for row in peers.values()) == 4 * MAX_PEERS
+
+
+def _prom_metrics(registry, *, dp_size: int = 1, engines=(0,)) -> PdTransferPromMetrics:
+    """Our metrics registered in ``registry`` as vLLM's logger registers them."""
+    from functools import partial
+    from types import SimpleNamespace
+
+    from prometheus_client import Counter, Gauge, Histogram
+
+    config = SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(engine_id="eng-a"),
+        parallel_config=SimpleNamespace(data_parallel_size=dp_size),
+    )
+    types = {cls: partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
+    labelvalues = {i: ["m", str(i)] for i in engines}
+    return PdTransferPromMetrics(config, types, ["model_name", "engine"], labelvalues)
+
+
+def _series(registry, name: str) -> dict[tuple[tuple[str, str], ...], float]:
+    return {
+        tuple(sorted(s.labels.items())): s.value
+        for m in registry.collect()
+        for s in m.samples
+        if s.name == name
+    }
+
+
+def test_prom_metrics_count_per_peer_and_name_the_engine():
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    prom = _prom_metrics(registry)
+    # declared from the start, with the "unknown" peer at zero, and the engine's own id
+    assert _series(registry, "vllm:pdext_kv_peer_bytes_total") == {
+        (("engine", "0"), ("model_name", "m"), ("peer", "unknown")): 0.0
+    }
+    assert _series(registry, "vllm:pdext_kv_engine_info") == {
+        (("engine", "0"), ("engine_id", "eng-a"), ("model_name", "m")): 1.0
+    }
+    rec = StatsRecorder()
+    rec.transfer(0.5, 4096, "eng-p")
+    rec.failure("eng-p")
+    rec.lease_expired()
+    prom.observe(rec.take().data)  # type: ignore[union-attr]
+    rec.transfer(0.25, 1024, "eng-p")
+    prom.observe(rec.take().data)  # type: ignore[union-attr]
+
+    def peer(name: str, p: str) -> float:
+        return _series(registry, name)[(("engine", "0"), ("model_name", "m"), ("peer", p))]
+
+    assert peer("vllm:pdext_kv_peer_bytes_total", "eng-p") == 5120
+    assert peer("vllm:pdext_kv_peer_transfers_total", "eng-p") == 2
+    assert peer("vllm:pdext_kv_peer_transfer_seconds_total", "eng-p") == 0.75
+    assert peer("vllm:pdext_kv_peer_transfer_failures_total", "eng-p") == 1
+    assert peer("vllm:pdext_kv_peer_lease_expiries_total", "unknown") == 1
+    expiries = _series(registry, "vllm:pdext_kv_peer_lease_expiries_total")
+    assert {dict(labels)["peer"] for labels in expiries} == {"unknown"}  # only what moved
+    # the per-engine metrics are unchanged
+    assert _series(registry, "vllm:pdext_kv_transfer_failures_total") == {
+        (("engine", "0"), ("model_name", "m")): 1.0
+    }
+
+
+def test_prom_metrics_name_each_data_parallel_engine_by_its_connectors_id():
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    _prom_metrics(registry, dp_size=2, engines=(0, 1))
+    info = _series(registry, "vllm:pdext_kv_engine_info")
+    assert {dict(labels)["engine_id"] for labels in info} == {"eng-a_dp0", "eng-a_dp1"}
+
+
+def test_a_client_naming_many_peers_cannot_grow_the_series_without_bound():
+    """Every interval names new peers (as a client that reaches the engine's side channel
+    could): each engine keeps at most MAX_PEERS peer series (+ "unknown", "other")."""
+    from prometheus_client import CollectorRegistry
+
+    registry = CollectorRegistry()
+    prom = _prom_metrics(registry, engines=(0, 1))
+    for interval in range(5):
+        for engine in (0, 1):
+            rec = StatsRecorder()  # a fresh worker each time: only the metrics bound it
+            for i in range(MAX_PEERS):
+                rec.lease_expired(f"forged-{engine}-{interval}-{i}")
+            prom.observe(rec.take().data, engine)  # type: ignore[union-attr]
+    series = _series(registry, "vllm:pdext_kv_peer_lease_expiries_total")
+    for idx in ("0", "1"):
+        mine = {dict(k)["peer"]: v for k, v in series.items() if dict(k)["engine"] == idx}
+        assert len(mine) == MAX_PEERS + 2
+        assert mine["other"] == 4 * MAX_PEERS and sum(mine.values()) == 5 * MAX_PEERS
 
 
 def test_side_channel_routes_and_errors(monkeypatch):

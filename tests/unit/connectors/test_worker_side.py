@@ -234,10 +234,10 @@ def test_release_frees_prefill_blocks(pair):
     assert sending == {"p-req"}
 
 
-def write_offer(d, port, transfer_id, pairs, prompt=PROMPT_HASH):
+def write_offer(d, port, transfer_id, pairs, prompt=PROMPT_HASH, engine=""):
     """Offer decode blocks ``pairs`` (block, prompt position) for ``transfer_id``, for a
-    request whose prompt hashes to ``prompt``."""
-    ref = RemoteRef("", "127.0.0.1", port, None)
+    request whose prompt hashes to ``prompt``, to the prefill ``engine`` (if named)."""
+    ref = RemoteRef(engine, "127.0.0.1", port, None)
     local = tuple(loc for loc, _ in pairs)
     spec = RecvSpec(
         "d-req", "write", ref, (pairs,), (local,), transfer_id=transfer_id, prompt_hash=prompt
@@ -685,6 +685,72 @@ def test_read_renews_then_reads_within_the_lease(pair):
     assert poll(lambda: d.get_finished(set())[1], "the load") == {"d-req"}
     assert d.get_block_ids_with_load_errors() == set()
     assert_copied(pc, dc, [(1, 7)])
+
+
+def peer_rows(w: TransferWorker) -> dict[str, dict[str, float]]:
+    """The per-peer stats ``w`` counted since they were last taken, without the seconds (each
+    checked > 0 where a transfer was counted)."""
+    taken = w.stats.take()
+    assert taken is not None
+    rows = {}
+    for peer, row in taken.data["peers"].items():
+        assert (row["seconds"] > 0) == (row["transfers"] > 0), (peer, row)
+        rows[peer] = {k: v for k, v in row.items() if k != "seconds" and v}
+    return rows
+
+
+def test_reads_their_failures_and_lease_expiries_count_per_peer_engine(pair):
+    """The decode side counts its reads and failed reads under the engine id of the prefill
+    it read from (a failure before any handshake too: the params name it); the prefill side
+    counts an expired lease under the engine id of the decode that claimed its blocks, and
+    one nobody claimed under "unknown"."""
+    p, _, d, _, port = pair
+    held = [SendSpec(r, "read", ((b,),)) for r, b in (("p-ok", 1), ("p-late", 2), ("p-none", 3))]
+    p.bind(PdTransferMetadata(send=held))
+    p.get_finished({s.req_id for s in held})
+
+    def load(req: str, ref: RemoteRef, **kw) -> None:
+        recv(d, RecvSpec(req, "read", ref, (((5, 1),),), ((5,),), **kw))
+        assert poll(lambda: d.get_finished(set())[1], f"the load of {req}") == {req}
+
+    load("d-ok", RemoteRef(p.engine_id, "127.0.0.1", port, "p-ok"))
+    # claims the blocks (renews), then cannot read within the lease it was given: no release
+    load("d-late", RemoteRef(p.engine_id, "127.0.0.1", port, "p-late"), lease_s=1e-9)
+    load("d-lost", RemoteRef("engine-gone", "127.0.0.1", free_port(), "p-x"))
+    per_block = BLOCK * HEADS * 2 * HEAD * 4
+    assert peer_rows(d) == {
+        p.engine_id: {"transfers": 1, "bytes": LAYERS * per_block, "failures": 1},
+        "engine-gone": {"failures": 1},
+    }
+    assert poll(lambda: p.get_finished(set())[0], "the release") == {"p-ok"}
+    p.clock.now += p.cfg.lease_s + 1
+    assert p.get_finished(set()) == ({"p-late", "p-none"}, None)
+    assert peer_rows(p) == {d.engine_id: {"lease_expiries": 1}, "unknown": {"lease_expiries": 1}}
+
+
+def test_pushes_and_their_failures_count_per_peer_engine(pair):
+    """WRITE: the prefill side counts its pushes (bytes) and failed pushes under the engine
+    id of the decode that offered its blocks; the decode side its waits (no bytes: it moved
+    none) and failures under the prefill's."""
+    p, _pc, d, _dc, port = pair
+    p.bind(PdTransferMetadata(push=[PushSpec("p-ok", "t-ok", ((1, 2),), PROMPT_HASH)]))
+    p.wait_for_save()
+    write_offer(d, port, "t-ok", ((4, 0), (8, 1)), engine=p.engine_id)
+    p.bind(PdTransferMetadata(send=[SendSpec("p-ok", "write", ((1, 2),), "t-ok")]))
+    assert poll(lambda: d.get_finished(set())[1], "the push") == {"d-req"}
+    assert poll(lambda: p.get_finished({"p-ok"})[0], "the prefill's free") == {"p-ok"}
+    # a prefill request that ends without keeping its blocks: the push fails
+    p.bind(PdTransferMetadata(push=[PushSpec("p-lost", "t-lost", ((1, 2),), PROMPT_HASH)]))
+    write_offer(d, port, "t-lost", ((4, 0), (8, 1)), engine=p.engine_id)
+    p.wait_for_save()
+    p.bind(PdTransferMetadata())
+    p.get_finished({"p-lost"})
+    assert poll(lambda: d.get_finished(set())[1], "the failure") == {"d-req"}
+    per_block = BLOCK * HEADS * 2 * HEAD * 4
+    assert peer_rows(p) == {
+        d.engine_id: {"transfers": 1, "bytes": 2 * LAYERS * per_block, "failures": 1}
+    }
+    assert peer_rows(d) == {p.engine_id: {"transfers": 1, "failures": 1}}
 
 
 @pytest.mark.parametrize("pair", [{"d": {"transfer_timeout_s": 1.0}}], indirect=True)

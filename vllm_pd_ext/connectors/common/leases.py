@@ -12,7 +12,8 @@ class LeaseTable:
     A lease has reader **slots** (one unless the first claim names more: under tensor
     parallelism of different sizes, several decode ranks read one prefill rank's blocks); the
     first claim of each slot stands, and the blocks are released once every slot's holder said
-    done (or at once when nobody claimed them). Not thread-safe: the caller holds one lock
+    done (or at once when nobody claimed them). The first claimant may name its engine id (what
+    an expired lease is counted under). Not thread-safe: the caller holds one lock
     around every call.
 
     ``clock`` is injectable so tests can expire leases without sleeping.
@@ -25,6 +26,7 @@ class LeaseTable:
         self._slots: dict[str, frozenset[Hashable]] = {}
         self._claims: dict[str, dict[Hashable, str]] = {}
         self._done: dict[str, set[Hashable]] = {}
+        self._engine: dict[str, str | None] = {}
 
     def grant(self, req_id: str, lease_s: float | None = None) -> None:
         """Start (or restart) the lease of ``req_id``."""
@@ -43,16 +45,18 @@ class LeaseTable:
         peer: str,
         slot: Hashable = None,
         slots: Iterable[Hashable] | None = None,
+        engine: str | None = None,
     ) -> str | None:
         """The peer ``slot`` of the held blocks of ``req_id`` belongs to once ``peer`` claims
         it (the first claim of a slot stands); None if ``req_id`` holds no lease. The first
-        claim fixes the slots (``slots``, by default its own slot alone); ``ValueError`` for a
-        slot outside them."""
+        claim fixes the slots (``slots``, by default its own slot alone) and the engine id
+        (``engine``, as the claimant named it); ``ValueError`` for a slot outside them."""
         if req_id not in self._expiry:
             return None
         expected = self._slots.setdefault(req_id, frozenset([slot] if slots is None else slots))
         if slot not in expected:
             raise ValueError(f"the blocks of {req_id} are leased to other readers")
+        self._engine.setdefault(req_id, engine)
         return self._claims.setdefault(req_id, {}).setdefault(slot, peer)
 
     def holders(self, req_id: str) -> set[str]:
@@ -87,15 +91,18 @@ class LeaseTable:
         self._slots.pop(req_id, None)
         self._claims.pop(req_id, None)
         self._done.pop(req_id, None)
+        self._engine.pop(req_id, None)
 
-    def expired(self) -> list[str]:
-        """Remove and return every lease past its expiry."""
+    def expired(self) -> dict[str, str | None]:
+        """Remove every lease past its expiry; return their request ids, each with the engine
+        id its first claimant named (None: nobody claimed it, or named none)."""
         now = self._clock()
         gone = [r for r, t in self._expiry.items() if t <= now]
+        engines = {r: self._engine.get(r) for r in gone}
         for r in gone:
             del self._expiry[r]
             self._forget(r)
-        return gone
+        return engines
 
     def __contains__(self, req_id: object) -> bool:
         return req_id in self._expiry

@@ -18,12 +18,21 @@ The worker fills a :class:`PdTransferStats` (``get_kv_connector_stats``); vLLM s
 * ``vllm:pdext_kv_transport_fallbacks_total``: connections to peers over which the transport
   backend moves payloads by a slower path than its own (``cma``: over the socket, not by
   cross-memory attach; the reason is in the engine's log);
-* ``vllm:pdext_kv_blocks_held`` gauge: prefill-side blocks held for decode instances.
+* ``vllm:pdext_kv_blocks_held`` gauge: prefill-side blocks held for decode instances;
+* per peer engine (label ``peer``: the remote engine's vLLM engine id, ``unknown`` when
+  nobody is known, ``other`` past :data:`MAX_PEERS` distinct ones), counters of the transfers
+  this engine ran with it (``vllm:pdext_kv_peer_transfers_total``), their bytes
+  (``..._peer_bytes_total``) and seconds (``..._peer_transfer_seconds_total``), the failed
+  ones (``..._peer_transfer_failures_total``) and the leases it let expire
+  (``..._peer_lease_expiries_total``);
+* ``vllm:pdext_kv_engine_info{engine_id}`` = 1: this engine's own id, to join a ``peer`` to
+  the instance that exports it.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -43,8 +52,88 @@ _COUNTERS = (
 )
 
 
+#: Per peer engine: field of a peer's row in ``data["peers"]`` -> (counter, its help text).
+_PEER_METRICS = {
+    "transfers": (
+        "vllm:pdext_kv_peer_transfers",
+        "KV transfers this engine completed with a peer engine (one per worker).",
+    ),
+    "bytes": (
+        "vllm:pdext_kv_peer_bytes",
+        "Bytes of the KV transfers this engine completed with a peer engine.",
+    ),
+    "seconds": (
+        "vllm:pdext_kv_peer_transfer_seconds",
+        "Seconds of the KV transfers this engine completed with a peer engine.",
+    ),
+    "failures": (
+        "vllm:pdext_kv_peer_transfer_failures",
+        "KV transfers with a peer engine that failed or timed out.",
+    ),
+    "lease_expiries": (
+        "vllm:pdext_kv_peer_lease_expiries",
+        "Prefill-side leases that expired unrenewed, by the decode engine that had claimed "
+        "the blocks (unknown: none had).",
+    ),
+}
+#: Distinct peer engines one engine labels its per-peer counters with; the rest are "other",
+#: so that whoever reaches an engine cannot grow its series without bound.
+MAX_PEERS = 64
+UNKNOWN_PEER = "unknown"
+OTHER_PEER = "other"
+#: The longest peer id kept (vLLM's are uuids, with ``_dp<rank>`` under data parallelism).
+_PEER_ID_CHARS = 128
+
+
+class PeerLabels:
+    """The ``peer`` label of a remote engine id: itself for the first :data:`MAX_PEERS`
+    distinct ids, ``other`` after them, ``unknown`` for none. Not thread-safe."""
+
+    def __init__(self, limit: int = MAX_PEERS) -> None:
+        self.limit = limit
+        self._seen: set[str] = set()
+
+    def __call__(self, peer: str | None) -> str:
+        if not peer:
+            return UNKNOWN_PEER
+        peer = str(peer)[:_PEER_ID_CHARS]
+        if peer in self._seen or peer in (UNKNOWN_PEER, OTHER_PEER):
+            return peer
+        if len(self._seen) >= self.limit:
+            return OTHER_PEER
+        self._seen.add(peer)
+        return peer
+
+
 def _empty() -> dict[str, Any]:
-    return {"seconds": [], "bytes": [], **dict.fromkeys(_COUNTERS, 0), "blocks_held": None}
+    return {
+        "seconds": [],
+        "bytes": [],
+        **dict.fromkeys(_COUNTERS, 0),
+        "blocks_held": None,
+        "peers": {},
+    }
+
+
+def _add_peer(
+    peers: dict[str, dict[str, int | float]], label: str, row: Mapping[str, int | float]
+) -> None:
+    """Add ``row`` (per-peer fields) to ``peers[label]``."""
+    mine = peers.setdefault(label, dict.fromkeys(_PEER_METRICS, 0))
+    for k in _PEER_METRICS:
+        mine[k] += row.get(k, 0)
+
+
+def engine_info_id(vllm_config: Any, engine_idx: int) -> str | None:
+    """The engine id the connector of engine ``engine_idx`` works under: the configured one,
+    with ``_dp<rank>`` appended under data parallelism (as vLLM's engine core does); None
+    without a KV transfer config."""
+    if vllm_config.kv_transfer_config is None:
+        return None
+    engine_id = str(vllm_config.kv_transfer_config.engine_id)
+    if vllm_config.parallel_config.data_parallel_size > 1:
+        return f"{engine_id}_dp{engine_idx}"
+    return engine_id
 
 
 class PdTransferStats(KVConnectorStats):
@@ -67,6 +156,15 @@ class PdTransferStats(KVConnectorStats):
             self.data[k] = self.data.get(k, 0) + o.get(k, 0)
         if o.get("blocks_held") is not None:
             self.data["blocks_held"] = o["blocks_held"]
+        # workers (TP ranks) and intervals: each side bounded, so is their sum
+        peers = {p: dict(row) for p, row in self.data.get("peers", {}).items()}
+        labels = PeerLabels(MAX_PEERS)
+        for p in list(peers):
+            if labels(p) != p:  # beyond the bound already: fold into "other"
+                _add_peer(peers, OTHER_PEER, peers.pop(p))
+        for p, row in o.get("peers", {}).items():
+            _add_peer(peers, labels(p), row)
+        self.data["peers"] = peers
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -79,13 +177,15 @@ class PdTransferStats(KVConnectorStats):
             "GB/s": round(sum(sizes) / total_s / 1e9, 3) if total_s > 0 else 0.0,
             **{k: self.data.get(k, 0) for k in _COUNTERS},
         }
+        if self.data.get("peers"):
+            out["peers"] = len(self.data["peers"])
         if self.data.get("blocks_held") is not None:
             out["blocks_held"] = self.data["blocks_held"]
         return out
 
     def is_empty(self) -> bool:
         d = self.data
-        return not any(d.get(k) for k in _LISTS + _COUNTERS)
+        return not any(d.get(k) for k in (*_LISTS, *_COUNTERS, "peers"))
 
 
 class StatsRecorder:
@@ -95,19 +195,30 @@ class StatsRecorder:
         self._lock = threading.Lock()
         self._data = _empty()
         self._held: int | None = None
+        self._peer_labels = PeerLabels()
 
-    def transfer(self, seconds: float, nbytes: int) -> None:
+    def _peer(self, peer: str | None, **row: int | float) -> None:
+        """Count ``row`` for ``peer`` (an engine id; None: not known). Under the lock."""
+        _add_peer(self._data["peers"], self._peer_labels(peer), row)
+
+    def transfer(self, seconds: float, nbytes: int, peer: str | None = None) -> None:
+        """A transfer of ``nbytes`` done in ``seconds``, with engine ``peer``."""
         with self._lock:
             self._data["seconds"].append(float(seconds))
             self._data["bytes"].append(int(nbytes))
+            self._peer(peer, transfers=1, bytes=int(nbytes), seconds=float(seconds))
 
-    def failure(self) -> None:
+    def failure(self, peer: str | None = None) -> None:
+        """A transfer with engine ``peer`` failed or timed out."""
         with self._lock:
             self._data["failures"] += 1
+            self._peer(peer, failures=1)
 
-    def lease_expired(self, n: int = 1) -> None:
+    def lease_expired(self, peer: str | None = None) -> None:
+        """A lease expired unrenewed; ``peer``: the engine that had claimed its blocks."""
         with self._lock:
-            self._data["lease_expiries"] += n
+            self._data["lease_expiries"] += 1
+            self._peer(peer, lease_expiries=1)
 
     def refused(self) -> None:
         """A side-channel request or data connection without a valid fleet-key tag."""
@@ -151,6 +262,26 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
 
     def __init__(self, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        #: field -> counter labelled by engine and ``peer`` (children made as peers appear)
+        self.peer_counters = {
+            field: self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, "peer"])
+            for field, (name, doc) in _PEER_METRICS.items()
+        }
+        self._peer_labels = {idx: PeerLabels() for idx in per_engine_labelvalues}
+        for values in per_engine_labelvalues.values():
+            for counter in self.peer_counters.values():
+                counter.labels(*values, UNKNOWN_PEER)  # declared with a series from the start
+        info = self._gauge_cls(
+            name="vllm:pdext_kv_engine_info",
+            documentation="1, labelled with the engine id this engine's connector works under "
+            "(the peer label of its peers' per-peer metrics).",
+            labelnames=[*labelnames, "engine_id"],
+            multiprocess_mode="mostrecent",
+        )
+        for idx, values in per_engine_labelvalues.items():
+            engine_id = engine_info_id(vllm_config, idx)
+            if engine_id is not None:
+                info.labels(*values, engine_id).set(1)
 
         def per_engine(metric):
             return create_metric_per_engine(metric, per_engine_labelvalues)
@@ -248,3 +379,9 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             self.fallbacks[engine_idx].inc(d["fallbacks"])
         if d.get("blocks_held") is not None:
             self.blocks_held[engine_idx].set(d["blocks_held"])
+        labelvalues = self.per_engine_labelvalues[engine_idx]
+        for peer, row in d.get("peers", {}).items():
+            label = self._peer_labels[engine_idx](peer)
+            for field, counter in self.peer_counters.items():
+                if row.get(field):
+                    counter.labels(*labelvalues, label).inc(row[field])

@@ -575,7 +575,7 @@ class TransferWorker:
                 )
             raise
         except (TransportError, SideChannelError, LayoutMismatch, LoadFailed, OSError) as e:
-            self.stats.failure()
+            self.stats.failure(spec.remote.engine_id)
             if isinstance(e, TransportError | SideChannelError):
                 self._forget_peer(spec.remote)
             raise LoadFailed(
@@ -588,7 +588,7 @@ class TransferWorker:
                 with self._lock:
                     self._awaiting.pop(str(spec.transfer_id), None)
                     self._written.pop(str(spec.transfer_id), None)
-        self.stats.transfer(time.perf_counter() - t0, nbytes)
+        self.stats.transfer(time.perf_counter() - t0, nbytes, spec.remote.engine_id)
         return nbytes
 
     def _read(self, peers: Sequence[_Peer], pairs: Any, deadline: float) -> int:
@@ -747,7 +747,14 @@ class TransferWorker:
         blocks = self._held.get(req) if peer is not None else None
         spans = self._grant_spans(blocks) if blocks is not None else None
         with self._lease_lock:
-            holder = self._leases.claim(req, str(peer), slot, slots) if peer is not None else None
+            engine = body.get("decode_engine")
+            holder = (
+                self._leases.claim(
+                    req, str(peer), slot, slots, engine=str(engine) if engine else None
+                )
+                if peer is not None
+                else None
+            )
             if holder is not None and holder != peer:
                 raise ValueError(f"the blocks of {req} are leased to another peer")
             if not self._leases.renew(req):
@@ -845,11 +852,11 @@ class TransferWorker:
                 time.sleep(0.002)
         except (TransportError, LayoutMismatch, LoadFailed) as e:
             ok, error, failure = False, str(e), e
-            self.stats.failure()
+            self.stats.failure(push.peer)
             if push.cancelled:
                 return failure  # the decode side stopped listening
         else:
-            self.stats.transfer(time.perf_counter() - t0, push.nbytes)
+            self.stats.transfer(time.perf_counter() - t0, push.nbytes, push.peer)
         finally:
             with self._lock:
                 self._targets.pop(tid, None)
@@ -951,11 +958,12 @@ class TransferWorker:
         with self._lease_lock:
             expired = self._leases.expired()
         if expired:
-            self.stats.lease_expired(len(expired))
+            for holder in expired.values():
+                self.stats.lease_expired(holder)
             logger.warning(
                 "freed the KV blocks of %d request(s) whose lease ran out: %s",
                 len(expired),
-                expired,
+                list(expired),
             )
         for req in expired:
             self._free(req, "expired")
