@@ -540,8 +540,9 @@ class Migrator:
                 reason,
             )
             return m.ending()
+        generated = m.generated  # parsed first: ids that do not parse set ``why_not``
         why = m.why_not or _unsupported(ctx)
-        if why is None and m.generated and m.prompt_ids is None:
+        if why is None and generated and m.prompt_ids is None:
             why = "no prompt token ids from the engine"
         if why is not None:
             self._give_up(ctx, "unsupported", failed, reason, why)

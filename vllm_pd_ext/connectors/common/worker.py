@@ -508,7 +508,8 @@ class TransferWorker:
                 # Claim the blocks of every source rank (each then lets our transport read
                 # them, and only the decode ranks that claimed them); they must still be held,
                 # and stay held while we read: renew synchronously, then finish well inside
-                # the new lease.
+                # the new lease: the first rank's, from before its renewal, ends first.
+                claimed = time.monotonic()
                 for peer in peers:
                     post_json(
                         spec.remote.host,
@@ -525,12 +526,12 @@ class TransferWorker:
                         self.key,
                     )
                 if spec.lease_s:
-                    deadline = min(deadline, time.monotonic() + 0.8 * spec.lease_s)
+                    deadline = min(deadline, claimed + 0.8 * spec.lease_s)
                 nbytes = self._read(peers, spec.pairs, deadline)
                 if time.monotonic() > deadline:
                     raise LoadFailed("the read ended after the prefill side's lease could end")
-                for peer in peers:
-                    self._notify(peer.peer_id, {"op": "done", "req": spec.remote.request_id})
+                # the KV is ours: a rank we cannot tell frees its blocks at its lease's end
+                self._send_quietly(spec.remote, {"op": "done"})
             else:
                 if spec.remote.tp_size not in (None, self.tp_size):
                     raise LayoutMismatch(
