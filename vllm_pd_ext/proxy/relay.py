@@ -296,8 +296,11 @@ class StreamRelay:
         """Text mode: the complete events ``chunk`` ends (None: none yet), as the client
         gets them; their arrival at ``now`` observed."""
         ready = self.split(chunk)
-        if ready is None:
-            return None
+        return None if ready is None else self.shown(ready, now)
+
+    def shown(self, ready: bytes, now: float) -> bytes | None:
+        """Complete events ``ready`` as the client gets them (None: nothing of them), their
+        arrival at ``now`` observed."""
         migration = self.migration
         if migration is not None:  # its record, and the token ids it asked for hidden
             ready = migration.feed(ready)
@@ -339,23 +342,9 @@ class StreamRelay:
             return True
         if chunk.endswith(STREAM_END):
             return False
-        # complete events, nothing held back: the rule, in this one call (``events``)
-        migration = self.migration
-        if migration is not None:
-            chunk = migration.feed(chunk)
-            if not chunk:
-                return True
-        cached = self.call.cached
-        if b'"kv_transfer_params"' in chunk or (
-            cached is not None and b'"prompt_tokens_details"' in chunk
-        ):
-            chunk = _patch_events(chunk, cached)
-        if self.first is None:
-            self.observe(chunk, now)
-        else:  # (``observe``, inlined)
-            self.itl.observe(now - self.last)
-            self.last = now
-        writer.write(chunk)
+        ready = self.shown(chunk, now)  # complete events, nothing held back
+        if ready is not None:
+            writer.write(ready)
         return True
 
 

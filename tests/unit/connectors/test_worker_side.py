@@ -861,6 +861,23 @@ def test_a_written_notice_from_another_peer_than_the_writer_is_ignored(pair, bac
     assert_copied(pc, dc, [(1, 4), (2, 8), (3, 10)])
 
 
+def test_a_renew_naming_a_huge_or_odd_tp_size_is_refused_before_any_slot_is_made(pair):
+    """A ``/renew`` is answered with the slots of every decode rank that reads us: a body
+    naming a TP size beyond any real one (or not a number) is refused at once, before the
+    slots (one per reading rank) are computed or kept."""
+    from vllm_pd_ext.connectors.common.side_channel import SideChannelError, post_json
+
+    p, _, d, _, port = pair
+    assert d.transport is not None
+    p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+    assert p.get_finished({"p-req"}) == (None, None)
+    for size in (10**9, "2", -1):
+        body = {"req": "p-req", "engine_id": d.transport.engine_id, "tp_size": size}
+        with pytest.raises(SideChannelError, match=r"is not one in 1\.\."):
+            post_json("127.0.0.1", port, "/renew", {**body, "tp_rank": 0}, 2)
+    assert p._leases.holder("p-req") is None  # nobody claimed the blocks
+
+
 def test_leased_blocks_belong_to_the_peer_that_claimed_them(pair, backend, caplog):
     """The decode transport that renews first (right before it reads) holds the lease: another
     peer's renewal is refused, and its "done" or "renew" notices are ignored (the blocks stay

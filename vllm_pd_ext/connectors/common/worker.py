@@ -91,6 +91,8 @@ logger = logging.getLogger(__name__)
 #: 2: ``/write_target`` offers carry the decode worker's ``tp_rank``, and both sides refuse a
 #: peer of another TP rank (1: TP size checked only).
 HANDSHAKE_VERSION = 3
+#: The largest decode TP size a ``/renew`` may name (a bound on the slots it makes us track).
+MAX_TP_SIZE = 1024
 #: WRITE offers a prefill worker keeps at once (each waits for its prefill request, or for
 #: ``_prune_offers``); more are refused.
 MAX_OFFERS = 4096
@@ -285,6 +287,12 @@ class TransferWorker:
             f", side channel {self.side_host}:{self.side_port}" if self._server else "",
         )
 
+    @property
+    def _kv_heads(self) -> int | None:
+        """The model's KV heads in all, where known (what the TP matrix is checked against)."""
+        heads = self.model.get("kv_heads")
+        return heads if isinstance(heads, int) else None
+
     def handshake(self) -> dict[str, Any]:
         """The document a peer fetches: who we are, how to reach us, our KV layout."""
         assert self.transport is not None and self.layout is not None
@@ -321,11 +329,8 @@ class TransferWorker:
                 f"kv_transfer_params named {expect_engine!r}"
             )
         sizes = (doc.get("tp_size"), self.tp_size)
-        kv_heads = self.model.get("kv_heads")
         refusal = tp_refusal(
-            *(sizes if peer_is_prefill else sizes[::-1]),
-            mode=mode,
-            kv_heads=kv_heads if isinstance(kv_heads, int) else None,
+            *(sizes if peer_is_prefill else sizes[::-1]), mode=mode, kv_heads=self._kv_heads
         ) or rank_refusal(self.tp_rank, doc.get("tp_rank"), rank)
         if refusal is not None:
             raise LayoutMismatch(refusal)
@@ -776,14 +781,13 @@ class TransferWorker:
         decode_tp = body.get("tp_size", self.tp_size)
         if decode_tp == self.tp_size:
             return None, None
-        kv_heads = self.model.get("kv_heads")
-        refusal = tp_refusal(
-            self.tp_size, decode_tp, kv_heads=kv_heads if isinstance(kv_heads, int) else None
-        )
+        if not isinstance(decode_tp, int) or not 1 <= decode_tp <= MAX_TP_SIZE:
+            raise ValueError(f"decode TP size {decode_tp!r} is not one in 1..{MAX_TP_SIZE}")
+        refusal = tp_refusal(self.tp_size, decode_tp, kv_heads=self._kv_heads)
         if refusal is not None:
             raise ValueError(refusal)
         engine, rank = str(body.get("decode_engine")), body.get("tp_rank")
-        readers = reader_ranks(self.tp_rank, self.tp_size, int(decode_tp))
+        readers = reader_ranks(self.tp_rank, self.tp_size, decode_tp)
         if rank not in readers:
             raise ValueError(f"decode TP rank {rank!r} of {decode_tp} reads no head of ours")
         return (engine, rank), [(engine, q) for q in readers]
