@@ -11,13 +11,10 @@ are unit-tested (``test_tp_heads.py``, ``test_worker_side.py``).
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
-from tests.integration.fleet_helpers import pdext_pair, split_read, wait_idle
-from tests.integration.test_moriio_tp import HELD, LEASE_S, warm_up
-from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
-from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
+from tests.integration.fleet_helpers import pdext_pair
+from tests.integration.test_moriio_tp import PAIR_SETTINGS, check_split, warm_up
 
 # Three ranks on a 2-core host take minutes to start and warm up (2 to 5 min a pair): run it
 # by hand (`pytest -m manual tests/integration/test_moriio_hetero_tp.py`), as test_moriio_tp.
@@ -31,13 +28,9 @@ def hetero_pair(request, vllm_servers, tiny_llama):
         vllm_servers,
         tiny_llama,
         f"moriio-tp{prefill_tp}-tp{decode_tp}",
-        backend="tcp",
-        lease_s=LEASE_S,
         tp=prefill_tp,
         decode_tp=decode_tp,
-        handshake_timeout_s=30.0,
-        transfer_timeout_s=2 * LEASE_S,
-        side_channel_limits={"head_timeout_s": 30.0, "idle_timeout_s": 30.0},
+        **PAIR_SETTINGS,
     )
     warm_up(prefill, decode, tiny_llama)
     yield prefill, decode
@@ -47,15 +40,4 @@ def hetero_pair(request, vllm_servers, tiny_llama):
 
 def test_read_between_tp_sizes_output_equals_colocated(hetero_pair, tiny_llama):
     prefill, decode = hetero_pair
-    prompt_tokens = 200
-    prompt_ids = make_prompt_ids(tiny_llama, prompt_tokens)
-    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
-        colocated, _ = stream_completion(client, decode, completion_body(decode, prompt_ids, 16))
-        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
-        split = split_read(client, prefill, decode, prompt_ids, 16)
-    assert len(split) == 16
-    assert split == colocated
-    loaded = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before
-    assert prompt_tokens - 1 <= loaded <= prompt_tokens
-    wait_idle(prefill, timeout=LEASE_S)  # every rank freed its blocks once D had them
-    assert prefill.metric(HELD) == 0
+    check_split(prefill, decode, decode, tiny_llama)

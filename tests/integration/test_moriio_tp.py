@@ -32,22 +32,20 @@ pytestmark = [pytest.mark.integration, pytest.mark.manual]
 TP = 2
 LEASE_S = 60.0
 HELD = "vllm:pdext_kv_blocks_held"
+#: The pair's connector settings beyond its TP sizes (test_moriio_hetero_tp.py's too).
+PAIR_SETTINGS: dict = {
+    "backend": "tcp",
+    "lease_s": LEASE_S,
+    "handshake_timeout_s": 30.0,
+    "transfer_timeout_s": 2 * LEASE_S,
+    # a starved client thread may send its request head seconds after connecting
+    "side_channel_limits": {"head_timeout_s": 30.0, "idle_timeout_s": 30.0},
+}
 
 
 @pytest.fixture(scope="module")
 def tp_pair(vllm_servers, tiny_llama):
-    prefill, decode, _ = pdext_pair(
-        vllm_servers,
-        tiny_llama,
-        "moriio-tp",
-        backend="tcp",
-        lease_s=LEASE_S,
-        tp=TP,
-        handshake_timeout_s=30.0,
-        transfer_timeout_s=2 * LEASE_S,
-        # a starved client thread may send its request head seconds after connecting
-        side_channel_limits={"head_timeout_s": 30.0, "idle_timeout_s": 30.0},
-    )
+    prefill, decode, _ = pdext_pair(vllm_servers, tiny_llama, "moriio-tp", tp=TP, **PAIR_SETTINGS)
     warm_up(prefill, decode, tiny_llama)
     return prefill, decode
 
@@ -68,10 +66,17 @@ def warm_up(prefill, decode, model, attempts: int = 3) -> None:
 
 def test_tp2_split_output_equals_colocated(tp_pair, tiny_llama):
     prefill, decode = tp_pair
-    prompt_tokens = 200
-    prompt_ids = make_prompt_ids(tiny_llama, prompt_tokens)
+    check_split(prefill, decode, prefill, tiny_llama)
+
+
+def check_split(prefill, decode, colocated_on, model, prompt_tokens: int = 200) -> None:
+    """A split of a ``prompt_tokens`` prompt: greedy output equal to ``colocated_on``'s own,
+    the decode side's external_kv_transfer grown by the prompt (within one), and every
+    prefill rank's blocks freed once the decode side had them."""
+    prompt_ids = make_prompt_ids(model, prompt_tokens)
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
-        colocated, _ = stream_completion(client, prefill, completion_body(prefill, prompt_ids, 16))
+        body = completion_body(colocated_on, prompt_ids, 16)
+        colocated, _ = stream_completion(client, colocated_on, body)
         before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
         split = split_read(client, prefill, decode, prompt_ids, 16)
     assert len(split) == 16

@@ -107,6 +107,12 @@ def body(model: str, prompt: list[int], **extra) -> dict:
     }
 
 
+def colocated_ids(server, payload: dict) -> list[int]:
+    """The token ids ``server`` alone answers ``payload`` with (the greedy reference)."""
+    resp = httpx.post(f"{server.base_url}/v1/completions", json=payload, timeout=120)
+    return resp.json()["choices"][0]["token_ids"]
+
+
 def test_a_frozen_decode_is_a_stall_then_down_and_the_prefill_instance_serves_requests_whole(
     whole, proxy_url, tiny_llama
 ):
@@ -117,9 +123,7 @@ def test_a_frozen_decode_is_a_stall_then_down_and_the_prefill_instance_serves_re
     instance; both answers are greedy colocated's, and both fallbacks counted."""
     prefill, decode = whole["prefill"], whole["decode"]
     payload = body(decode.served_name, make_prompt_ids(tiny_llama, 200))
-    expected = httpx.post(f"{decode.base_url}/v1/completions", json=payload, timeout=120).json()[
-        "choices"
-    ][0]["token_ids"]
+    expected = colocated_ids(decode, payload)
     stalls = proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="stall")
     no_decode = proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="no_decode")
     prefill_served = prefill.metric("vllm:request_success_total")
@@ -152,9 +156,7 @@ def test_a_frozen_decode_is_a_stall_then_down_and_the_prefill_instance_serves_re
 def test_prefill_killed_mid_request_falls_back_to_colocated(whole, proxy_url, tiny_llama):
     prefill, decode = whole["prefill"], whole["decode"]
     payload = body(decode.served_name, make_prompt_ids(tiny_llama, 200))
-    expected = httpx.post(f"{decode.base_url}/v1/completions", json=payload, timeout=120).json()[
-        "choices"
-    ][0]["token_ids"]
+    expected = colocated_ids(decode, payload)
     failed = proxy_metric(proxy_url, "vllm_pd_fallbacks_total", reason="prefill_failed")
     no_prefill = proxy_metric(proxy_url, "vllm_pd_decisions_total", reason="no_prefill")
     try:

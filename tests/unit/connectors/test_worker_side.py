@@ -315,14 +315,21 @@ def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(back
             w.shutdown()
 
 
+def engine_ranks(role: str, port: int, backend: str, tp_size: int, heads: int) -> list:
+    """One engine's workers, a rank each (side channel ``port`` + rank), of a model with
+    ``heads`` KV heads split evenly among them."""
+    return [
+        worker(role, port, backend=backend, tp_size=tp_size, tp_rank=r, heads=heads // tp_size)
+        for r in range(tp_size)
+    ]
+
+
 def test_a_release_reaches_every_prefill_rank_a_decode_rank_of_a_smaller_tp_reads(backend):
     """A TP 1 decode engine's request ends before it loads from a TP 2 prefill engine: its
     "done" goes to both prefill ranks (each holds the blocks of its own heads), and both free
     them at once, without waiting for their leases."""
     port = free_port()
-    ps = [
-        worker("kv_producer", port, backend=backend, tp_size=2, tp_rank=r, heads=1) for r in (0, 1)
-    ]
+    ps = engine_ranks("kv_producer", port, backend, tp_size=2, heads=2)
     d = worker("kv_consumer", free_port(), backend=backend, heads=2)
     try:
         for w, heads in ((ps[0], 1), (ps[1], 1), (d, 2)):
@@ -526,28 +533,8 @@ def test_read_between_tp_sizes_moves_each_decode_ranks_heads(backend, prefill_tp
     the request only once every decode rank that reads it said done."""
     heads = 4
     port, dport = free_port(), free_port()  # every decode rank: one engine id
-    ps = [
-        worker(
-            "kv_producer",
-            port,
-            backend=backend,
-            tp_size=prefill_tp,
-            tp_rank=r,
-            heads=heads // prefill_tp,
-        )
-        for r in range(prefill_tp)
-    ]
-    ds = [
-        worker(
-            "kv_consumer",
-            dport,
-            backend=backend,
-            tp_size=decode_tp,
-            tp_rank=q,
-            heads=heads // decode_tp,
-        )
-        for q in range(decode_tp)
-    ]
+    ps = engine_ranks("kv_producer", port, backend, tp_size=prefill_tp, heads=heads)
+    ds = engine_ranks("kv_consumer", dport, backend, tp_size=decode_tp, heads=heads)
     pcs = [caches(True, heads=heads // prefill_tp) for _ in ps]
     dcs = [caches(False, heads=heads // decode_tp) for _ in ds]
     try:
