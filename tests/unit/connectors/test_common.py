@@ -26,6 +26,7 @@ from vllm_pd_ext.connectors.common.stats import (
     MAX_PEERS,
     PdTransferPromMetrics,
     PdTransferStats,
+    PeerLabels,
     StatsRecorder,
 )
 from vllm_pd_ext.transport import backend_names
@@ -338,6 +339,67 @@ def test_a_client_naming_many_peers_cannot_grow_the_series_without_bound():
         mine = {dict(k)["peer"]: v for k, v in series.items() if dict(k)["engine"] == idx}
         assert len(mine) == MAX_PEERS + 2
         assert mine["other"] == 4 * MAX_PEERS and sum(mine.values()) == 5 * MAX_PEERS
+
+
+def test_peer_labels_give_the_longest_idle_peers_place_to_a_new_one():
+    """A new peer past the bound reads as "other" while every labelled peer was active within
+    the idle time; after it, it takes the place of the one idle longest (not the one labelled
+    first), and the evicted id is reported."""
+    now = [0.0]
+    evicted: list[str] = []
+    labels = PeerLabels(limit=2, idle_s=10.0, on_evict=evicted.append, clock=lambda: now[0])
+    assert (labels("a"), labels("b"), labels(None)) == ("a", "b", "unknown")
+    now[0] = 5.0
+    assert labels("a") == "a"  # a is active again: b is now the longest idle
+    assert labels("c") == "other" and evicted == []
+    now[0] = 10.0  # b idle 10 s, a 5 s
+    assert labels("c") == "c" and evicted == ["b"]
+    assert labels("b") == "other"  # a (idle 5 s) and c (0 s) hold the labels
+    now[0] = 100.0
+    assert labels("b") == "b" and evicted == ["b", "a"]
+
+
+def test_prom_metrics_remove_an_aged_out_peers_series(monkeypatch):
+    """A decode restarted with a new engine id after MAX_PEERS others were seen gets its own
+    series once an old peer has been idle long enough: the old peer's series are removed, so
+    the series stay bounded and the new peer is not hidden under "other"."""
+    from prometheus_client import CollectorRegistry
+
+    from vllm_pd_ext.connectors.common import stats
+
+    monkeypatch.setattr(stats, "PEER_IDLE_S", 0.0)  # every labelled peer counts as idle
+    registry = CollectorRegistry()
+    prom = _prom_metrics(registry)
+    rec = StatsRecorder()
+    for i in range(MAX_PEERS):
+        rec.transfer(0.001, 10, f"old-{i}")
+    prom.observe(rec.take().data)  # type: ignore[union-attr]
+    rec.transfer(0.001, 10, "restarted")
+    prom.observe(rec.take().data)  # type: ignore[union-attr]
+    peers = {dict(k)["peer"] for k in _series(registry, "vllm:pdext_kv_peer_transfers_total")}
+    assert "restarted" in peers and "old-0" not in peers and "other" not in peers
+    assert len(peers) == MAX_PEERS + 1  # + "unknown"
+
+
+def test_prom_metrics_under_several_api_servers_keep_their_peers(monkeypatch, tmp_path):
+    """prometheus_client's multi-process mode cannot remove a series: there no peer ages out
+    (a new one past the bound is "other"), so the series stay bounded."""
+    from prometheus_client import CollectorRegistry
+
+    from vllm_pd_ext.connectors.common import stats
+
+    monkeypatch.setattr(stats, "PEER_IDLE_S", 0.0)
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
+    registry = CollectorRegistry()
+    prom = _prom_metrics(registry)
+    rec = StatsRecorder()
+    for i in range(MAX_PEERS):
+        rec.transfer(0.001, 10, f"old-{i}")
+    prom.observe(rec.take().data)  # type: ignore[union-attr]
+    rec.transfer(0.001, 10, "restarted")
+    prom.observe(rec.take().data)  # type: ignore[union-attr]
+    peers = {dict(k)["peer"] for k in _series(registry, "vllm:pdext_kv_peer_transfers_total")}
+    assert "restarted" not in peers and "old-0" in peers and "other" in peers
 
 
 def test_side_channel_routes_and_errors(monkeypatch):

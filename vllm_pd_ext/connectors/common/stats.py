@@ -20,7 +20,8 @@ The worker fills a :class:`PdTransferStats` (``get_kv_connector_stats``); vLLM s
   cross-memory attach; the reason is in the engine's log);
 * ``vllm:pdext_kv_blocks_held`` gauge: prefill-side blocks held for decode instances;
 * per peer engine (label ``peer``: the remote engine's vLLM engine id, ``unknown`` when
-  nobody is known, ``other`` past :data:`MAX_PEERS` distinct ones), counters of the transfers
+  nobody is known, ``other`` while :data:`MAX_PEERS` peers active within :data:`PEER_IDLE_S`
+  hold labels; an idle peer's series are removed to make room), counters of the transfers
   this engine ran with it (``vllm:pdext_kv_peer_transfers_total``), their bytes
   (``..._peer_bytes_total``) and seconds (``..._peer_transfer_seconds_total``), the failed
   ones (``..._peer_transfer_failures_total``) and the leases it let expire
@@ -31,8 +32,13 @@ The worker fills a :class:`PdTransferStats` (``get_kv_connector_stats``); vLLM s
 
 from __future__ import annotations
 
+import os
 import threading
-from collections.abc import Mapping
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
+from contextlib import suppress
+from functools import partial
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
@@ -76,9 +82,13 @@ _PEER_METRICS = {
         "the blocks (unknown: none had).",
     ),
 }
-#: Distinct peer engines one engine labels its per-peer counters with; the rest are "other",
-#: so that whoever reaches an engine cannot grow its series without bound.
+#: Distinct peer engines one engine labels its per-peer counters with at once; the rest are
+#: "other", so that whoever reaches an engine cannot grow its series without bound.
 MAX_PEERS = 64
+#: Seconds without a transfer after which a peer's label may give its place to a new peer (its
+#: series removed). vLLM's engine ids are new at every start, so a long-lived prefill sees a
+#: new id per decode restart: without this, every peer after the 64th would read as "other".
+PEER_IDLE_S = 600.0
 UNKNOWN_PEER = "unknown"
 OTHER_PEER = "other"
 #: The longest peer id kept (vLLM's are uuids, with ``_dp<rank>`` under data parallelism).
@@ -86,22 +96,45 @@ _PEER_ID_CHARS = 128
 
 
 class PeerLabels:
-    """The ``peer`` label of a remote engine id: itself for the first :data:`MAX_PEERS`
-    distinct ids, ``other`` after them, ``unknown`` for none. Not thread-safe."""
+    """The ``peer`` label of a remote engine id: itself while fewer than ``limit`` others hold
+    a label, ``other`` when all ``limit`` labels are held by peers seen within ``idle_s``,
+    ``unknown`` for none. A new peer takes the place of the one idle longest once that one has
+    been idle ``idle_s``; ``on_evict`` is then called with the evicted id. ``limit`` and
+    ``idle_s`` default to :data:`MAX_PEERS` and :data:`PEER_IDLE_S`. Not thread-safe."""
 
-    def __init__(self, limit: int = MAX_PEERS) -> None:
-        self.limit = limit
-        self._seen: set[str] = set()
+    def __init__(
+        self,
+        limit: int | None = None,
+        idle_s: float | None = None,
+        on_evict: Callable[[str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.limit = MAX_PEERS if limit is None else limit
+        self.idle_s = PEER_IDLE_S if idle_s is None else idle_s
+        self._on_evict = on_evict
+        self._clock = clock
+        #: peer -> when it was last labelled, the longest idle first
+        self._seen: OrderedDict[str, float] = OrderedDict()
 
     def __call__(self, peer: str | None) -> str:
         if not peer:
             return UNKNOWN_PEER
         peer = str(peer)[:_PEER_ID_CHARS]
-        if peer in self._seen or peer in (UNKNOWN_PEER, OTHER_PEER):
+        if peer in (UNKNOWN_PEER, OTHER_PEER):
+            return peer
+        now = self._clock()
+        if peer in self._seen:
+            self._seen[peer] = now
+            self._seen.move_to_end(peer)
             return peer
         if len(self._seen) >= self.limit:
-            return OTHER_PEER
-        self._seen.add(peer)
+            oldest, seen_at = next(iter(self._seen.items()))
+            if now - seen_at < self.idle_s:
+                return OTHER_PEER
+            del self._seen[oldest]
+            if self._on_evict is not None:
+                self._on_evict(oldest)
+        self._seen[peer] = now
         return peer
 
 
@@ -158,7 +191,7 @@ class PdTransferStats(KVConnectorStats):
             self.data["blocks_held"] = o["blocks_held"]
         # workers (TP ranks) and intervals: each side bounded, so is their sum
         peers = {p: dict(row) for p, row in self.data.get("peers", {}).items()}
-        labels = PeerLabels(MAX_PEERS)
+        labels = PeerLabels(MAX_PEERS, idle_s=float("inf"))  # one sum: nothing ages
         for p in list(peers):
             if labels(p) != p:  # beyond the bound already: fold into "other"
                 _add_peer(peers, OTHER_PEER, peers.pop(p))
@@ -267,7 +300,13 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
             field: self._counter_cls(name=name, documentation=doc, labelnames=[*labelnames, "peer"])
             for field, (name, doc) in _PEER_METRICS.items()
         }
-        self._peer_labels = {idx: PeerLabels() for idx in per_engine_labelvalues}
+        # Several API servers (prometheus_client's multi-process mode) cannot remove a
+        # series: there no peer ages out, so the series stay bounded.
+        idle_s = float("inf") if "PROMETHEUS_MULTIPROC_DIR" in os.environ else None
+        self._peer_labels = {
+            idx: PeerLabels(idle_s=idle_s, on_evict=partial(self._remove_peer, values))
+            for idx, values in per_engine_labelvalues.items()
+        }
         for values in per_engine_labelvalues.values():
             for counter in self.peer_counters.values():
                 counter.labels(*values, UNKNOWN_PEER)  # declared with a series from the start
@@ -358,6 +397,12 @@ class PdTransferPromMetrics(KVConnectorPromMetrics):
                 multiprocess_mode="mostrecent",
             )
         )
+
+    def _remove_peer(self, labelvalues: list[str], peer: str) -> None:
+        """Drop an aged-out peer's series (a later return starts them at 0, a counter reset)."""
+        for counter in self.peer_counters.values():
+            with suppress(KeyError):  # older prometheus_client: a series never made
+                counter.remove(*labelvalues, peer)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         d = transfer_stats_data
