@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 HOST = "127.0.0.1"
 #: How long a prefill rank answers a command within, and a load may take.
 REPLY_TIMEOUT_S = 120.0
+#: How long a prefill rank's process may take to start (import, fill its caches) on a busy host.
+START_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,20 @@ class KVShape:
         return f"model.layers.{layer}.self_attn.attn"
 
 
-def model_kv(shape: KVShape, num_blocks: int, seed: int, layer: int) -> torch.Tensor:
-    """Layer ``layer`` of the model's KV over ``num_blocks`` blocks, every head: the same for
-    the same arguments in every process (normal values, so no NaN in any dtype)."""
+def model_kv(
+    shape: KVShape, num_blocks: int, seed: int, layer: int, heads: range | None = None
+) -> torch.Tensor:
+    """Layer ``layer`` of the model's KV over ``num_blocks`` blocks, of KV heads ``heads``
+    (default: all): the same for the same arguments in every process (normal values, so no
+    NaN in any dtype)."""
     import torch
 
-    g = torch.Generator().manual_seed(seed * 100_003 + layer)
-    dims = (num_blocks, shape.kv_heads, shape.block_size, 2 * shape.head_dim)
-    return torch.randn(dims, generator=g).to(getattr(torch, shape.dtype))
+    parts = []
+    for head in heads if heads is not None else range(shape.kv_heads):
+        g = torch.Generator().manual_seed((seed * 100_003 + layer) * 1_009 + head)
+        dims = (num_blocks, 1, shape.block_size, 2 * shape.head_dim)
+        parts.append(torch.randn(dims, generator=g).to(getattr(torch, shape.dtype)))
+    return torch.cat(parts, dim=1)
 
 
 def rank_caches(
@@ -88,8 +96,8 @@ def rank_caches(
             dims = (num_blocks, per, shape.block_size, 2 * shape.head_dim)
             t = torch.zeros(dims, dtype=getattr(torch, shape.dtype))
         else:
-            whole = model_kv(shape, num_blocks, seed, layer)
-            t = whole[:, tp_rank * per : (tp_rank + 1) * per].contiguous()
+            heads = range(tp_rank * per, (tp_rank + 1) * per)
+            t = model_kv(shape, num_blocks, seed, layer, heads)
         out[shape.layer_name(layer)] = t
     return out
 
@@ -228,9 +236,9 @@ class RankProcess:
     def send(self, cmd: str, req: str = "", blocks: tuple[int, ...] = ()) -> None:
         self._conn.send((cmd, req, blocks))
 
-    def result(self, what: str) -> None:
+    def result(self, what: str, timeout: float = REPLY_TIMEOUT_S) -> None:
         """Wait for the answer to the last command; RuntimeError if it failed."""
-        if not self._conn.poll(REPLY_TIMEOUT_S):
+        if not self._conn.poll(timeout):
             raise TimeoutError(f"prefill rank did not answer {what!r}")
         status, value = self._conn.recv()
         if status != "ok":
@@ -262,7 +270,7 @@ class _LocalRank:
         except Exception as e:
             self._error = e
 
-    def result(self, what: str) -> None:
+    def result(self, what: str, timeout: float = REPLY_TIMEOUT_S) -> None:
         if self._error is not None:
             raise RuntimeError(f"prefill rank failed {what!r}: {self._error}") from self._error
 
@@ -304,7 +312,7 @@ class PrefillEngine:
                 )
             if spawn:
                 for rank in self.ranks:
-                    rank.result("start")
+                    rank.result("start", START_TIMEOUT_S)
         except BaseException:
             self.stop()
             raise
