@@ -33,9 +33,12 @@ the KV bytes over ``load_ms``; ``tp2/tp1`` is the median of per-round ratios of 
 
 One phase per backend (``--backends``, default ``tcp`` then ``cma``), each with its own
 engines, so no backend's threads compete with another's. Writes
-``benchmarks/results/tp_transfer.json``. Run (about 3 minutes on 2 cores):
+``benchmarks/results/tp_transfer.json``. Run (about 2 minutes on 2 cores), holding the
+integration tests' lock too so that no ``vllm serve`` shares the cores:
 
-    flock /tmp/bench.lock env PYTHONPATH=$PWD .venv/bin/python benchmarks/tp_transfer.py
+    flock /tmp/vllm-serve.lock flock /tmp/bench.lock \
+        env PYTHONPATH=$PWD .venv/bin/python benchmarks/tp_transfer.py
+    ... benchmarks/tp_transfer.py --layers 16 --kv-heads 8 --out .../tp_transfer_8heads.json
 """
 
 from __future__ import annotations
