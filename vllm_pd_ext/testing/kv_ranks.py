@@ -2,13 +2,14 @@
 
 What ``benchmarks/tp_transfer.py`` and its test share: a model's KV for a prompt, made the
 same in every process from a seed; the head slice of it one tensor parallel rank holds; a
-prefill rank in its own process (a real :class:`TransferWorker` holding its blocks for a READ,
-as after a prefill step); a decode rank's READ of one request from every prefill rank whose
-heads it holds, through the worker's own code path; and the check that every byte landed in
-the right head slice of the right block.
+prefill rank in its own process, as in vLLM, or in this one (a real :class:`TransferWorker`
+holding its blocks for a READ, as after a prefill step); a decode rank's READ of one request
+from every prefill rank whose heads it holds, through the worker's own code path; and the
+check that every byte landed in the right head slice of the right block.
 
 Caches are shaped like vLLM's CPU backend, head-major: one tensor per layer,
-``[blocks, kv_heads of the rank, block_size, 2 * head_dim]``.
+``[blocks, kv_heads of the rank, block_size, 2 * head_dim]``. Needs vLLM and torch, as the
+worker does.
 """
 
 from __future__ import annotations
