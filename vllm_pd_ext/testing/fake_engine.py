@@ -397,6 +397,10 @@ class FakeEngine:
                         yield f"data: {json.dumps({'request_id': rid, 'choices': [choice]})}\n\n"
                         if b.token_delay_s:
                             await asyncio.sleep(b.token_delay_s)
+                    if b.die_after_tokens == len(out):  # after the last, before [DONE]
+                        if b.die_once:
+                            b.die_after_tokens = None
+                        raise RuntimeError("fake engine died after its last token")
                     if (body.get("stream_options") or {}).get("include_usage"):
                         final = {"request_id": rid, "choices": [], "usage": usage}
                         yield f"data: {json.dumps(final)}\n\n"

@@ -506,3 +506,55 @@ def test_a_token_mode_stream_is_not_continued_with_migration_off(engines, render
         events = _stream_events(base, "completions", body)
     assert events[-1]["error"]["code"] == 502
     assert len([r for d in ("d1", "d2") for r in engines[d].requests]) == 1
+
+
+def test_a_token_mode_stream_broken_after_its_last_token_is_ended_by_the_proxy(
+    engines, render_url, tokenizer
+):
+    """The engine dies after its finish, before the usage and ``[DONE]``: nothing is left
+    to generate, so no engine is asked again; the proxy's usage goes through the derender
+    as the engine's would."""
+    body = {
+        "model": MODEL,
+        "prompt": COLOCATED,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    prompt_ids = _render(render_url, "completions", body)
+    with proxy(engines, render=[render_url], max_migrations=1) as (base, _):
+        _die_once(engines, 5)
+        events = _stream_events(base, "completions", body)
+        assert metric(base, "vllm_pd_migrations_total", outcome="finished") == 1
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert _stream_text(events, "completions") == tokenizer.decode(_expected(prompt_ids, 5))
+    assert events[-2]["choices"] == []
+    assert events[-2]["usage"]["completion_tokens"] == 5
+    assert events[-2]["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert len([r for d in ("d1", "d2") for r in engines[d].requests]) == 1
+
+
+def test_a_client_gone_after_a_token_mode_migration_aborts_the_continuation(engines, render_url):
+    """The continuation keeps the request's engine id: the abort sent when the client
+    leaves names it on the instance that now streams it."""
+    _die_once(engines, 2)
+    for engine in engines.values():  # the decodes share one Behavior
+        engine.behavior.token_delay_s = 0.1
+    body = {"model": MODEL, "prompt": COLOCATED, "max_tokens": 50, "stream": True}
+    with proxy(engines, render=[render_url], max_migrations=1) as (base, _):
+        with httpx.stream("POST", f"{base}/v1/completions", json=body) as r:
+            texts = 0
+            for line in r.iter_lines():
+                texts += line.startswith("data: {")
+                if texts == 5:  # two from the first leg, three from the continuation
+                    break
+        assert metric(base, "vllm_pd_migrations_total", outcome="continued") == 1
+        # the first leg, then the continuation: the prompt's ids and the two generated
+        (first, _), (cont, engine) = sorted(
+            ((q, e) for e in engines.values() for q in e.requests),
+            key=lambda leg: len(leg[0]["body"]["token_ids"]),
+        )
+        rid = "generate-tokens-" + cont["headers"]["x-request-id"]
+        wait_until(lambda: rid in engine.aborted)
+    assert cont["headers"]["x-request-id"] == first["headers"]["x-request-id"]
+    assert len(cont["body"]["token_ids"]) == len(first["body"]["token_ids"]) + 2
