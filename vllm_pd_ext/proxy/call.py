@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from vllm_pd_ext.proxy.decision import Decision
     from vllm_pd_ext.proxy.fleet import Instance, Lease
     from vllm_pd_ext.proxy.metrics import ProxyMetrics
-    from vllm_pd_ext.proxy.migration import Migration
+    from vllm_pd_ext.proxy.migration import Migration, TokenMigration
     from vllm_pd_ext.proxy.request import RequestContext
     from vllm_pd_ext.proxy.tracing import RequestTrace
 
@@ -95,7 +95,7 @@ class Call:
         #: Token mode: every engine the request was sent to (aborted if the client leaves).
         self.engines: list[Instance] = []
         #: A stream that can be continued elsewhere should its engine fail (migration.py).
-        self.migration: Migration | None = None
+        self.migration: Migration | TokenMigration | None = None
         self.outcome: str | None = None
         #: The request's trace (``tracing.py``); None when tracing is off.
         self.trace: RequestTrace | None = None

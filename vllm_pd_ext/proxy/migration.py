@@ -1,7 +1,8 @@
 """Request migration: an answer whose decode instance fails part-way is finished on another
 instance, and the client sees one uninterrupted answer.
 
-A streamed answer (text mode). States of its ``Migration``: streaming (each event recorded
+A streamed answer in text mode. States of its ``Migration`` (a token-mode stream's
+``TokenMigration`` goes the same way): streaming (each event recorded
 as it passes) -> broken (the engine's connection failed, or its stream ended without
 ``[DONE]``, or it sent an error event) -> continued on another instance (its events rewritten
 into the first leg's ``id``, ``created`` and ``model``, usage summed) -> streaming ... ->
@@ -28,6 +29,15 @@ Not continued (the error event, counted ``unsupported``): ``n`` > 1, ``best_of``
 can lag the ids sent), a chat with tools or a response format, a stream with reasoning
 content, an engine that sent text without its ids.
 
+A token-mode stream (``TokenMigration``): the engines answer ``/inference/v1/generate``
+with ids anyway, so the proxy only records them from the engine's events on their way to the
+derender. On a break the continuation is a generate request, colocated, of the rendered
+prompt's ids + the ids generated so far, for what is left of the rendered ``max_tokens``;
+its events go on into the same derender (its streaming call or ``stream_state``), so the
+client's events need no rewriting but the usage's count. Not continued: as above, less the
+reasoning (derendered by the proxy's render tier, which carries on where it was); a
+completion with several prompts.
+
 A whole (non-streamed) answer whose engine fails after its head is asked again of another
 instance, colocated (``Migrator.rerun``): nothing has reached the client yet.
 
@@ -47,7 +57,7 @@ from vllm_pd_ext.proxy.client_channel import STREAM_END
 from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
 from vllm_pd_ext.proxy.legs import decode_body
 from vllm_pd_ext.proxy.relay import Opened
-from vllm_pd_ext.proxy.request import PATHS, RequestContext
+from vllm_pd_ext.proxy.request import GENERATE_PATH, PATHS, RequestContext
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
 
 if TYPE_CHECKING:
@@ -477,6 +487,155 @@ class Migration:
         return PATHS["completions"], out
 
 
+class TokenMigration:
+    """A token-mode stream's record: the engine events (vLLM's generate stream) on their
+    way to the derender, their ids kept, so that the answer can go on elsewhere with the
+    derender's state as it was (the client's events are made after this, by the derender,
+    so they need no rewriting).
+
+    The prompt's ids are the render's. The first leg's events are scanned, never parsed,
+    and pass unchanged (but an error event, kept back); a continuation's events are parsed
+    to count its usage from the first leg's (its prompt holds the ids generated before)."""
+
+    __slots__ = (
+        "_generate",
+        "_unparsed",
+        "before",
+        "chat",
+        "done",
+        "error",
+        "finish",
+        "generated_ids",
+        "include_usage",
+        "limit",
+        "min_tokens",
+        "moves",
+        "prompt_ids",
+        "usage_sent",
+        "via",
+        "why_not",
+    )
+
+    def __init__(self, ctx: RequestContext):
+        assert ctx.tokens is not None
+        self.chat = ctx.route == "chat"
+        self._generate = ctx.tokens.generate
+        self.prompt_ids: list[int] | None = ctx.tokens.prompt_ids
+        sampling = self._generate.get("sampling_params") or {}
+        limit = sampling.get("max_tokens")
+        self.limit = limit if type(limit) is int else _limit(ctx.route, ctx.body)
+        least = sampling.get("min_tokens")
+        self.min_tokens = least if type(least) is int and least > 0 else None
+        options = self._generate.get("stream_options") or {}
+        self.include_usage = bool(options.get("include_usage"))
+        self.generated_ids: list[int] = []
+        self._unparsed: list[bytes] = []
+        self.before = 0
+        self.finish: str | None = None
+        self.usage_sent = False
+        self.done = False
+        self.error: str | None = None
+        self.why_not: str | None = None
+        self.moves = 0
+        self.via = ""
+
+    @property
+    def generated(self) -> list[int]:
+        """The ids generated so far, in order."""
+        if self._unparsed:
+            try:
+                for raw in self._unparsed:
+                    self.generated_ids.extend(int(t) for t in raw.split(b",") if t.strip())
+            except ValueError:
+                self.why_not = "token ids that are not integers"
+            self._unparsed.clear()
+        return self.generated_ids
+
+    def feed(self, ready: bytes) -> bytes:
+        """Complete engine events, recorded; what goes on to the derender (may be empty).
+        Never raises."""
+        out: list[bytes] = []
+        for event in ready[:-2].split(b"\n\n"):
+            if self.error is not None:
+                continue  # after an engine's error event: its [DONE]
+            if not event.startswith(b"data: {"):
+                if event.startswith(b"data: [DONE]"):
+                    self.done = True
+                out.append(event + b"\n\n")
+                continue
+            if event.startswith(b'data: {"error"'):
+                self.error = event[6:200].decode("utf-8", "replace")
+                continue
+            if self.moves:
+                event = self._rewrite(event)
+            elif (ids := _IDS.search(event)) is not None:
+                self._unparsed.append(ids.group(1))
+            if self.finish is None and (_FINISH in event or _FINISH_SPACED in event):
+                self.finish = "sent"
+            if b'"usage"' in event and _USAGE.search(event) and _FINAL_USAGE.search(event):
+                self.usage_sent = True
+            out.append(event + b"\n\n")
+        return b"".join(out)
+
+    def _rewrite(self, event: bytes) -> bytes:
+        """A continuation's event as the first leg's would read: its ids recorded, its
+        usage counted from the first leg's, no prompt ids of its own."""
+        data = _loads(event)
+        if data is None:
+            return event
+        for choice in data.get("choices") or []:
+            ids = choice.get("token_ids") if isinstance(choice, dict) else None
+            if isinstance(ids, list):
+                self.generated.extend(ids)
+        data.pop("prompt_token_ids", None)
+        usage = data.get("usage")
+        if isinstance(usage, dict):
+            done = self.before + int(usage.get("completion_tokens") or 0)
+            prompt = len(self.prompt_ids or ())
+            usage.update(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
+        return b"data: " + json.dumps(data, separators=(",", ":")).encode()
+
+    def broken(self) -> str | None:
+        """After a leg's body ended cleanly: why the stream is incomplete (None: whole)."""
+        if self.error is not None:
+            return f"error event {self.error}"
+        return None if self.done else "stream ended before [DONE]"
+
+    def left(self) -> int | None:
+        """Tokens the request may still generate (None: no limit known)."""
+        return None if self.limit is None else max(0, self.limit - len(self.generated))
+
+    def ending(self) -> bytes:
+        """Engine events for what the derender still needs once everything was generated:
+        the finish (when the limit was reached unsaid), the usage (when asked for),
+        ``[DONE]``."""
+        rid = self._generate.get("request_id")
+        out = b""
+        if self.finish is None:
+            choice = {"index": 0, "token_ids": [], "finish_reason": "length"}
+            out += _event({"request_id": rid, "choices": [choice]})
+        if self.include_usage and not self.usage_sent:
+            prompt, done = len(self.prompt_ids or ()), len(self.generated)
+            usage = {"prompt_tokens": prompt, "completion_tokens": done}
+            usage["total_tokens"] = prompt + done
+            out += _event({"request_id": rid, "choices": [], "usage": usage})
+        return out + STREAM_END
+
+    def continuation(self, ctx: RequestContext) -> tuple[str, dict[str, Any]]:
+        """The next leg: a generate request, colocated, of the prompt's ids and those
+        generated so far, for what is left of the limit."""
+        body = dict(self._generate)
+        body["token_ids"] = list(self.prompt_ids or ()) + self.generated
+        sampling = dict(body.get("sampling_params") or {})
+        sampling["max_tokens"] = self.left()
+        if self.min_tokens is not None:
+            sampling["min_tokens"] = max(0, self.min_tokens - len(self.generated))
+        body["sampling_params"] = sampling
+        body["kv_transfer_params"] = {}
+        body["stream"] = True
+        return GENERATE_PATH, body
+
+
 class Migrator:
     """Moves requests whose engine failed part-way (one per proxy)."""
 
@@ -492,14 +651,17 @@ class Migrator:
         self.metrics = metrics
         self.timeout = timeout
 
-    def prepare(self, ctx: RequestContext) -> Migration | None:
-        """Before a text-mode stream's legs are sent: its record, and the engines asked for
-        token ids (the body changed in place, its bytes kept in step); None when it will not
-        be continued (migration off, or a request that cannot be continued exactly)."""
-        if self.max_migrations == 0 or not ctx.stream or ctx.tokens is not None:
+    def prepare(self, ctx: RequestContext) -> Migration | TokenMigration | None:
+        """Before a stream's legs are sent: its record (text mode: and the engines asked for
+        token ids, the body changed in place, its bytes kept in step); None when it will not
+        be continued (migration off, several prompts, or a request that cannot be continued
+        exactly)."""
+        if self.max_migrations == 0 or not ctx.stream:
             return None
         if _unsupported(ctx) is not None:
             return None
+        if ctx.tokens is not None:  # the engines answer with ids anyway
+            return None if ctx.tokens.more else TokenMigration(ctx)
         body = ctx.body
         asked = body.get(ASK_IDS)
         if asked is True:
@@ -522,13 +684,13 @@ class Migrator:
         return sorted(healthy, key=lambda i: (not i.serves("decode"), i.load()))
 
     async def resume(
-        self, call: Call, m: Migration, failed: Instance, reason: str
+        self, call: Call, m: Migration | TokenMigration, failed: Instance, reason: str
     ) -> Opened | bytes | None:
         """The stream ``m`` broke on ``failed`` (``reason``): the continuation opened on
         another instance (its lease held by ``call``), or the bytes that end the stream when
-        nothing is left to generate, or None when it cannot go on (logged and counted; the
-        caller ends the stream with the error event). Runs inside the client's response:
-        a client that leaves cancels it."""
+        nothing is left to generate (token mode: engine events, for the derender), or None
+        when it cannot go on (logged and counted; the caller ends the stream with the error
+        event). Runs inside the client's response: a client that leaves cancels it."""
         ctx = call.ctx
         if m.finish is not None or m.left() == 0:
             self._count("finished")
@@ -554,10 +716,14 @@ class Migrator:
         m.error = None
         m.before = len(m.generated)
         path, body = m.continuation(ctx)
-        opened = await self._open(call, failed, path, body, f"{ctx.request_id}-m{m.moves}")
+        # token mode: the request's own id, which the engine aborts of a client gone name
+        rid = ctx.request_id if ctx.tokens is not None else f"{ctx.request_id}-m{m.moves}"
+        opened = await self._open(call, failed, path, body, rid)
         if opened is None:
             self._give_up(ctx, "no_instance", failed, reason, "no instance answered")
             return None
+        if ctx.tokens is not None and opened.instance not in call.engines:
+            call.engines.append(opened.instance)
         self._count("continued")
         self._traced("continued", failed, reason, opened.instance, m.before)
         m.via = f" (migrated from {failed.label} after {m.before} tokens)"

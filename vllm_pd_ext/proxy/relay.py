@@ -170,7 +170,9 @@ class Relay:
                                 continue
                         else:
                             ready = relay.split(chunk)
-                            if ready is None:
+                            if ready is not None and migration is not None:
+                                ready = migration.feed(ready)  # its record (migration.py)
+                            if not ready:
                                 continue
                             ready = await derender.feed(ready)
                             relay.observe(ready, time.perf_counter())  # after the derender call
@@ -191,7 +193,7 @@ class Relay:
                 relay.buffer = b""
                 moved = await self.migrator.resume(call, migration, inst, broke)
                 if isinstance(moved, bytes):
-                    yield moved
+                    yield moved if derender is None else await derender.feed(moved)
                     break
                 if moved is None:
                     outcome = "decode_failed_mid_stream"

@@ -86,8 +86,19 @@ def metrics_text(
     )
 
 
-#: The generate route's output ids: ``GEN_BASE + (sum(prompt ids) + i) % GEN_SPAN``.
+#: The generate route's output ids: ``gen_ids(prompt ids, n)``.
 GEN_BASE, GEN_SPAN = 300, 500
+#: How many of the prompt's first ids the generate route's output depends on.
+GEN_PREFIX = 4
+
+
+def gen_ids(prompt_ids: list[int], n: int) -> list[int]:
+    """The generate route's ``n`` output ids for ``prompt_ids``: output id ``i`` is
+    ``GEN_BASE + (sum of the first GEN_PREFIX prompt ids + position) % GEN_SPAN``, its
+    position ``len(prompt_ids) + i``. So a continuation (a prompt of at least
+    ``GEN_PREFIX`` ids plus what was generated) goes on as an uninterrupted run would."""
+    seed = sum(prompt_ids[:GEN_PREFIX]) + len(prompt_ids)
+    return [GEN_BASE + (seed + i) % GEN_SPAN for i in range(n)]
 
 
 @dataclass
@@ -348,7 +359,7 @@ class FakeEngine:
                     )
             ids = body["token_ids"]
             n = body["sampling_params"]["max_tokens"]
-            out = [GEN_BASE + (sum(ids) + i) % GEN_SPAN for i in range(n)]
+            out = gen_ids(ids, n)
             out_params = None
             if keeps_for_remote(params):
                 self.held_blocks[rid] = 4
@@ -373,6 +384,10 @@ class FakeEngine:
                 self.running += 1
                 try:
                     for i, tok in enumerate(out):
+                        if b.die_after_tokens is not None and i >= b.die_after_tokens:
+                            if b.die_once:
+                                b.die_after_tokens = None
+                            raise RuntimeError("fake engine died mid-stream")
                         last = i == len(out) - 1
                         choice = {
                             "index": 0,
@@ -382,6 +397,10 @@ class FakeEngine:
                         yield f"data: {json.dumps({'request_id': rid, 'choices': [choice]})}\n\n"
                         if b.token_delay_s:
                             await asyncio.sleep(b.token_delay_s)
+                    if b.die_after_tokens == len(out):  # after the last, before [DONE]
+                        if b.die_once:
+                            b.die_after_tokens = None
+                        raise RuntimeError("fake engine died after its last token")
                     if (body.get("stream_options") or {}).get("include_usage"):
                         final = {"request_id": rid, "choices": [], "usage": usage}
                         yield f"data: {json.dumps(final)}\n\n"

@@ -15,7 +15,7 @@ from tests.unit.proxy.helpers import LONG, SHORT, metric, proxy, sent, wait_unti
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier, TokenRequest, coalesce
 from vllm_pd_ext.render_server.app import create_app as create_render_app
 from vllm_pd_ext.render_server.settings import RenderSettings
-from vllm_pd_ext.testing.fake_engine import GEN_BASE, GEN_SPAN, ServerThread
+from vllm_pd_ext.testing.fake_engine import Behavior, ServerThread, gen_ids
 from vllm_pd_ext.transfer_params import NixlPrefill
 from vllm_pd_ext.util.vllm_process import free_port
 
@@ -43,7 +43,7 @@ def _render(render_url: str, route: str, body: dict) -> list[int]:
 
 
 def _expected(prompt_ids: list[int], n: int) -> list[int]:
-    return [GEN_BASE + (sum(prompt_ids) + i) % GEN_SPAN for i in range(n)]
+    return gen_ids(prompt_ids, n)
 
 
 def _events(text: str) -> list[dict]:
@@ -398,3 +398,163 @@ def test_only_runs_of_plain_token_chunks_of_one_choice_coalesce():
     (both,) = coalesce([event(with_logprobs), event(with_logprobs)])
     assert isinstance(both, dict) and len(both["choices"][0]["logprobs"]["content"]) == 2
     assert len(coalesce([event(tok), event(tok, usage={"prompt_tokens": 1})])) == 2
+
+
+#: A prompt short enough to be served colocated, long enough (its ids) that the fake
+#: generate route's answer to a continuation goes on as an uninterrupted one would.
+COLOCATED = "tell me about the sea and the sky"
+
+
+def _stream_events(base: str, route: str, body: dict) -> list:
+    """The stream's events, parsed (``[DONE]`` as the string)."""
+    path = "/v1/chat/completions" if route == "chat" else "/v1/completions"
+    with httpx.stream("POST", base + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        return [
+            json.loads(line[6:]) if line.startswith("data: {") else line[6:]
+            for line in r.iter_lines()
+            if line.startswith("data: ")
+        ]
+
+
+def _stream_text(events: list, route: str) -> str:
+    out = []
+    for e in events:
+        for c in e.get("choices", []) if isinstance(e, dict) else []:
+            out.append(
+                (c.get("delta") or {}).get("content") or "" if route == "chat" else c["text"]
+            )
+    return "".join(out)
+
+
+def _die_once(engines, after: int) -> None:
+    """The next generate stream from either decode instance breaks after ``after`` tokens."""
+    engines["d1"].behavior = engines["d2"].behavior = Behavior(
+        die_after_tokens=after, die_once=True
+    )
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+@pytest.mark.parametrize("prompt", [COLOCATED, LONG], ids=["colocated", "split"])
+def test_a_token_mode_stream_broken_mid_way_is_continued_on_another_instance(
+    engines, render_url, tokenizer, route, prompt
+):
+    """The decode leg's generate stream breaks after 3 of 8 tokens: the proxy sends another
+    instance a generate request of the prompt's ids and the 3 generated, for the 5 left,
+    colocated, and derenders its tokens on as one answer: the client's events read as an
+    uninterrupted run's, with one id, one finish and the whole answer's usage."""
+    body: dict = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    if route == "chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    prompt_ids = _render(render_url, route, body)
+    expected = _expected(prompt_ids, 8)
+    with proxy(engines, render=[render_url], max_migrations=1) as (base, _):
+        whole = _stream_events(base, route, body)
+        for engine in engines.values():
+            engine.requests.clear()
+        _die_once(engines, 3)
+        moved = _stream_events(base, route, body)
+        assert metric(base, "vllm_pd_migrations_total", outcome="continued") == 1
+        wait_until(lambda: metric(base, "vllm_pd_requests_total", outcome="ok") == 2)
+    assert moved[-1] == "[DONE]" and not any("error" in e for e in moved if isinstance(e, dict))
+    assert _stream_text(moved, route) == _stream_text(whole, route) == tokenizer.decode(expected)
+    chunks = [e for e in moved if isinstance(e, dict)]
+    assert len({(c["id"], c["object"], c["model"]) for c in chunks}) == 1
+    finishes = [ch["finish_reason"] for c in chunks for ch in c["choices"] if ch["finish_reason"]]
+    assert finishes == ["length"]
+    assert chunks[-1]["choices"] == []
+    assert chunks[-1]["usage"]["completion_tokens"] == 8
+    assert chunks[-1]["usage"]["prompt_tokens"] == len(prompt_ids)
+    if route == "chat":
+        roles = [ch["delta"].get("role") for c in chunks for ch in c["choices"]]
+        assert [r for r in roles if r] == ["assistant"]
+    # the continuation: the prompt's ids and the three generated, for the five left
+    legs = [r["body"] for d in ("d1", "d2") for r in engines[d].requests if r["body"]["stream"]]
+    (cont,) = [leg for leg in legs if len(leg["token_ids"]) > len(prompt_ids)]
+    assert cont["token_ids"] == prompt_ids + expected[:3]
+    assert cont["sampling_params"]["max_tokens"] == 5
+    assert cont["kv_transfer_params"] == {}
+
+
+def test_a_token_mode_stream_broken_before_its_first_token_is_sent_again_whole(
+    engines, render_url, tokenizer
+):
+    body = {"model": MODEL, "prompt": COLOCATED, "max_tokens": 6, "stream": True}
+    prompt_ids = _render(render_url, "completions", body)
+    with proxy(engines, render=[render_url], max_migrations=1) as (base, _):
+        _die_once(engines, 0)
+        moved = _stream_events(base, "completions", body)
+        assert metric(base, "vllm_pd_migrations_total", outcome="continued") == 1
+    assert moved[-1] == "[DONE]" and not any("error" in e for e in moved if isinstance(e, dict))
+    assert _stream_text(moved, "completions") == tokenizer.decode(_expected(prompt_ids, 6))
+    legs = [r["body"] for d in ("d1", "d2") for r in engines[d].requests]
+    assert [leg["token_ids"] for leg in legs] == [prompt_ids, prompt_ids]
+    assert [leg["sampling_params"]["max_tokens"] for leg in legs] == [6, 6]
+
+
+def test_a_token_mode_stream_is_not_continued_with_migration_off(engines, render_url):
+    body = {"model": MODEL, "prompt": COLOCATED, "max_tokens": 6, "stream": True}
+    with proxy(engines, render=[render_url], max_migrations=0) as (base, _):
+        _die_once(engines, 2)
+        events = _stream_events(base, "completions", body)
+    assert events[-1]["error"]["code"] == 502
+    assert len([r for d in ("d1", "d2") for r in engines[d].requests]) == 1
+
+
+def test_a_token_mode_stream_broken_after_its_last_token_is_ended_by_the_proxy(
+    engines, render_url, tokenizer
+):
+    """The engine dies after its finish, before the usage and ``[DONE]``: nothing is left
+    to generate, so no engine is asked again; the proxy's usage goes through the derender
+    as the engine's would."""
+    body = {
+        "model": MODEL,
+        "prompt": COLOCATED,
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    prompt_ids = _render(render_url, "completions", body)
+    with proxy(engines, render=[render_url], max_migrations=1) as (base, _):
+        _die_once(engines, 5)
+        events = _stream_events(base, "completions", body)
+        assert metric(base, "vllm_pd_migrations_total", outcome="finished") == 1
+    assert events[-1] == "[DONE]" and not any("error" in e for e in events[:-1])
+    assert _stream_text(events, "completions") == tokenizer.decode(_expected(prompt_ids, 5))
+    assert events[-2]["choices"] == []
+    assert events[-2]["usage"]["completion_tokens"] == 5
+    assert events[-2]["usage"]["prompt_tokens"] == len(prompt_ids)
+    assert len([r for d in ("d1", "d2") for r in engines[d].requests]) == 1
+
+
+def test_a_client_gone_after_a_token_mode_migration_aborts_the_continuation(engines, render_url):
+    """The continuation keeps the request's engine id: the abort sent when the client
+    leaves names it on the instance that now streams it."""
+    _die_once(engines, 2)
+    for engine in engines.values():  # the decodes share one Behavior
+        engine.behavior.token_delay_s = 0.1
+    body = {"model": MODEL, "prompt": COLOCATED, "max_tokens": 50, "stream": True}
+    with proxy(engines, render=[render_url], max_migrations=1) as (base, _):
+        with httpx.stream("POST", f"{base}/v1/completions", json=body) as r:
+            texts = 0
+            for line in r.iter_lines():
+                texts += line.startswith("data: {")
+                if texts == 5:  # two from the first leg, three from the continuation
+                    break
+        assert metric(base, "vllm_pd_migrations_total", outcome="continued") == 1
+        # the first leg, then the continuation: the prompt's ids and the two generated
+        (first, _), (cont, engine) = sorted(
+            ((q, e) for e in engines.values() for q in e.requests),
+            key=lambda leg: len(leg[0]["body"]["token_ids"]),
+        )
+        rid = "generate-tokens-" + cont["headers"]["x-request-id"]
+        wait_until(lambda: rid in engine.aborted)
+    assert cont["headers"]["x-request-id"] == first["headers"]["x-request-id"]
+    assert len(cont["body"]["token_ids"]) == len(first["body"]["token_ids"]) + 2
