@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.metadata
 import json
 import os
 import random
@@ -619,6 +620,7 @@ def main(argv: list[str] | None = None) -> int:
         vllm_serve_before=strays,
         vllm_serve_after=vllm_serve_processes(),
         cores=dict((n, c) for n, _, c in ENGINES),
+        vllm_router=importlib.metadata.version("vllm-router") if "vllm-router" in fronts else None,
     )
     result |= {
         "smoke_run": args.smoke,
