@@ -15,9 +15,10 @@ another and interleaved by round (the order rotates each round), only the front 
 * ``vllm-router``: ``vllm-router --policy cache_aware --worker-urls DECODE-0 DECODE-1``
   (regular mode: its P/D mode speaks other connectors' protocols), colocated on the decodes.
 
-Our proxy splits as it decides (``min_split_prompt_tokens`` 64, cost model off, as in
-``examples/up-cpu.yaml``): a prompt with 64 or more tokens its decode does not hold is
-prefilled on the prefill engine and its KV read by the decode; fewer run colocated there.
+Our proxy splits as it decides (``min_split_prompt_tokens`` 64 as in ``examples/up-cpu.yaml``,
+the cost model off so that only the prefix cache decides, the stall guard on by default): a
+prompt with 64 or more tokens its decode does not hold is prefilled on the prefill engine and
+its KV read by the decode; fewer run colocated there.
 
 Workload per front and round: ``--conversations`` conversations of ``--turns`` turns, each a
 text completion of its whole history (a ``--system-tokens`` system prompt shared by the
