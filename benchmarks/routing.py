@@ -500,8 +500,14 @@ def summarize(rows: list[dict[str, Any]], fronts: list[str]) -> dict[str, Any]:
             "decode_hit_rate": round(hits / queries, 4) if queries else None,
             "oracle_hit_rate": round(oracle / sent, 4),
             "balanced_oracle_hit_rate": round(balanced / sent, 4),
-            "hit_rate_vs_oracle": round(hits / oracle, 3) if oracle else None,
-            "hit_rate_vs_balanced_oracle": round(hits / balanced, 3) if balanced else None,
+            # rates, not token counts: requests a stall fallback served on the prefill, or
+            # twice on a decode, change what the decodes were asked for
+            "hit_rate_vs_oracle": round(hits * sent / (queries * oracle), 3)
+            if queries and oracle
+            else None,
+            "hit_rate_vs_balanced_oracle": round(hits * sent / (queries * balanced), 3)
+            if queries and balanced
+            else None,
             "computed_fraction": round(sum(r["computed_tokens"] for r in mine) / sent, 4),
             "external_kv_tokens": sum(r["external_kv_tokens"] for r in mine),
             "ttft_p50_ms": round(statistics.median(ttft), 1),
