@@ -570,6 +570,95 @@ def test_read_between_tp_sizes_moves_each_decode_ranks_heads(backend, prefill_tp
             w.shutdown()
 
 
+def test_a_decode_rank_that_fails_before_its_claim_closes_its_lease_slot(backend):
+    """Prefill TP 1, decode TP 2: decode rank 0 claims and reads its half of the heads; rank
+    1 had handshaken, but its ``/renew`` finds the prefill's side channel gone, so it never
+    claims its slot. Its load fails, and its "done" notice (naming its engine and rank) closes
+    that slot: the prefill frees the blocks at once, and no lease expiry is counted."""
+    heads = 4
+    port, dport = free_port(), free_port()
+    (p,) = engine_ranks("kv_producer", port, backend, tp_size=1, heads=heads)
+    ds = engine_ranks("kv_consumer", dport, backend, tp_size=2, heads=heads)
+    try:
+        p.register_kv_caches(caches(True, heads=heads))
+        for d in ds:
+            d.register_kv_caches(caches(False, heads=heads // 2))
+        p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+        assert p.get_finished({"p-req"}) == (None, None)  # held
+        ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req", tp_size=1)
+        ds[1]._peer(ref, 0)  # rank 1 handshook, as it does on its first load from p
+        pairs = ((5, 1), (9, 2))
+        recv(ds[0], RecvSpec("d-req", "read", ref, (pairs,), ((5, 9),)))
+        assert poll(lambda: ds[0].get_finished(set())[1], "rank 0's load") == {"d-req"}
+        assert ds[0].get_block_ids_with_load_errors() == set()
+        assert p.get_finished(set()) == (None, None)  # rank 1's slot is still open
+        assert p._server is not None
+        p._server.close()  # rank 1's /renew cannot reach the prefill any more
+        recv(ds[1], RecvSpec("d-req", "read", ref, (pairs,), ((5, 9),)))
+        assert poll(lambda: ds[1].get_finished(set())[1], "rank 1's load") == {"d-req"}
+        assert ds[1].get_block_ids_with_load_errors() == {5, 9}
+        sending = poll(lambda: p.get_finished(set())[0], "the release of the closed slot")
+        assert sending == {"p-req"} and "p-req" not in p._held
+        assert p.stats.take().data["lease_expiries"] == 0
+    finally:
+        for w in [*ds, p]:
+            w.shutdown()
+
+
+class LockedOnly(dict):
+    """A dict that records every change made while ``lock`` is not held."""
+
+    def __init__(self, lock) -> None:
+        super().__init__()
+        self.lock = lock
+        self.unlocked: list[str] = []
+
+    def _check(self, what: str) -> None:
+        if not self.lock.locked():
+            self.unlocked.append(what)
+
+    def setdefault(self, key, default=None):
+        self._check(f"setdefault {key}")
+        return super().setdefault(key, default)
+
+    def pop(self, key, *default):
+        self._check(f"pop {key}")
+        return super().pop(key, *default)
+
+    def __setitem__(self, key, value) -> None:
+        self._check(f"set {key}")
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self._check(f"del {key}")
+        super().__delitem__(key)
+
+
+@pytest.mark.parametrize("backend", ["tcp"])
+def test_read_grants_change_only_under_the_lease_lock(pair):
+    """The side channel adds a lease's read grants (``/renew``) while the worker thread frees
+    them (a done, an expiry): every change to the table happens under the lease lock, on
+    both paths."""
+    p, _, d, _, port = pair
+    grants = p._read_grants = LockedOnly(p._lease_lock)
+    p.bind(PdTransferMetadata(send=[SendSpec(r, "read", ((b,),)) for r, b in (("a", 1), ("b", 2))]))
+    p.get_finished({"a", "b"})
+    recv(
+        d,
+        RecvSpec(
+            "d-a", "read", RemoteRef(p.engine_id, "127.0.0.1", port, "a"), (((5, 1),),), ((5,),)
+        ),
+    )
+    assert poll(lambda: d.get_finished(set())[1], "the load") == {"d-a"}
+    assert poll(lambda: p.get_finished(set())[0], "the release") == {"a"}
+    assert d.transport is not None  # b: claimed, then its lease runs out
+    post_json("127.0.0.1", port, "/renew", {"req": "b", "engine_id": d.transport.engine_id}, 5.0)
+    assert "b" in grants
+    p.clock.now += p.cfg.lease_s + 1
+    assert p.get_finished(set()) == ({"b"}, None)
+    assert not grants and grants.unlocked == []
+
+
 def offer_of(d: TransferWorker, transfer_id: str, **changes) -> dict:
     """The WRITE offer decode worker ``d`` sends for block 5 (``changes`` applied)."""
     assert d.transport is not None and d.layout is not None
@@ -688,11 +777,15 @@ def peer_rows(w: TransferWorker) -> dict[str, dict[str, float]]:
 
 def test_reads_their_failures_and_lease_expiries_count_per_peer_engine(pair):
     """The decode side counts its reads and failed reads under the engine id of the prefill
-    it read from (a failure before any handshake too: the params name it); the prefill side
-    counts an expired lease under the engine id of the decode that claimed its blocks, and
-    one nobody claimed under "unknown"."""
+    it read from (a failure before any handshake too: the params name it); a failed read
+    still says done, so the prefill frees those blocks at once; the prefill side counts an
+    expired lease under the engine id of the decode that claimed its blocks, and one nobody
+    claimed under "unknown"."""
     p, _, d, _, port = pair
-    held = [SendSpec(r, "read", ((b,),)) for r, b in (("p-ok", 1), ("p-late", 2), ("p-none", 3))]
+    held = [
+        SendSpec(r, "read", ((b,),))
+        for r, b in (("p-ok", 1), ("p-late", 2), ("p-claimed", 3), ("p-none", 4))
+    ]
     p.bind(PdTransferMetadata(send=held))
     p.get_finished({s.req_id for s in held})
 
@@ -701,17 +794,27 @@ def test_reads_their_failures_and_lease_expiries_count_per_peer_engine(pair):
         assert poll(lambda: d.get_finished(set())[1], f"the load of {req}") == {req}
 
     load("d-ok", RemoteRef(p.engine_id, "127.0.0.1", port, "p-ok"))
-    # claims the blocks (renews), then cannot read within the lease it was given: no release
+    # claims the blocks (renews), then cannot read within the lease it was given: it fails
+    # and says done
     load("d-late", RemoteRef(p.engine_id, "127.0.0.1", port, "p-late"), lease_s=1e-9)
     load("d-lost", RemoteRef("engine-gone", "127.0.0.1", free_port(), "p-x"))
+    assert d.transport is not None  # claims p-claimed as a read would, then goes silent
+    claim = {"req": "p-claimed", "engine_id": d.transport.engine_id, "decode_engine": d.engine_id}
+    post_json("127.0.0.1", port, "/renew", claim, 5.0)
     per_block = BLOCK * HEADS * 2 * HEAD * 4
     assert peer_rows(d) == {
         p.engine_id: {"transfers": 1, "bytes": LAYERS * per_block, "failures": 1},
         "engine-gone": {"failures": 1},
     }
-    assert poll(lambda: p.get_finished(set())[0], "the release") == {"p-ok"}
+    released: set[str] = set()
+
+    def both_released() -> bool:
+        released.update(p.get_finished(set())[0] or ())
+        return released == {"p-ok", "p-late"}
+
+    poll(both_released, "the releases")
     p.clock.now += p.cfg.lease_s + 1
-    assert p.get_finished(set()) == ({"p-late", "p-none"}, None)
+    assert p.get_finished(set()) == ({"p-claimed", "p-none"}, None)
     assert peer_rows(p) == {d.engine_id: {"lease_expiries": 1}, "unknown": {"lease_expiries": 1}}
 
 

@@ -9,9 +9,12 @@ the transfers:
   "renew" extends the lease, and a lease that runs out frees them too. The decode transport
   that claims the lease (``/renew`` right before it reads) is granted read access to exactly
   those blocks until they are freed. When the decode engine has another TP size, each of its
-  ranks that reads this rank's heads claims the lease, and "done" from all of them frees it.
+  ranks that reads this rank's heads claims the lease, and "done" from all of them frees it;
+  a "done" naming a reading rank that never claimed (it failed before its ``/renew``) closes
+  that rank's slot.
 * READ, decode, TP sizes differ: each source rank (``parallel.py``) is handshaken, claimed and
-  read (the head slices it holds for us), and told "done" once every read completed.
+  read (the head slices it holds for us), and told "done" once every read completed, or once
+  the load failed (each rank handshaken by then).
 * WRITE, decode: the transfer thread grants the prefill transport write access to the blocks
   it offers (``POST /write_target``), waits for the prefill side's "written" notice, then
   withdraws the grant (also on failure or timeout). The notice names the hash of the prompt
@@ -168,6 +171,7 @@ class TransferWorker:
         model: Mapping[str, Any],
         group_of: Mapping[str, int] | None = None,
         head_major: Mapping[int, int] | None = None,
+        heads_first: bool = False,
         key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
         spans: TransferSpans | None = None,
@@ -186,6 +190,9 @@ class TransferWorker:
         self.group_of = dict(group_of or {})
         #: KV cache groups laid out heads first -> this rank's KV heads (``layout.py``)
         self.head_major = dict(head_major or {})
+        #: the engine's declared KV cache layout puts each block's heads before its tokens
+        #: (else the caches' shapes decide, and an ambiguous one is not head-major)
+        self.heads_first = heads_first
         self.stats = StatsRecorder()
         #: Ends the transfer spans of requests that carry a ``traceparent`` (``tracing.py``).
         self.spans = spans or TransferSpans()
@@ -244,6 +251,7 @@ class TransferWorker:
             model=self.model,
             group_of=self.group_of,
             head_major=self.head_major,
+            heads_first=self.heads_first,
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
         )
@@ -451,23 +459,41 @@ class TransferWorker:
         for ref in meta.renew:
             self._pool.submit(self._send_quietly, ref, {"op": "renew"})
         for ref in meta.release:
-            self._pool.submit(self._send_quietly, ref, {"op": "done"})
+            self._pool.submit(self._send_quietly, ref, self._done_notice())
+
+    def _done_notice(self) -> dict[str, Any]:
+        """The "done" notice of a READ: it names this decode rank (``decode_engine``,
+        ``tp_rank``), so a prefill rank whose lease has a slot for it that it never claimed
+        (it failed before its ``/renew``) closes that slot."""
+        return {"op": "done", "decode_engine": self.engine_id, "tp_rank": self.tp_rank}
 
     def _send_quietly(self, remote: RemoteRef, body: dict[str, Any]) -> None:
         """Send ``body`` about a READ to every prefill rank we load from; log failures."""
         for rank in self._source_ranks(remote):
             try:
                 peer = self._peer(remote, rank)
-                self._notify(peer.peer_id, {**body, "req": remote.request_id})
             except (TransportError, SideChannelError, LayoutMismatch, OSError) as e:
-                logger.warning(
-                    "could not send %s for %s to %s (TP rank %d): %s",
-                    body.get("op"),
-                    remote.request_id,
-                    remote.host,
-                    rank,
-                    e,
-                )
+                self._log_unsent(remote, rank, body, e)
+                continue
+            self._notify_quietly(remote, peer, body)
+
+    def _notify_quietly(self, remote: RemoteRef, peer: _Peer, body: dict[str, Any]) -> None:
+        """Send ``body`` about the READ of ``remote`` to prefill rank ``peer``; log a failure."""
+        try:
+            self._notify(peer.peer_id, {**body, "req": remote.request_id})
+        except (TransportError, OSError) as e:
+            self._log_unsent(remote, peer.rank, body, e)
+
+    @staticmethod
+    def _log_unsent(remote: RemoteRef, rank: int, body: Mapping[str, Any], e: Exception) -> None:
+        logger.warning(
+            "could not send %s for %s to %s (TP rank %d): %s",
+            body.get("op"),
+            remote.request_id,
+            remote.host,
+            rank,
+            e,
+        )
 
     def _load(self, spec: RecvSpec) -> None:
         """Transfer thread: complete one decode-side load or raise :class:`LoadFailed`; a
@@ -502,41 +528,15 @@ class TransferWorker:
         try:
             assert self.transport is not None and self.layout is not None
             if spec.mode == READ:
-                peers = [self._peer(spec.remote, r) for r in self._source_ranks(spec.remote)]
-                remote_tp = spec.remote.tp_size or self.tp_size
-                for peer in peers:
-                    if peer.layout.tp_size != remote_tp:
-                        raise LayoutMismatch(
-                            f"the READ answer said prefill TP {remote_tp}; its rank "
-                            f"{peer.rank} has TP {peer.layout.tp_size}"
-                        )
-                # Claim the blocks of every source rank (each then lets our transport read
-                # them, and only the decode ranks that claimed them); they must still be held,
-                # and stay held while we read: renew synchronously, then finish well inside
-                # the new lease: the first rank's, from before its renewal, ends first.
-                claimed = time.monotonic()
-                for peer in peers:
-                    post_json(
-                        spec.remote.host,
-                        spec.remote.port + peer.rank,
-                        "/renew",
-                        {
-                            "req": spec.remote.request_id,
-                            "engine_id": self.transport.engine_id,
-                            "decode_engine": self.engine_id,
-                            "tp_size": self.tp_size,
-                            "tp_rank": self.tp_rank,
-                        },
-                        self.cfg.handshake_timeout_s,
-                        self.key,
-                    )
-                if spec.lease_s:
-                    deadline = min(deadline, claimed + 0.8 * spec.lease_s)
-                nbytes = self._read(peers, spec.pairs, deadline)
-                if time.monotonic() > deadline:
-                    raise LoadFailed("the read ended after the prefill side's lease could end")
-                # the KV is ours: a rank we cannot tell frees its blocks at its lease's end
-                self._send_quietly(spec.remote, {"op": "done"})
+                reached: list[_Peer] = []
+                try:
+                    nbytes = self._run_read(spec, reached, deadline)
+                finally:
+                    # The KV is ours, or this load failed (before its claim too): either way
+                    # every prefill rank we reached frees its blocks now; a rank we could not
+                    # reach frees them at its lease's end.
+                    for peer in reached:
+                        self._notify_quietly(spec.remote, peer, self._done_notice())
             else:
                 if spec.remote.tp_size not in (None, self.tp_size):
                     raise LayoutMismatch(
@@ -595,6 +595,46 @@ class TransferWorker:
                     self._awaiting.pop(str(spec.transfer_id), None)
                     self._written.pop(str(spec.transfer_id), None)
         self.stats.transfer(time.perf_counter() - t0, nbytes, spec.remote.engine_id)
+        return nbytes
+
+    def _run_read(self, spec: RecvSpec, reached: list[_Peer], deadline: float) -> int:
+        """A READ's handshakes (each prefill rank handshaken is added to ``reached``), claims
+        and reads; the bytes moved."""
+        assert self.transport is not None
+        for r in self._source_ranks(spec.remote):
+            reached.append(self._peer(spec.remote, r))
+        remote_tp = spec.remote.tp_size or self.tp_size
+        for peer in reached:
+            if peer.layout.tp_size != remote_tp:
+                raise LayoutMismatch(
+                    f"the READ answer said prefill TP {remote_tp}; its rank "
+                    f"{peer.rank} has TP {peer.layout.tp_size}"
+                )
+        # Claim the blocks of every source rank (each then lets our transport read them, and
+        # only the decode ranks that claimed them); they must still be held, and stay held
+        # while we read: renew synchronously, then finish well inside the new lease: the
+        # first rank's, from before its renewal, ends first.
+        claimed = time.monotonic()
+        for peer in reached:
+            post_json(
+                spec.remote.host,
+                spec.remote.port + peer.rank,
+                "/renew",
+                {
+                    "req": spec.remote.request_id,
+                    "engine_id": self.transport.engine_id,
+                    "decode_engine": self.engine_id,
+                    "tp_size": self.tp_size,
+                    "tp_rank": self.tp_rank,
+                },
+                self.cfg.handshake_timeout_s,
+                self.key,
+            )
+        if spec.lease_s:
+            deadline = min(deadline, claimed + 0.8 * spec.lease_s)
+        nbytes = self._read(reached, spec.pairs, deadline)
+        if time.monotonic() > deadline:
+            raise LoadFailed("the read ended after the prefill side's lease could end")
         return nbytes
 
     def _read(self, peers: Sequence[_Peer], pairs: Any, deadline: float) -> int:
@@ -889,9 +929,11 @@ class TransferWorker:
                 continue
             if op in ("done", "renew"):
                 req = str(body.get("req"))
+                slot = _reader_slot(body) if op == "done" else None
                 with self._lease_lock:
                     holders = self._leases.holders(req)
-                    if holders and n.sender not in holders:
+                    closes = slot is not None and self._leases.unclaimed(req, slot)
+                    if holders and n.sender not in holders and not closes:
                         logger.warning(
                             "ignored %r for %s from %s: its blocks are leased to %s",
                             op,
@@ -903,7 +945,7 @@ class TransferWorker:
                     if op == "renew":
                         self._leases.renew(req)
                         continue
-                    released = self._leases.done(req, n.sender)
+                    released = self._leases.done(req, n.sender, slot)
                 if released:
                     self._free(req, "released", n.sender)
             elif op == "written":
@@ -933,7 +975,9 @@ class TransferWorker:
     def _free(self, req_id: str, outcome: str, peer: str | None = None) -> None:
         """The lease of ``req_id`` ended (``outcome``: released by ``peer``, or expired): no
         peer may read its blocks any more."""
-        for grant in self._read_grants.pop(req_id, ()):
+        with self._lease_lock:  # the side channel adds grants under it (``_on_renew``)
+            grants = self._read_grants.pop(req_id, ())
+        for grant in grants:
             self._revoke(grant)
         blocks = self._held.pop(req_id, None)
         self._finished_sending.add(req_id)
@@ -1042,6 +1086,15 @@ class TransferWorker:
 def _failure(error: BaseException) -> str:
     """A failed transfer's span outcome."""
     return "refused" if isinstance(error, KVRefused) else "failed"
+
+
+def _reader_slot(body: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The lease slot a "done" notice names (as ``_claim_slots`` keys it: decode engine, TP
+    rank), or None when it names none (a decode of an earlier package)."""
+    engine, rank = body.get("decode_engine"), body.get("tp_rank")
+    if isinstance(engine, str) and isinstance(rank, int) and not isinstance(rank, bool):
+        return engine, rank
+    return None
 
 
 def _read_grant(req_id: str) -> str:
