@@ -326,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--pdext-mode",
         default=None,
         choices=("read", "write"),
-        help="transfer mode of --connector pdext: read (the decode pulls; any TP sizes that "
-        "divide the KV heads) or write (the prefill pushes; equal TP sizes) (default read)",
+        help="transfer mode of --connector pdext: read (the decode pulls) or write (the "
+        "prefill pushes); both between any TP sizes that divide the KV heads (default read)",
     )
     up.add_argument(
         "--mode",

@@ -49,9 +49,9 @@ logger = logging.getLogger(__name__)
 PROTOCOLS: dict[str, str] = {"nixl": "nixl-pull", "pdext": "pdext-read"}
 #: Where ``up``'s TP sizes may differ, as the connectors' README states the matrix.
 TP_MATRIX = (
-    "connector pdext reads (pdext_mode read) between any TP sizes that divide the model's KV "
-    "heads, writes (pdext_mode write) only between equal sizes; nixl pairs different sizes "
-    "(vllm_pd_ext/connectors/README.md, supported matrix)"
+    "connector pdext moves KV (pdext_mode read or write) between any TP sizes that divide the "
+    "model's KV heads; nixl pairs different sizes (vllm_pd_ext/connectors/README.md, "
+    "supported matrix)"
 )
 #: Our connector's transport backends that ``up`` runs, with their settings on one host:
 #: ``tcp``, our own data path (sockets; with the fleet key it serves only key holders),
@@ -179,9 +179,8 @@ class UpConfig(BaseModel):
     )
     pdext_mode: Literal["read", "write"] = Field(
         "read",
-        description="transfer mode of connector pdext: read (the decode pulls; between "
-        "engines of any TP sizes that divide the KV heads) or write (the prefill pushes; "
-        "equal TP sizes only)",
+        description="transfer mode of connector pdext: read (the decode pulls) or write (the "
+        "prefill pushes); both between engines of any TP sizes that divide the KV heads",
     )
     mode: Literal["text", "token"] = Field(
         "text",

@@ -85,8 +85,10 @@ def test_every_decode_head_comes_from_exactly_the_prefill_rank_that_holds_it(
         (1, 2, READ, 2, None),
         (3, 2, READ, 6, None),
         (2, 1, READ, None, None),  # heads not known here: the worker's layout check decides
-        (2, 1, WRITE, 4, "WRITE mode moves KV only between engines with the same"),
-        (1, 2, WRITE, 4, "WRITE mode moves KV only between engines with the same"),
+        (2, 1, WRITE, 4, None),  # each prefill rank writes its heads into their place
+        (1, 2, WRITE, 4, None),
+        (1, 4, WRITE, 2, "decode TP 4 is more than the model's 2 KV heads"),
+        (2, 1, "push", 4, "'push' is no transfer mode"),
         (2, 1, READ, 1, "prefill TP 2 is more than the model's 1 KV heads"),
         (1, 4, READ, 2, "decode TP 4 is more than the model's 2 KV heads"),
         (4, 2, READ, 6, "prefill TP 4 does not divide the model's 6 KV heads"),

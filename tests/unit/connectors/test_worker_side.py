@@ -467,25 +467,6 @@ def test_layout_mismatch_fails_closed(pair):
     assert d.stats.take().data["failures"] == 1
 
 
-@pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)
-def test_a_write_between_tp_sizes_is_refused_at_handshake(pair, caplog):
-    """Same layout, tensor parallel size 2 on the prefill side and 1 on the decode side, WRITE
-    mode: the decode side refuses the prefill's handshake before it offers its blocks (the
-    load fails, nothing is copied), and the prefill side refuses an offer that says TP 1."""
-    p, _, d, dc, port = pair
-    caplog.set_level("WARNING", logger="vllm_pd_ext.connectors.common.worker")
-    write_offer(d, port, "t-tp", ((5, 0),))
-    assert poll(lambda: d.get_finished(set())[1], "the refused load") == {"d-req"}
-    assert d.get_block_ids_with_load_errors() == {5}
-    assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
-    assert "tensor parallel sizes differ (prefill TP 2, decode TP 1)" in caplog.text
-    assert "WRITE mode moves KV only between engines with the same" in caplog.text
-    offer = offer_of(d, "t-tp")  # the offer the decode side would have sent, sent anyway
-    with pytest.raises(SideChannelError, match="prefill TP 2, decode TP 1"):
-        post_json("127.0.0.1", port, "/write_target", offer, 5.0)
-    assert "t-tp" not in p._targets
-
-
 @pytest.mark.parametrize(
     ("pair", "refusal"),
     [
@@ -603,6 +584,72 @@ def test_a_decode_rank_that_fails_before_its_claim_closes_its_lease_slot(backend
     finally:
         for w in [*ds, p]:
             w.shutdown()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_write_between_tp_sizes_puts_each_prefill_ranks_heads_in_place(
+    backend, prefill_tp, decode_tp, layerwise
+):
+    """Four KV heads, WRITE, prefill TP 2 -> decode TP 1 (both prefill ranks write their heads
+    into their place in the decode rank's blocks) and TP 1 -> TP 2 (the prefill rank writes
+    each decode rank its half): every decode rank offers its blocks to each prefill rank
+    holding heads of its own and loads once each of them said written; every decode block
+    equals the model's heads it holds, nothing else is written, every prefill rank frees."""
+    heads = 4
+    port, dport = free_port(), free_port()
+    ps = engine_ranks("kv_producer", port, backend, tp_size=prefill_tp, heads=heads)
+    ds = engine_ranks("kv_consumer", dport, backend, tp_size=decode_tp, heads=heads)
+    pcs = [caches(True, heads=heads // prefill_tp) for _ in ps]
+    dcs = [caches(False, heads=heads // decode_tp) for _ in ds]
+    try:
+        for w, c in zip(ps + ds, pcs + dcs, strict=True):
+            w.register_kv_caches(c)
+        for p in ps:
+            p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-x", ((1, 2),), PROMPT_HASH)]))
+        offered = ((5, 0), (9, 1))  # (decode block, prompt block position)
+        if layerwise:  # every offer is there before the prefill step saves its layers
+            for d in ds:
+                write_offer(d, port, "t-x", offered)
+            want = len(ps[0]._writes_to(decode_tp))
+            for p in ps:
+                poll(lambda p=p: len(p._offers("t-x")) == want, "the decode offers")
+        for p, pc in zip(ps, pcs, strict=True):
+            for layer in pc:
+                p.save_kv_layer(layer)
+            p.wait_for_save()
+        if not layerwise:  # the prefill step ended first: each push waits for its offers
+            for d in ds:
+                write_offer(d, port, "t-x", offered)
+        for p in ps:
+            p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), "t-x")]))
+        for d in ds:
+            assert poll(lambda d=d: d.get_finished(set())[1], "a rank's load") == {"d-req"}
+            assert d.get_block_ids_with_load_errors() == set()
+        per_d = heads // decode_tp
+        for q, dc in enumerate(dcs):
+            for name in dc:
+                for loc, r in ((5, 1), (9, 2)):
+                    model = torch.cat([block(pc, name, r) for pc in pcs])  # all heads
+                    assert torch.equal(block(dc, name, loc), model[q * per_d : (q + 1) * per_d])
+            assert torch.count_nonzero(block(dc, next(iter(dc)), 1)) == 0  # nothing else
+        for p in ps:
+            sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's free")
+            assert sending == {"p-req"}
+    finally:
+        for w in ds + ps:
+            w.shutdown()
+
+
+@pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)
+def test_a_write_offer_from_a_decode_rank_holding_none_of_our_heads_is_refused(pair):
+    """Prefill rank 0 of TP 2 holds heads 0 and 1 of the model's four; an offer from decode
+    rank 2 of TP 4, which holds head 2 only, is refused before anything is written."""
+    p, _, d, _, port = pair
+    offer = offer_of(d, "t-no", tp_size=4, tp_rank=2)
+    with pytest.raises(SideChannelError, match="decode TP rank 2 of 4 holds no head of ours"):
+        post_json("127.0.0.1", port, "/write_target", offer, 5.0)
+    assert "t-no" not in p._targets
 
 
 class LockedOnly(dict):
@@ -1095,7 +1142,7 @@ def test_the_prefill_writes_only_into_the_blocks_offered_to_it(pair):
     p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),), PROMPT_HASH)]))
     write_offer(d, port, "t-1", ((4, 0), (8, 1)))
     poll(lambda: "t-1" in p._targets, "the decode offer")
-    target = p._targets["t-1"]
+    (target,) = p._targets["t-1"].values()
 
     def write(w: TransferWorker, peer: str, theirs, pairs) -> None:
         assert w.transport is not None and w.layout is not None

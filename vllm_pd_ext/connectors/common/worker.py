@@ -17,12 +17,15 @@ the transfers:
   the load failed (each rank handshaken by then).
 * WRITE, decode: the transfer thread grants the prefill transport write access to the blocks
   it offers (``POST /write_target``), waits for the prefill side's "written" notice, then
-  withdraws the grant (also on failure or timeout). The notice names the hash of the prompt
-  the prefill computed; KV computed for another prompt than the request's is refused
-  (:class:`KVRefused`).
+  withdraws the grant (also on failure or timeout). When the TP sizes differ, it offers them
+  to every prefill rank holding heads of its own and waits for each one's notice. The notice
+  names the hash of the prompt the prefill computed; KV computed for another prompt than the
+  request's is refused (:class:`KVRefused`).
 * WRITE, prefill: in the step that computes the last prompt tokens, each layer is written
   into the decode blocks as it is saved (if the offer is already there), the rest after the
-  step; then "written" is sent, with the prompt's hash, and the blocks are freed.
+  step; then "written" is sent, with the prompt's hash, and the blocks are freed. When the TP
+  sizes differ, each decode rank holding heads of ours offers its blocks, and gets our heads
+  it holds, in their place (``parallel.head_slices``), and its own "written".
 
 Every failure ends in the same place: the decode request is reported finished with its blocks
 in ``get_block_ids_with_load_errors()`` (or, for hybrid models whose block ids repeat across KV
@@ -133,7 +136,7 @@ class _Push:
 
     spec: PushSpec
     started: float = field(default_factory=time.monotonic)
-    views_done: set[int] = field(default_factory=set)
+    views_done: set[tuple[int, int]] = field(default_factory=set)  # (decode rank, view)
     handles: list[Any] = field(default_factory=list)
     nbytes: int = 0
     peer: str | None = None  # the decode engine that offered its blocks, once it has
@@ -211,10 +214,10 @@ class TransferWorker:
         self._loads: dict[str, Future] = {}
         self._load_blocks: dict[str, tuple[int, ...]] = {}
         #: transfer id -> (ok, error, the hash of the prompt the prefill computed)
-        self._written: dict[str, tuple[bool, str, str | None]] = {}
+        self._written: dict[tuple[str, str], tuple[bool, str, str | None]] = {}
         #: WRITE transfers a load is waiting for: only their "written" notices are kept, so
         #: notices nobody asked for cannot fill ``_written``.
-        self._awaiting: dict[str, str] = {}  # transfer id -> the prefill peer that must write
+        self._awaiting: dict[str, set[str]] = {}  # transfer id -> the prefill peers that write
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
         self._refusal_log = Throttle(_REFUSAL_LOG_EVERY_S)
@@ -233,7 +236,8 @@ class TransferWorker:
         self._pushes: dict[str, _Push] = {}  # req id -> push
         self._push_futures: dict[str, Future] = {}
         self._push_confirmed: set[str] = set()
-        self._targets: dict[str, _Target] = {}  # transfer id -> offer
+        #: transfer id -> decode TP rank -> its offer
+        self._targets: dict[str, dict[int, _Target]] = {}
         self._finished_sending: set[str] = set()
         self._finished_reqs: set[str] = set()
 
@@ -538,38 +542,7 @@ class TransferWorker:
                     for peer in reached:
                         self._notify_quietly(spec.remote, peer, self._done_notice())
             else:
-                if spec.remote.tp_size not in (None, self.tp_size):
-                    raise LayoutMismatch(
-                        tp_refusal(spec.remote.tp_size, self.tp_size, mode=WRITE) or ""
-                    )
-                peer = self._peer(spec.remote, mode=WRITE)
-                with self._lock:
-                    self._awaiting[str(spec.transfer_id)] = peer.peer_id
-                # the prefill transport may write into the blocks we offer, nowhere else
-                self._grant(
-                    _write_grant(str(spec.transfer_id)),
-                    TransferOp.WRITE,
-                    peer.peer_id,
-                    self._grant_spans([[d for d, _ in group] for group in spec.pairs]),
-                )
-                post_json(
-                    spec.remote.host,
-                    spec.remote.port + self.tp_rank,
-                    "/write_target",
-                    {
-                        "transfer_id": spec.transfer_id,
-                        "engine_id": self.engine_id,
-                        "transport": self.transport.descriptor().to_dict(),
-                        "layout": self.layout.to_dict(),
-                        "pairs": [[list(pair) for pair in group] for group in spec.pairs],
-                        "v": HANDSHAKE_VERSION,
-                        "tp_size": self.tp_size,
-                        "tp_rank": self.tp_rank,
-                    },
-                    self.cfg.handshake_timeout_s,
-                    self.key,
-                )
-                nbytes = self._await_written(spec, deadline)
+                nbytes = self._run_write(spec, deadline)
         except KVRefused as e:
             self.stats.params_refused()
             if self._refusal_log.ready():
@@ -587,15 +560,67 @@ class TransferWorker:
             raise LoadFailed(
                 f"KV load of {spec.req_id} from {spec.remote.host}:{spec.remote.port} failed: {e}"
             ) from e
-        finally:
-            if spec.transfer_id is not None:
-                # written, failed or timed out (then cancelled): nothing more may land
-                self._revoke(_write_grant(str(spec.transfer_id)))
-                with self._lock:
-                    self._awaiting.pop(str(spec.transfer_id), None)
-                    self._written.pop(str(spec.transfer_id), None)
         self.stats.transfer(time.perf_counter() - t0, nbytes, spec.remote.engine_id)
         return nbytes
+
+    def _write_sources(self, remote: RemoteRef) -> list[_Peer]:
+        """The prefill ranks that write our KV heads in a WRITE: the rank of our index when
+        the prefill engine has our TP size, else every rank whose heads overlap ours (its
+        TP size learnt from its rank 0's handshake: a WRITE's params do not carry it)."""
+        if remote.tp_size not in (None, self.tp_size):
+            raise LayoutMismatch(
+                tp_refusal(remote.tp_size, self.tp_size, mode=WRITE, kv_heads=self._kv_heads)
+                or f"the WRITE params say prefill TP {remote.tp_size}"
+            )
+        prefill_tp = self._peer(remote, 0, mode=WRITE).layout.tp_size
+        if prefill_tp == self.tp_size:
+            return [self._peer(remote, mode=WRITE)]
+        ranks = source_ranks(self.tp_rank, self.tp_size, prefill_tp)
+        return [self._peer(remote, r, mode=WRITE) for r in ranks]
+
+    def _run_write(self, spec: RecvSpec, deadline: float) -> int:
+        """A WRITE's decode side: offer our blocks to each prefill rank that writes our heads
+        (granting its transport write access to them, nothing else), wait for each one's
+        "written" notice; the grants are withdrawn however it ends. Moves no bytes itself."""
+        assert self.transport is not None and self.layout is not None
+        tid = str(spec.transfer_id)
+        grants: list[str] = []
+        try:
+            peers = self._write_sources(spec.remote)
+            with self._lock:
+                self._awaiting[tid] = {p.peer_id for p in peers}
+            spans = self._grant_spans([[d for d, _ in group] for group in spec.pairs])
+            offer = {
+                "transfer_id": spec.transfer_id,
+                "engine_id": self.engine_id,
+                "transport": self.transport.descriptor().to_dict(),
+                "layout": self.layout.to_dict(),
+                "pairs": [[list(pair) for pair in group] for group in spec.pairs],
+                "v": HANDSHAKE_VERSION,
+                "tp_size": self.tp_size,
+                "tp_rank": self.tp_rank,
+            }
+            for peer in peers:
+                # the prefill rank's transport may write into the blocks we offer, nowhere else
+                grants.append(_write_grant(tid, peer.rank))
+                self._grant(grants[-1], TransferOp.WRITE, peer.peer_id, spans)
+                post_json(
+                    spec.remote.host,
+                    spec.remote.port + peer.rank,
+                    "/write_target",
+                    offer,
+                    self.cfg.handshake_timeout_s,
+                    self.key,
+                )
+            return self._await_written(spec, peers, deadline)
+        finally:
+            # written, failed or timed out (then cancelled): nothing more may land
+            for grant in grants:
+                self._revoke(grant)
+            with self._lock:
+                writers = self._awaiting.pop(tid, set())
+                for writer in writers:
+                    self._written.pop((tid, writer), None)
 
     def _run_read(self, spec: RecvSpec, reached: list[_Peer], deadline: float) -> int:
         """A READ's handshakes (each prefill rank handshaken is added to ``reached``), claims
@@ -664,28 +689,45 @@ class TransferWorker:
         self.transport.wait_all(handles, max(0.0, deadline - time.monotonic()))
         return nbytes
 
-    def _await_written(self, spec: RecvSpec, deadline: float) -> int:
+    def _await_written(self, spec: RecvSpec, peers: Sequence[_Peer], deadline: float) -> int:
+        """Wait for the "written" notice of every prefill rank in ``peers``; on a failed or
+        refused one, or none in time, make sure the ranks still writing stop first."""
         transfer_id = str(spec.transfer_id)
-        while time.monotonic() < deadline:
-            with self._lock:
-                result = self._written.pop(transfer_id, None)
-            if result is not None:
-                ok, error, computed = result
-                if not ok:
-                    raise LoadFailed(f"prefill side reported: {error}")
-                if spec.prompt_hash is None or computed != spec.prompt_hash:
-                    raise KVRefused(
-                        f"transfer {transfer_id} was computed for another prompt (hash "
-                        f"{str(computed)[:32]}, this request's {spec.prompt_hash})"
-                    )
-                return 0
-            time.sleep(0.002)
-        # Our blocks are freed once we report this load: first make sure the prefill side
-        # writes nothing more into them.
+        pending = {p.peer_id: p for p in peers}
+        try:
+            while pending:
+                if time.monotonic() >= deadline:
+                    raise LoadFailed(f"no 'written' notice for transfer {transfer_id} in time")
+                with self._lock:
+                    results = [
+                        (w, self._written.pop((transfer_id, w)))
+                        for w in list(pending)
+                        if (transfer_id, w) in self._written
+                    ]
+                for writer, (ok, error, computed) in results:
+                    del pending[writer]
+                    if not ok:
+                        raise LoadFailed(f"prefill side reported: {error}")
+                    if spec.prompt_hash is None or computed != spec.prompt_hash:
+                        raise KVRefused(
+                            f"transfer {transfer_id} was computed for another prompt (hash "
+                            f"{str(computed)[:32]}, this request's {spec.prompt_hash})"
+                        )
+                if pending:
+                    time.sleep(0.002)
+            return 0
+        except LoadFailed:
+            # Our blocks are freed once we report this load: first make sure no prefill rank
+            # writes anything more into them.
+            for peer in pending.values():
+                self._cancel_write(spec.remote, peer.rank, transfer_id)
+            raise
+
+    def _cancel_write(self, remote: RemoteRef, rank: int, transfer_id: str) -> None:
         try:
             post_json(
-                spec.remote.host,
-                spec.remote.port + self.tp_rank,
+                remote.host,
+                remote.port + rank,
                 "/cancel",
                 {"transfer_id": transfer_id},
                 self.cfg.handshake_timeout_s,
@@ -693,13 +735,21 @@ class TransferWorker:
             )
         except SideChannelError as e:
             logger.warning("could not cancel transfer %s on the prefill side: %s", transfer_id, e)
-        raise LoadFailed(f"no 'written' notice for transfer {transfer_id} in time")
 
     # ---- prefill side, WRITE mode ----
     def _on_write_target(self, body: dict[str, Any]) -> None:
         """Side-channel thread: a decode worker's offer for transfer ``transfer_id``."""
         assert self.transport is not None
-        layout = self._check_handshake(body, None, peer_is_prefill=False, mode=WRITE)
+        decode_tp, rank = body.get("tp_size"), None
+        if (
+            isinstance(decode_tp, int)
+            and decode_tp != self.tp_size
+            and 1 <= decode_tp <= MAX_TP_SIZE
+        ):
+            rank = body.get("tp_rank")  # a decode of another size: any rank holding our heads
+            if rank not in reader_ranks(self.tp_rank, self.tp_size, decode_tp):
+                raise ValueError(f"decode TP rank {rank!r} of {decode_tp} holds no head of ours")
+        layout = self._check_handshake(body, None, peer_is_prefill=False, mode=WRITE, rank=rank)
         peer_id = self.transport.connect(TransportDescriptor.from_dict(body["transport"]))
         target = _Target(
             peer_id=peer_id,
@@ -709,11 +759,35 @@ class TransferWorker:
         )
         tid = str(body["transfer_id"])
         with self._lock:
-            if tid in self._targets:
+            offers = self._targets.get(tid)
+            if offers is None:
+                if len(self._targets) >= MAX_OFFERS:
+                    raise ValueError(f"{MAX_OFFERS} offers are waiting already")
+                offers = self._targets[tid] = {}
+            if layout.tp_rank in offers:
                 raise ValueError(f"transfer {tid} already has a target: the first offer stands")
-            if len(self._targets) >= MAX_OFFERS:
-                raise ValueError(f"{MAX_OFFERS} offers are waiting already")
-            self._targets[tid] = target
+            if any(o.layout.tp_size != layout.tp_size for o in offers.values()):
+                raise ValueError(f"transfer {tid} has offers of another decode TP size")
+            offers[layout.tp_rank] = target
+
+    def _writes_to(self, decode_tp: int) -> list[int]:
+        """The decode ranks (of ``decode_tp``) a WRITE of ours fills: the rank of our index,
+        or, between TP sizes, every rank holding heads of ours."""
+        if decode_tp == self.tp_size:
+            return [self.tp_rank]
+        return reader_ranks(self.tp_rank, self.tp_size, decode_tp)
+
+    def _offers(self, tid: str, complete: bool = False) -> list[_Target]:
+        """The decode offers for transfer ``tid`` so far (``complete``: none until every
+        decode rank we write has offered)."""
+        with self._lock:
+            offers = dict(self._targets.get(tid, {}))
+        if not offers:
+            return []
+        expected = self._writes_to(next(iter(offers.values())).layout.tp_size)
+        if complete and not set(expected) <= offers.keys():
+            return []
+        return [offers[r] for r in sorted(offers)]
 
     def _push_pairs(self, push: _Push, target: _Target) -> list[np.ndarray]:
         """Per group: (our block, decode block) for each position the decode side offered."""
@@ -732,15 +806,12 @@ class TransferWorker:
         for push in self._pushes.values():
             if push.spec.req_id in self._push_futures:
                 continue
-            with self._lock:
-                target = self._targets.get(push.spec.transfer_id)
-            if target is None:
-                continue
             try:
-                pairs = self._push_pairs(push, target)
-                for i in views:
-                    if i not in push.views_done:
-                        self._write_view(push, target, i, pairs)
+                for target in self._offers(push.spec.transfer_id):
+                    pairs = self._push_pairs(push, target)
+                    for i in views:
+                        if (target.layout.tp_rank, i) not in push.views_done:
+                            self._write_view(push, target, i, pairs)
             except (TransportError, LayoutMismatch) as e:
                 logger.warning(
                     "layer push of %s failed, retrying after the step: %s", push.spec.req_id, e
@@ -750,7 +821,17 @@ class TransferWorker:
         """Submit the write of cache view ``i`` of ``push`` (non-blocking)."""
         assert self.transport is not None and self.layout is not None
         mine, theirs = self.layout.views[i], target.layout.views[i]
-        spans = block_spans(mine, theirs, pairs[mine.group])
+        rank, decode_tp = target.layout.tp_rank, target.layout.tp_size
+        if decode_tp == self.tp_size:
+            spans = block_spans(mine, theirs, pairs[mine.group])
+        else:  # the head slices of ours that decode rank ``rank`` holds, into their place
+            reverse = pairs[mine.group][:, ::-1]  # (decode block, ours)
+            parts = [
+                block_spans(theirs, mine, reverse, s)[:, [1, 0, 2]]
+                for s in head_slices(rank, decode_tp, self.tp_size, mine.heads * self.tp_size)
+                if s.remote_rank == self.tp_rank
+            ]
+            spans = np.concatenate(parts) if parts else np.empty((0, 3), np.int64)
         with push.lock:
             if push.cancelled:
                 raise LoadFailed("the decode side cancelled the transfer")
@@ -759,7 +840,7 @@ class TransferWorker:
                     self.transport.write(target.peer_id, mine.region, theirs.region, spans)
                 )
                 push.nbytes += int(spans[:, 2].sum())
-            push.views_done.add(i)
+            push.views_done.add((rank, i))
 
     def _on_cancel(self, body: dict[str, Any]) -> None:
         """Side-channel thread: the decode side gave up on a WRITE transfer. Answer only once
@@ -871,24 +952,24 @@ class TransferWorker:
         assert self.transport is not None and self.layout is not None
         tid = push.spec.transfer_id
         deadline = push.started + self.cfg.lease_s
-        target = None
+        targets: list[_Target] = []
         while time.monotonic() < deadline and tid not in self._cancelled:
-            with self._lock:
-                target = self._targets.get(tid)
-            if target is not None:
+            targets = self._offers(tid, complete=True)
+            if targets:
                 break
             time.sleep(0.002)
-        if target is None:
+        if not targets:
             self.stats.lease_expired()
             raise LoadFailed(f"no decode offer for transfer {tid} within the lease")
-        push.peer = target.reply_to
+        push.peer = targets[0].reply_to
         ok, error, failure = True, "", None
         t0 = time.perf_counter()
         try:
-            pairs = self._push_pairs(push, target)
-            for i in range(len(self.layout.views)):
-                if i not in push.views_done:
-                    self._write_view(push, target, i, pairs)
+            for target in targets:
+                pairs = self._push_pairs(push, target)
+                for i in range(len(self.layout.views)):
+                    if (target.layout.tp_rank, i) not in push.views_done:
+                        self._write_view(push, target, i, pairs)
             self.transport.wait_all(push.handles, max(0.0, deadline - time.monotonic()))
             # Only vouch for the bytes once the scheduler confirmed it kept the blocks.
             while push.spec.req_id not in self._push_confirmed:
@@ -905,16 +986,15 @@ class TransferWorker:
         finally:
             with self._lock:
                 self._targets.pop(tid, None)
-        self._notify(
-            target.peer_id,
-            {
-                "op": "written",
-                "transfer_id": tid,
-                "ok": ok,
-                "error": error,
-                "prompt_hash": push.spec.prompt_hash,
-            },
-        )
+        notice = {
+            "op": "written",
+            "transfer_id": tid,
+            "ok": ok,
+            "error": error,
+            "prompt_hash": push.spec.prompt_hash,
+        }
+        for target in targets:
+            self._notify(target.peer_id, notice)
         return failure
 
     # ---- completions ----
@@ -951,16 +1031,16 @@ class TransferWorker:
             elif op == "written":
                 tid = str(body.get("transfer_id"))
                 with self._lock:
-                    writer = self._awaiting.get(tid)
-                    if writer is not None and writer == n.sender:
+                    writers = self._awaiting.get(tid)
+                    if writers is not None and n.sender in writers:
                         computed = body.get("prompt_hash")
-                        self._written[tid] = (
+                        self._written[(tid, n.sender)] = (
                             bool(body.get("ok")),
                             str(body.get("error", "")),
                             computed if isinstance(computed, str) else None,
                         )
                         continue
-                if writer is None:
+                if writers is None:
                     logger.warning(
                         "ignored a 'written' notice from %s for no waiting load", n.sender
                     )
@@ -969,7 +1049,7 @@ class TransferWorker:
                         "ignored a 'written' notice for transfer %s from %s: %s writes it",
                         tid,
                         n.sender,
-                        writer,
+                        ", ".join(sorted(writers)),
                     )
 
     def _free(self, req_id: str, outcome: str, peer: str | None = None) -> None:
@@ -1056,7 +1136,10 @@ class TransferWorker:
         went elsewhere): after two leases nobody can still be waiting for them."""
         horizon = time.monotonic() - 2 * self.cfg.lease_s
         with self._lock:
-            for tid in [t for t, o in self._targets.items() if o.received < horizon]:
+            stale = [
+                t for t, o in self._targets.items() if min(x.received for x in o.values()) < horizon
+            ]
+            for tid in stale:
                 del self._targets[tid]
                 self._cancelled.pop(tid, None)
             for tid in [t for t, at in self._cancelled.items() if at < horizon]:
@@ -1102,6 +1185,7 @@ def _read_grant(req_id: str) -> str:
     return f"read:{req_id}"
 
 
-def _write_grant(transfer_id: str) -> str:
-    """Id of the grant that lets the prefill side write transfer ``transfer_id``'s blocks."""
-    return f"write:{transfer_id}"
+def _write_grant(transfer_id: str, rank: int) -> str:
+    """Id of the grant that lets prefill rank ``rank`` write transfer ``transfer_id``'s
+    blocks."""
+    return f"write:{transfer_id}#{rank}"
