@@ -100,6 +100,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
         "decode_tp": args.decode_tp,
         "connector": args.connector,
         "pdext_backend": args.pdext_backend,
+        "pdext_mode": args.pdext_mode,
         "mode": args.mode,
         "render": args.render,
         "device": args.device,
@@ -320,6 +321,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="transport of --connector pdext: tcp (our own data path) or mooncake (the "
         "Mooncake transfer engine over TCP) (default tcp)",
+    )
+    up.add_argument(
+        "--pdext-mode",
+        default=None,
+        choices=("read", "write"),
+        help="transfer mode of --connector pdext: read (the decode pulls) or write (the "
+        "prefill pushes); both between any TP sizes that divide the KV heads (default read)",
     )
     up.add_argument(
         "--mode",

@@ -5,7 +5,8 @@ TP 1 -> decode TP 2 (each decode rank reads its head out of the prefill rank's b
 engine has rank i on core i; the TP 1 engine shares a core with one of them. The decode
 side's greedy output must equal its own (colocated) output token for token, its
 external_kv_transfer counter must grow by the prompt, and every prefill rank must free its
-blocks once every decode rank that reads it said done. The head mapping, spans and refusals
+blocks once every decode rank that reads it said done, with no lease expired
+(``vllm:pdext_kv_lease_expiries_total``, ``check_split``). The head mapping, spans and refusals
 are unit-tested (``test_tp_heads.py``, ``test_worker_side.py``).
 """
 

@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from tests.integration.fleet_helpers import pdext_pair, split_read, wait_idle
+from tests.integration.test_moriio_pd import EXPIRIES
 from vllm_pd_ext.tools.pd_demo import completion_body, make_prompt_ids, stream_completion
 from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 
@@ -72,12 +73,14 @@ def test_tp2_split_output_equals_colocated(tp_pair, tiny_llama):
 def check_split(prefill, decode, colocated_on, model, prompt_tokens: int = 200) -> None:
     """A split of a ``prompt_tokens`` prompt: greedy output equal to ``colocated_on``'s own,
     the decode side's external_kv_transfer grown by the prompt (within one), and every
-    prefill rank's blocks freed once the decode side had them."""
+    prefill rank's blocks freed once the decode side had them, by its "done" notices: no
+    lease expired (``vllm:pdext_kv_lease_expiries_total`` unchanged)."""
     prompt_ids = make_prompt_ids(model, prompt_tokens)
     with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
         body = completion_body(colocated_on, prompt_ids, 16)
         colocated, _ = stream_completion(client, colocated_on, body)
         before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
+        expiries = prefill.metric(EXPIRIES)
         split = split_read(client, prefill, decode, prompt_ids, 16)
     assert len(split) == 16
     assert split == colocated
@@ -85,3 +88,4 @@ def check_split(prefill, decode, colocated_on, model, prompt_tokens: int = 200) 
     assert prompt_tokens - 1 <= loaded <= prompt_tokens
     wait_idle(prefill, timeout=LEASE_S)  # every rank freed its blocks once D had them
     assert prefill.metric(HELD) == 0
+    assert prefill.metric(EXPIRIES) == expiries  # freed by done notices, not by a lease's end

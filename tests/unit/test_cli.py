@@ -339,10 +339,46 @@ def test_up_tensor_parallel_gives_each_rank_a_core_of_its_own(built_stack, monke
     assert all("--tensor-parallel-size" not in p.engine_args for p in single.parts[:-1])
 
 
+@pytest.mark.parametrize("pdext_mode", ["read", "write"])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_up_runs_pdext_between_tp_sizes(
+    tmp_path, monkeypatch, built_stack, prefill_tp, decode_tp, pdext_mode
+):
+    """Both of pdext's modes move KV between engines of different TP sizes: up builds that
+    stack, each engine with its own --tensor-parallel-size, the connector in that mode, the
+    proxy's protocol pdext-read or pdext-write."""
+    from vllm_pd_ext.proxy.config import ProxyConfig
+    from vllm_pd_ext.tools import launcher
+
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 4)
+    stack = built_stack(prefill_tp=prefill_tp, decode_tp=decode_tp, pdext_mode=pdext_mode)
+    prefill, decode = stack.parts[:2]
+    for part, tp in ((prefill, prefill_tp), (decode, decode_tp)):
+        assert part.kv_transfer_config is not None
+        assert part.kv_transfer_config["kv_connector_extra_config"]["transfer_mode"] == pdext_mode
+        args = part.engine_args
+        if tp > 1:
+            assert args[args.index("--tensor-parallel-size") + 1] == str(tp), part.name
+        else:
+            assert "--tensor-parallel-size" not in args, part.name
+    written = json.loads((tmp_path / "logs" / "proxy.json").read_text())
+    assert ProxyConfig.model_validate(written).protocol == f"pdext-{pdext_mode}"
+
+
+def test_up_pdext_write_mode_reaches_the_engines_and_the_proxy(tmp_path, built_stack):
+    from vllm_pd_ext.proxy.config import ProxyConfig
+
+    stack = built_stack(pdext_mode="write")
+    for part in stack.parts[:2]:
+        assert part.kv_transfer_config is not None
+        assert part.kv_transfer_config["kv_connector_extra_config"]["transfer_mode"] == "write"
+    written = json.loads((tmp_path / "logs" / "proxy.json").read_text())
+    assert ProxyConfig.model_validate(written).protocol == "pdext-write"
+
+
 @pytest.mark.parametrize(
     ("fields", "refusal"),
     [
-        ({"prefill_tp": 2, "decode_tp": 1}, "both sides need the same TP size"),
         ({"prefill_tp": 2, "decode_tp": 2}, "6 TP ranks on 4 cores"),
         (
             {"device": "cuda", "gpus": ("0,1", "2", "3,4"), "decode_tp": 2, "prefill_tp": 2},

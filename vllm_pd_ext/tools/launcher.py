@@ -6,9 +6,9 @@ Starts N prefill and M decode ``vllm serve`` instances with the chosen connector
 healthy; prints the endpoint; restarts a part that dies (a bounded number of times); and on
 Ctrl-C (SIGINT) or SIGTERM stops everything it started, proxy first.
 
-Connectors: ``pdext`` (our PdExtMoRIIOConnector, read mode, proxy protocol ``pdext-read``)
-over one of our transport's backends (``PDEXT_BACKENDS``), and ``nixl`` (vLLM's NixlConnector,
-protocol ``nixl-pull``).
+Connectors: ``pdext`` (our PdExtMoRIIOConnector, READ mode by default, proxy protocol
+``pdext-read``; ``pdext_mode`` write: ``pdext-write``) over one of our transport's backends
+(``PDEXT_BACKENDS``), and ``nixl`` (vLLM's NixlConnector, protocol ``nixl-pull``).
 """
 
 from __future__ import annotations
@@ -45,8 +45,14 @@ from vllm_pd_ext.util.vllm_process import (
 
 logger = logging.getLogger(__name__)
 
-#: The proxy's P/D protocol per connector name.
+#: The proxy's P/D protocol per connector name (``pdext``: in its default mode, READ).
 PROTOCOLS: dict[str, str] = {"nixl": "nixl-pull", "pdext": "pdext-read"}
+#: Where ``up``'s TP sizes may differ, as the connectors' README states the matrix.
+TP_MATRIX = (
+    "connector pdext moves KV (pdext_mode read or write) between any TP sizes that divide the "
+    "model's KV heads; nixl pairs different sizes (vllm_pd_ext/connectors/README.md, "
+    "supported matrix)"
+)
 #: Our connector's transport backends that ``up`` runs, with their settings on one host:
 #: ``tcp``, our own data path (sockets; with the fleet key it serves only key holders),
 #: ``cma``, the same with payloads copied by cross-memory attach between the engines (one
@@ -65,10 +71,16 @@ PDEXT_BACKENDS: dict[str, dict[str, Any]] = {
 
 
 def kv_transfer_config(
-    connector: str, role: str, device: str, side_port: int, pdext_backend: str
+    connector: str,
+    role: str,
+    device: str,
+    side_port: int,
+    pdext_backend: str,
+    pdext_mode: str = "read",
 ) -> dict:
     """``--kv-transfer-config`` of one engine; ``side_port`` is its KV side channel,
-    ``pdext_backend`` the transport backend of our connector (``nixl`` ignores it)."""
+    ``pdext_backend`` and ``pdext_mode`` the transport backend and transfer mode of our
+    connector (``nixl`` ignores them)."""
     if connector == "nixl":
         kv: dict[str, Any] = {
             "kv_connector": NIXL_CONNECTOR,
@@ -85,6 +97,7 @@ def kv_transfer_config(
         "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": {
             "backend": pdext_backend,
+            "transfer_mode": pdext_mode,
             "backend_settings": dict(PDEXT_BACKENDS[pdext_backend]),
             "side_channel_host": "127.0.0.1",
             "side_channel_port": side_port,
@@ -164,6 +177,11 @@ class UpConfig(BaseModel):
         "noise of mooncake end to end in benchmarks/pd_backends.py, with nothing to install "
         "and every connection checked against the fleet key)",
     )
+    pdext_mode: Literal["read", "write"] = Field(
+        "read",
+        description="transfer mode of connector pdext: read (the decode pulls) or write (the "
+        "prefill pushes); both between engines of any TP sizes that divide the KV heads",
+    )
     mode: Literal["text", "token"] = Field(
         "text",
         description="token: render servers in front, engines on --enable-scale-out see "
@@ -232,6 +250,13 @@ class UpConfig(BaseModel):
         return _one_of("pdext_backend", value, PDEXT_BACKENDS)
 
     @property
+    def protocol(self) -> str:
+        """The proxy's P/D protocol for the stack's connector (and, for pdext, its mode)."""
+        if self.connector == "pdext":
+            return f"pdext-{self.pdext_mode}"
+        return PROTOCOLS[self.connector]
+
+    @property
     def connector_label(self) -> str:
         """The connector as ``up`` names it to the user: ``pdext over tcp``, ``nixl``."""
         if self.connector == "pdext":
@@ -265,13 +290,12 @@ class UpConfig(BaseModel):
 
     def _tensor_parallel(self) -> None:
         """TP sizes the connector can pair, on devices enough for every rank."""
-        if self.prefill and self.prefill_tp != self.decode_tp and self.connector == "pdext":
-            raise ValueError(
-                f"prefill_tp {self.prefill_tp} and decode_tp {self.decode_tp}: connector "
-                "pdext pairs each prefill rank with the decode rank holding the same heads, "
-                "so both sides need the same TP size (vllm_pd_ext/connectors/README.md, "
-                "supported matrix); nixl (vLLM's NixlConnector) pairs different sizes"
-            )
+        if self.prefill and self.connector == "pdext":
+            from vllm_pd_ext.connectors.common.parallel import tp_refusal
+
+            refusal = tp_refusal(self.prefill_tp, self.decode_tp, mode=self.pdext_mode)
+            if refusal is not None:
+                raise ValueError(f"prefill_tp and decode_tp: {refusal}. Supported: {TP_MATRIX}")
         if self.device == "cuda":
             for i, devices in enumerate(self.gpus):
                 tp = self.prefill_tp if i < self.prefill else self.decode_tp
@@ -375,7 +399,9 @@ class Stack:
         its ranks on the cores from ``core`` on (device cpu)."""
         cfg = self.config
         side_port = free_port()
-        kv = kv_transfer_config(cfg.connector, role, cfg.device, side_port, cfg.pdext_backend)
+        kv = kv_transfer_config(
+            cfg.connector, role, cfg.device, side_port, cfg.pdext_backend, cfg.pdext_mode
+        )
         if self.flexkv is not None:
             kv = with_tiered_cache(kv, self.flexkv)
         env = {
@@ -463,7 +489,7 @@ class Stack:
         config: dict[str, Any] = {
             "host": cfg.host,
             "port": cfg.proxy_port,
-            "protocol": PROTOCOLS[cfg.connector],
+            "protocol": cfg.protocol,
             "instances": instances,
             "render": [p.url for p in self.parts if p.name.startswith("render")],
             "decision": {

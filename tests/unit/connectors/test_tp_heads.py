@@ -5,6 +5,7 @@ readers (``parallel.py``, ``layout.py``, ``leases.py``): pure functions over CPU
 from __future__ import annotations
 
 import itertools
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from vllm_pd_ext.connectors.common.parallel import (
     source_ranks,
     tp_refusal,
 )
+from vllm_pd_ext.connectors.common.shell import declared_heads_first
 from vllm_pd_ext.transfer_params import READ, WRITE
 
 BLOCK, HEAD, NUM_BLOCKS = 16, 8, 6
@@ -83,8 +85,10 @@ def test_every_decode_head_comes_from_exactly_the_prefill_rank_that_holds_it(
         (1, 2, READ, 2, None),
         (3, 2, READ, 6, None),
         (2, 1, READ, None, None),  # heads not known here: the worker's layout check decides
-        (2, 1, WRITE, 4, "WRITE mode moves KV only between engines with the same"),
-        (1, 2, WRITE, 4, "WRITE mode moves KV only between engines with the same"),
+        (2, 1, WRITE, 4, None),  # each prefill rank writes its heads into their place
+        (1, 2, WRITE, 4, None),
+        (1, 4, WRITE, 2, "decode TP 4 is more than the model's 2 KV heads"),
+        (2, 1, "push", 4, "'push' is no transfer mode"),
         (2, 1, READ, 1, "prefill TP 2 is more than the model's 1 KV heads"),
         (1, 4, READ, 2, "decode TP 4 is more than the model's 2 KV heads"),
         (4, 2, READ, 6, "prefill TP 4 does not divide the model's 6 KV heads"),
@@ -186,6 +190,41 @@ def test_a_token_major_layout_is_refused_between_tp_sizes():
         block_spans(d.views[0], p.views[0], [(1, 1)], HeadSlice(0, 0, 0, 2))
 
 
+@pytest.mark.parametrize("heads_first", [False, True], ids=["shape only", "declared"])
+def test_as_many_heads_as_tokens_per_block_is_head_major_only_when_declared(heads_first):
+    """A block of 16 heads x 16 tokens: the shape is the same whether heads or tokens come
+    first. Told nothing, the layout is not head-major (so engines of different TP sizes
+    refuse it, never read the wrong bytes); told the engine's layout puts heads first, it is.
+    With heads != tokens the shape decides alone."""
+    heads = BLOCK
+    cache = {"layers.0.attn": torch.zeros(NUM_BLOCKS, heads, BLOCK, 2 * HEAD)}  # either order
+    layout, _ = layout_from_caches(
+        cache,
+        num_blocks=NUM_BLOCKS,
+        block_size=BLOCK,
+        model={"layers": 1},
+        head_major={0: heads},
+        heads_first=heads_first,
+    )
+    assert layout.views[0].heads == (heads if heads_first else 0)
+    assert layout.views[0].heads_axis == (0 if heads_first else -1)
+    guessed, _ = layout_of(cpu_cache(4, False), 4, 1)  # 4 heads, 16 tokens: unambiguous
+    assert guessed.views[0].heads == 4
+
+
+@pytest.mark.parametrize(
+    ("layout", "heads_first"), [(None, None), ("LBHNC", True), ("LBNHC", False)]
+)
+def test_the_declared_layout_says_whether_heads_come_first(layout, heads_first):
+    """What the worker is told about an ambiguous shape comes from vLLM's resolved
+    ``KVCacheLayout`` (heads then tokens innermost), None while it is not resolved."""
+    from vllm.config import CacheConfig
+
+    cache_config = CacheConfig()
+    cache_config.kv_cache_layout = layout
+    assert declared_heads_first(SimpleNamespace(cache_config=cache_config)) is heads_first
+
+
 @pytest.mark.parametrize(
     ("decode_heads", "match"),
     [(2, "holds 2 KV heads in all here"), (8, "holds 8 KV heads in all here")],
@@ -220,6 +259,27 @@ def test_a_lease_with_several_readers_is_released_when_all_of_them_are_done():
     assert leases.done("a", "t1") and "a" not in leases
     leases.grant("b")
     assert leases.done("b", "anyone")  # nobody claimed it: a release
+
+
+def test_a_reader_that_never_claimed_its_slot_closes_it_with_its_done():
+    """Rank 1 fails before its claim and says done naming its slot: the slot is closed, and
+    the lease released once rank 0, which claimed, is done too. A done naming a slot someone
+    else claimed, or one outside the lease's slots, closes nothing."""
+    leases = LeaseTable(10.0, clock=lambda: 0.0)
+    leases.grant("a")
+    slots = [("d", 0), ("d", 1)]
+    assert leases.claim("a", "t0", ("d", 0), slots) == "t0"
+    assert leases.unclaimed("a", ("d", 1)) and not leases.unclaimed("a", ("d", 0))
+    assert not leases.unclaimed("a", ("other", 1))
+    assert not leases.done("a", "t9", ("d", 0))  # t0's slot: not closed by another
+    assert not leases.done("a", "t9", ("other", 1))
+    assert not leases.done("a", "t1", ("d", 1))  # closed; rank 0 still reads
+    assert not leases.unclaimed("a", ("d", 1))
+    assert leases.done("a", "t0") and "a" not in leases
+    leases.grant("b")
+    assert leases.claim("b", "t0", ("d", 0), slots) == "t0"
+    assert not leases.done("b", "t0")
+    assert leases.done("b", "t1", ("d", 1)) and "b" not in leases  # rank 0 was done first
 
 
 def test_pairs_of_every_size_up_to_four_agree_with_the_matrix():

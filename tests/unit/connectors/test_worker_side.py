@@ -467,25 +467,6 @@ def test_layout_mismatch_fails_closed(pair):
     assert d.stats.take().data["failures"] == 1
 
 
-@pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)
-def test_a_write_between_tp_sizes_is_refused_at_handshake(pair, caplog):
-    """Same layout, tensor parallel size 2 on the prefill side and 1 on the decode side, WRITE
-    mode: the decode side refuses the prefill's handshake before it offers its blocks (the
-    load fails, nothing is copied), and the prefill side refuses an offer that says TP 1."""
-    p, _, d, dc, port = pair
-    caplog.set_level("WARNING", logger="vllm_pd_ext.connectors.common.worker")
-    write_offer(d, port, "t-tp", ((5, 0),))
-    assert poll(lambda: d.get_finished(set())[1], "the refused load") == {"d-req"}
-    assert d.get_block_ids_with_load_errors() == {5}
-    assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
-    assert "tensor parallel sizes differ (prefill TP 2, decode TP 1)" in caplog.text
-    assert "WRITE mode moves KV only between engines with the same" in caplog.text
-    offer = offer_of(d, "t-tp")  # the offer the decode side would have sent, sent anyway
-    with pytest.raises(SideChannelError, match="prefill TP 2, decode TP 1"):
-        post_json("127.0.0.1", port, "/write_target", offer, 5.0)
-    assert "t-tp" not in p._targets
-
-
 @pytest.mark.parametrize(
     ("pair", "refusal"),
     [
@@ -568,6 +549,161 @@ def test_read_between_tp_sizes_moves_each_decode_ranks_heads(backend, prefill_tp
     finally:
         for w in ds + ps:
             w.shutdown()
+
+
+def test_a_decode_rank_that_fails_before_its_claim_closes_its_lease_slot(backend):
+    """Prefill TP 1, decode TP 2: decode rank 0 claims and reads its half of the heads; rank
+    1 had handshaken, but its ``/renew`` finds the prefill's side channel gone, so it never
+    claims its slot. Its load fails, and its "done" notice (naming its engine and rank) closes
+    that slot: the prefill frees the blocks at once, and no lease expiry is counted."""
+    heads = 4
+    port, dport = free_port(), free_port()
+    (p,) = engine_ranks("kv_producer", port, backend, tp_size=1, heads=heads)
+    ds = engine_ranks("kv_consumer", dport, backend, tp_size=2, heads=heads)
+    try:
+        p.register_kv_caches(caches(True, heads=heads))
+        for d in ds:
+            d.register_kv_caches(caches(False, heads=heads // 2))
+        p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+        assert p.get_finished({"p-req"}) == (None, None)  # held
+        ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req", tp_size=1)
+        ds[1]._peer(ref, 0)  # rank 1 handshook, as it does on its first load from p
+        pairs = ((5, 1), (9, 2))
+        recv(ds[0], RecvSpec("d-req", "read", ref, (pairs,), ((5, 9),)))
+        assert poll(lambda: ds[0].get_finished(set())[1], "rank 0's load") == {"d-req"}
+        assert ds[0].get_block_ids_with_load_errors() == set()
+        assert p.get_finished(set()) == (None, None)  # rank 1's slot is still open
+        assert p._server is not None
+        p._server.close()  # rank 1's /renew cannot reach the prefill any more
+        recv(ds[1], RecvSpec("d-req", "read", ref, (pairs,), ((5, 9),)))
+        assert poll(lambda: ds[1].get_finished(set())[1], "rank 1's load") == {"d-req"}
+        assert ds[1].get_block_ids_with_load_errors() == {5, 9}
+        sending = poll(lambda: p.get_finished(set())[0], "the release of the closed slot")
+        assert sending == {"p-req"} and "p-req" not in p._held
+        assert p.stats.take().data["lease_expiries"] == 0
+    finally:
+        for w in [*ds, p]:
+            w.shutdown()
+
+
+@pytest.mark.parametrize("layerwise", [True, False])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
+def test_write_between_tp_sizes_puts_each_prefill_ranks_heads_in_place(
+    backend, prefill_tp, decode_tp, layerwise
+):
+    """Four KV heads, WRITE, prefill TP 2 -> decode TP 1 (both prefill ranks write their heads
+    into their place in the decode rank's blocks) and TP 1 -> TP 2 (the prefill rank writes
+    each decode rank its half): every decode rank offers its blocks to each prefill rank
+    holding heads of its own and loads once each of them said written; every decode block
+    equals the model's heads it holds, nothing else is written, every prefill rank frees."""
+    heads = 4
+    port, dport = free_port(), free_port()
+    ps = engine_ranks("kv_producer", port, backend, tp_size=prefill_tp, heads=heads)
+    ds = engine_ranks("kv_consumer", dport, backend, tp_size=decode_tp, heads=heads)
+    pcs = [caches(True, heads=heads // prefill_tp) for _ in ps]
+    dcs = [caches(False, heads=heads // decode_tp) for _ in ds]
+    try:
+        for w, c in zip(ps + ds, pcs + dcs, strict=True):
+            w.register_kv_caches(c)
+        for p in ps:
+            p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-x", ((1, 2),), PROMPT_HASH)]))
+        offered = ((5, 0), (9, 1))  # (decode block, prompt block position)
+        if layerwise:  # every offer is there before the prefill step saves its layers
+            for d in ds:
+                write_offer(d, port, "t-x", offered)
+            want = len(ps[0]._writes_to(decode_tp))
+            for p in ps:
+                poll(lambda p=p: len(p._offers("t-x")) == want, "the decode offers")
+        for p, pc in zip(ps, pcs, strict=True):
+            for layer in pc:
+                p.save_kv_layer(layer)
+            p.wait_for_save()
+        if not layerwise:  # the prefill step ended first: each push waits for its offers
+            for d in ds:
+                write_offer(d, port, "t-x", offered)
+        for p in ps:
+            p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), "t-x")]))
+        for d in ds:
+            assert poll(lambda d=d: d.get_finished(set())[1], "a rank's load") == {"d-req"}
+            assert d.get_block_ids_with_load_errors() == set()
+        per_d = heads // decode_tp
+        for q, dc in enumerate(dcs):
+            for name in dc:
+                for loc, r in ((5, 1), (9, 2)):
+                    model = torch.cat([block(pc, name, r) for pc in pcs])  # all heads
+                    assert torch.equal(block(dc, name, loc), model[q * per_d : (q + 1) * per_d])
+            assert torch.count_nonzero(block(dc, next(iter(dc)), 1)) == 0  # nothing else
+        for p in ps:
+            sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's free")
+            assert sending == {"p-req"}
+    finally:
+        for w in ds + ps:
+            w.shutdown()
+
+
+@pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)
+def test_a_write_offer_from_a_decode_rank_holding_none_of_our_heads_is_refused(pair):
+    """Prefill rank 0 of TP 2 holds heads 0 and 1 of the model's four; an offer from decode
+    rank 2 of TP 4, which holds head 2 only, is refused before anything is written."""
+    p, _, d, _, port = pair
+    offer = offer_of(d, "t-no", tp_size=4, tp_rank=2)
+    with pytest.raises(SideChannelError, match="decode TP rank 2 of 4 holds no head of ours"):
+        post_json("127.0.0.1", port, "/write_target", offer, 5.0)
+    assert "t-no" not in p._targets
+
+
+class LockedOnly(dict):
+    """A dict that records every change made while ``lock`` is not held."""
+
+    def __init__(self, lock) -> None:
+        super().__init__()
+        self.lock = lock
+        self.unlocked: list[str] = []
+
+    def _check(self, what: str) -> None:
+        if not self.lock.locked():
+            self.unlocked.append(what)
+
+    def setdefault(self, key, default=None):
+        self._check(f"setdefault {key}")
+        return super().setdefault(key, default)
+
+    def pop(self, key, *default):
+        self._check(f"pop {key}")
+        return super().pop(key, *default)
+
+    def __setitem__(self, key, value) -> None:
+        self._check(f"set {key}")
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self._check(f"del {key}")
+        super().__delitem__(key)
+
+
+@pytest.mark.parametrize("backend", ["tcp"])
+def test_read_grants_change_only_under_the_lease_lock(pair):
+    """The side channel adds a lease's read grants (``/renew``) while the worker thread frees
+    them (a done, an expiry): every change to the table happens under the lease lock, on
+    both paths."""
+    p, _, d, _, port = pair
+    grants = p._read_grants = LockedOnly(p._lease_lock)
+    p.bind(PdTransferMetadata(send=[SendSpec(r, "read", ((b,),)) for r, b in (("a", 1), ("b", 2))]))
+    p.get_finished({"a", "b"})
+    recv(
+        d,
+        RecvSpec(
+            "d-a", "read", RemoteRef(p.engine_id, "127.0.0.1", port, "a"), (((5, 1),),), ((5,),)
+        ),
+    )
+    assert poll(lambda: d.get_finished(set())[1], "the load") == {"d-a"}
+    assert poll(lambda: p.get_finished(set())[0], "the release") == {"a"}
+    assert d.transport is not None  # b: claimed, then its lease runs out
+    post_json("127.0.0.1", port, "/renew", {"req": "b", "engine_id": d.transport.engine_id}, 5.0)
+    assert "b" in grants
+    p.clock.now += p.cfg.lease_s + 1
+    assert p.get_finished(set()) == ({"b"}, None)
+    assert not grants and grants.unlocked == []
 
 
 def offer_of(d: TransferWorker, transfer_id: str, **changes) -> dict:
@@ -688,11 +824,15 @@ def peer_rows(w: TransferWorker) -> dict[str, dict[str, float]]:
 
 def test_reads_their_failures_and_lease_expiries_count_per_peer_engine(pair):
     """The decode side counts its reads and failed reads under the engine id of the prefill
-    it read from (a failure before any handshake too: the params name it); the prefill side
-    counts an expired lease under the engine id of the decode that claimed its blocks, and
-    one nobody claimed under "unknown"."""
+    it read from (a failure before any handshake too: the params name it); a failed read
+    still says done, so the prefill frees those blocks at once; the prefill side counts an
+    expired lease under the engine id of the decode that claimed its blocks, and one nobody
+    claimed under "unknown"."""
     p, _, d, _, port = pair
-    held = [SendSpec(r, "read", ((b,),)) for r, b in (("p-ok", 1), ("p-late", 2), ("p-none", 3))]
+    held = [
+        SendSpec(r, "read", ((b,),))
+        for r, b in (("p-ok", 1), ("p-late", 2), ("p-claimed", 3), ("p-none", 4))
+    ]
     p.bind(PdTransferMetadata(send=held))
     p.get_finished({s.req_id for s in held})
 
@@ -701,17 +841,27 @@ def test_reads_their_failures_and_lease_expiries_count_per_peer_engine(pair):
         assert poll(lambda: d.get_finished(set())[1], f"the load of {req}") == {req}
 
     load("d-ok", RemoteRef(p.engine_id, "127.0.0.1", port, "p-ok"))
-    # claims the blocks (renews), then cannot read within the lease it was given: no release
+    # claims the blocks (renews), then cannot read within the lease it was given: it fails
+    # and says done
     load("d-late", RemoteRef(p.engine_id, "127.0.0.1", port, "p-late"), lease_s=1e-9)
     load("d-lost", RemoteRef("engine-gone", "127.0.0.1", free_port(), "p-x"))
+    assert d.transport is not None  # claims p-claimed as a read would, then goes silent
+    claim = {"req": "p-claimed", "engine_id": d.transport.engine_id, "decode_engine": d.engine_id}
+    post_json("127.0.0.1", port, "/renew", claim, 5.0)
     per_block = BLOCK * HEADS * 2 * HEAD * 4
     assert peer_rows(d) == {
         p.engine_id: {"transfers": 1, "bytes": LAYERS * per_block, "failures": 1},
         "engine-gone": {"failures": 1},
     }
-    assert poll(lambda: p.get_finished(set())[0], "the release") == {"p-ok"}
+    released: set[str] = set()
+
+    def both_released() -> bool:
+        released.update(p.get_finished(set())[0] or ())
+        return released == {"p-ok", "p-late"}
+
+    poll(both_released, "the releases")
     p.clock.now += p.cfg.lease_s + 1
-    assert p.get_finished(set()) == ({"p-late", "p-none"}, None)
+    assert p.get_finished(set()) == ({"p-claimed", "p-none"}, None)
     assert peer_rows(p) == {d.engine_id: {"lease_expiries": 1}, "unknown": {"lease_expiries": 1}}
 
 
@@ -992,7 +1142,7 @@ def test_the_prefill_writes_only_into_the_blocks_offered_to_it(pair):
     p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),), PROMPT_HASH)]))
     write_offer(d, port, "t-1", ((4, 0), (8, 1)))
     poll(lambda: "t-1" in p._targets, "the decode offer")
-    target = p._targets["t-1"]
+    (target,) = p._targets["t-1"].values()
 
     def write(w: TransferWorker, peer: str, theirs, pairs) -> None:
         assert w.transport is not None and w.layout is not None

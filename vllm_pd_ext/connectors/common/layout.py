@@ -263,6 +263,7 @@ def _view_of(
     num_blocks: int,
     heads: int = 0,
     block_size: int = 0,
+    heads_first: bool = False,
 ) -> CacheView:
     shape, stride = tuple(t.shape), tuple(t.stride())
     candidates = [d for d, n in enumerate(shape) if n == num_blocks]
@@ -281,12 +282,15 @@ def _view_of(
                 f"inside a block"
             )
         expected *= n
-    # head-major pieces: [heads, block_size, ...] with the heads the caller says this rank has
+    # head-major pieces: [heads, block_size, ...] with the heads the caller says this rank has;
+    # with as many heads as tokens per block the shape cannot tell [heads, block_size, ...]
+    # from [block_size, heads, ...]: only the engine's declared layout can (``heads_first``)
     head_major = (
         heads > 0
         and len(shape) > d + 2
         and shape[d + 1] == heads
         and (not block_size or shape[d + 2] == block_size)
+        and (heads_first or heads != shape[d + 2])
     )
     offsets = [0]
     for n, s in zip(shape[:d], stride[:d], strict=True):
@@ -325,6 +329,7 @@ def layout_from_caches(
     group_of: Mapping[str, int] | None = None,
     block_size: int | None = None,
     head_major: Mapping[int, int] | None = None,
+    heads_first: bool = False,
     tp_size: int = 1,
     tp_rank: int = 0,
 ) -> tuple[CacheLayout, dict[str, torch.Tensor]]:
@@ -334,8 +339,12 @@ def layout_from_caches(
     cache groups (all group 0 when omitted; ``block_size`` is shorthand for one group's
     ``block_sizes``). ``head_major`` maps the groups whose blocks are laid out heads first
     (``[heads, block_size, ...]`` per piece) to this rank's KV heads; their views get
-    ``heads``. Regions are named ``kv0``, ``kv1``... and views ordered by layer name, so
-    both sides name them alike.
+    ``heads`` where the tensor's shape shows them there. A shape with as many heads as
+    tokens per block is ambiguous (``[heads, block_size, ...]`` or ``[block_size, heads,
+    ...]``): head-major only when ``heads_first`` says the engine's declared KV cache layout
+    puts each block's heads before its tokens, else not (no slice of heads is then read).
+    Regions are named ``kv0``, ``kv1``... and views ordered by layer name, so both sides name
+    them alike.
     """
     import torch
 
@@ -370,6 +379,7 @@ def layout_from_caches(
             num_blocks,
             (head_major or {}).get(vkey[3], 0),
             int(block_sizes[vkey[3]]) if vkey[3] < len(block_sizes) else 0,
+            heads_first,
         )
         for vkey, layers in views.items()
     ]

@@ -12,7 +12,8 @@ class LeaseTable:
     A lease has reader **slots** (one unless the first claim names more: under tensor
     parallelism of different sizes, several decode ranks read one prefill rank's blocks); the
     first claim of each slot stands, and the blocks are released once every slot's holder said
-    done (or at once when nobody claimed them). The first claimant may name its engine id (what
+    done or a reader that never claimed its slot closed it (or at once when nobody claimed
+    any). The first claimant may name its engine id (what
     an expired lease is counted under). Not thread-safe: the caller holds one lock
     around every call.
 
@@ -68,14 +69,24 @@ class LeaseTable:
         lease)."""
         return next(iter(self._claims.get(req_id, {}).values()), None)
 
-    def done(self, req_id: str, peer: str) -> bool:
-        """``peer`` read what it claimed of ``req_id``; True once that released the lease
-        (every slot claimed and done, or nobody had claimed any)."""
+    def unclaimed(self, req_id: str, slot: Hashable) -> bool:
+        """Whether ``slot`` is one of the slots the first claim of ``req_id`` fixed, and nobody
+        claimed it yet."""
+        return slot in self._slots.get(req_id, ()) and slot not in self._claims.get(req_id, {})
+
+    def done(self, req_id: str, peer: str, slot: Hashable = None) -> bool:
+        """``peer`` read what it claimed of ``req_id``, or is done with it unread (it failed,
+        or its request ended, before it could claim); naming a ``slot`` nobody claimed, it
+        closes that slot (claimed by ``peer``, and done: a reader that failed before its
+        claim). True once that released the lease (every slot done or closed, or nobody had
+        claimed any)."""
         if req_id not in self._expiry:
             return False
         claims = self._claims.get(req_id)
         if not claims:
             return self.release(req_id)
+        if self.unclaimed(req_id, slot):
+            claims[slot] = peer
         finished = self._done.setdefault(req_id, set())
         finished.update(s for s, p in claims.items() if p == peer)
         if finished >= self._slots[req_id]:

@@ -13,8 +13,12 @@ Each engine's rank ``r`` of ``n`` holds KV heads ``[r * H / n, (r + 1) * H / n)`
   (:func:`reader_ranks`) said done. This needs every cache's blocks to hold each head's bytes
   contiguously (vLLM's head-major layout, the CPU backend's ``[blocks, heads, block_size, ...]``);
   the worker refuses other layouts at handshake (``layout.py``).
-* Refused (:func:`tp_refusal`): different sizes in WRITE mode, and sizes that do not split the
-  model's KV heads evenly (more ranks than KV heads included: those ranks replicate heads).
+* **Different TP sizes, WRITE**: the same head slices the other way: each prefill rank writes,
+  into every decode rank whose heads overlap its own (:func:`reader_ranks`), those heads in
+  their place in the decode blocks the rank offered; each decode rank waits for the "written"
+  notice of every prefill rank that holds heads of its own (:func:`source_ranks`).
+* Refused (:func:`tp_refusal`): sizes that do not split the model's KV heads evenly (more
+  ranks than KV heads included: those ranks replicate heads), and models with SSM state.
 
 The supported matrix is in the connectors' README.
 """
@@ -24,7 +28,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_pd_ext.transfer_params import READ
+from vllm_pd_ext.transfer_params import READ, WRITE
+
+#: The transfer modes that move head slices between engines of different TP sizes.
+MODES = (READ, WRITE)
 
 
 @dataclass(frozen=True)
@@ -58,11 +65,8 @@ def tp_refusal(
         return f"tensor parallel sizes differ ({sizes}) and one is not a number"
     if prefill_tp < 1 or decode_tp < 1:
         return f"tensor parallel sizes differ ({sizes}) and one is below 1"
-    if mode != READ:
-        return (
-            f"tensor parallel sizes differ ({sizes}): {str(mode).upper()} mode moves KV only "
-            "between engines with the same --tensor-parallel-size (READ reads head slices)"
-        )
+    if mode not in MODES:
+        return f"tensor parallel sizes differ ({sizes}) and {mode!r} is no transfer mode"
     if state:
         return (
             f"tensor parallel sizes differ ({sizes}) and the model keeps SSM state, which "

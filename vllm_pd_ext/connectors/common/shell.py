@@ -57,6 +57,15 @@ def _spec_facts(spec: Any) -> dict[str, Any]:
     return out
 
 
+def declared_heads_first(vllm_config: VllmConfig) -> bool | None:
+    """Whether the engine's resolved KV cache layout (vLLM's ``KVCacheLayout``) puts each
+    block's heads, then its tokens, innermost (None: not resolved here)."""
+    try:
+        return bool(vllm_config.cache_config.get_resolved_kv_cache_layout().is_block_contiguous)
+    except (AttributeError, ValueError):  # not resolved here: the tensors' shapes decide
+        return None
+
+
 def head_major_groups(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
 ) -> dict[int, int]:
@@ -65,11 +74,8 @@ def head_major_groups(
     size may read a slice of (``layout.py`` also checks each tensor's shape)."""
     from vllm.v1.kv_cache_interface import AttentionSpec, MLAAttentionSpec, SlidingWindowMLASpec
 
-    try:
-        if not vllm_config.cache_config.get_resolved_kv_cache_layout().is_block_contiguous:
-            return {}
-    except (AttributeError, ValueError):  # not resolved here: the tensors' shapes decide
-        pass
+    if declared_heads_first(vllm_config) is False:
+        return {}
     out = {}
     for i, g in enumerate(kv_cache_config.kv_cache_groups if kv_cache_config else ()):
         spec = g.kv_cache_spec
@@ -127,5 +133,6 @@ def make_worker(
         model=model_facts(vllm_config, kv_cache_config),
         group_of=group_of,
         head_major=head_major_groups(vllm_config, kv_cache_config),
+        heads_first=bool(declared_heads_first(vllm_config)),
         key=fleet_key.load_key(),
     )

@@ -9,17 +9,23 @@ the transfers:
   "renew" extends the lease, and a lease that runs out frees them too. The decode transport
   that claims the lease (``/renew`` right before it reads) is granted read access to exactly
   those blocks until they are freed. When the decode engine has another TP size, each of its
-  ranks that reads this rank's heads claims the lease, and "done" from all of them frees it.
+  ranks that reads this rank's heads claims the lease, and "done" from all of them frees it;
+  a "done" naming a reading rank that never claimed (it failed before its ``/renew``) closes
+  that rank's slot.
 * READ, decode, TP sizes differ: each source rank (``parallel.py``) is handshaken, claimed and
-  read (the head slices it holds for us), and told "done" once every read completed.
+  read (the head slices it holds for us), and told "done" once every read completed, or once
+  the load failed (each rank handshaken by then).
 * WRITE, decode: the transfer thread grants the prefill transport write access to the blocks
   it offers (``POST /write_target``), waits for the prefill side's "written" notice, then
-  withdraws the grant (also on failure or timeout). The notice names the hash of the prompt
-  the prefill computed; KV computed for another prompt than the request's is refused
-  (:class:`KVRefused`).
+  withdraws the grant (also on failure or timeout). When the TP sizes differ, it offers them
+  to every prefill rank holding heads of its own and waits for each one's notice. The notice
+  names the hash of the prompt the prefill computed; KV computed for another prompt than the
+  request's is refused (:class:`KVRefused`).
 * WRITE, prefill: in the step that computes the last prompt tokens, each layer is written
   into the decode blocks as it is saved (if the offer is already there), the rest after the
-  step; then "written" is sent, with the prompt's hash, and the blocks are freed.
+  step; then "written" is sent, with the prompt's hash, and the blocks are freed. When the TP
+  sizes differ, each decode rank holding heads of ours offers its blocks, and gets our heads
+  it holds, in their place (``parallel.head_slices``), and its own "written".
 
 Every failure ends in the same place: the decode request is reported finished with its blocks
 in ``get_block_ids_with_load_errors()`` (or, for hybrid models whose block ids repeat across KV
@@ -130,7 +136,7 @@ class _Push:
 
     spec: PushSpec
     started: float = field(default_factory=time.monotonic)
-    views_done: set[int] = field(default_factory=set)
+    views_done: set[tuple[int, int]] = field(default_factory=set)  # (decode rank, view)
     handles: list[Any] = field(default_factory=list)
     nbytes: int = 0
     peer: str | None = None  # the decode engine that offered its blocks, once it has
@@ -168,6 +174,7 @@ class TransferWorker:
         model: Mapping[str, Any],
         group_of: Mapping[str, int] | None = None,
         head_major: Mapping[int, int] | None = None,
+        heads_first: bool = False,
         key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
         spans: TransferSpans | None = None,
@@ -186,6 +193,9 @@ class TransferWorker:
         self.group_of = dict(group_of or {})
         #: KV cache groups laid out heads first -> this rank's KV heads (``layout.py``)
         self.head_major = dict(head_major or {})
+        #: the engine's declared KV cache layout puts each block's heads before its tokens
+        #: (else the caches' shapes decide, and an ambiguous one is not head-major)
+        self.heads_first = heads_first
         self.stats = StatsRecorder()
         #: Ends the transfer spans of requests that carry a ``traceparent`` (``tracing.py``).
         self.spans = spans or TransferSpans()
@@ -204,10 +214,10 @@ class TransferWorker:
         self._loads: dict[str, Future] = {}
         self._load_blocks: dict[str, tuple[int, ...]] = {}
         #: transfer id -> (ok, error, the hash of the prompt the prefill computed)
-        self._written: dict[str, tuple[bool, str, str | None]] = {}
+        self._written: dict[tuple[str, str], tuple[bool, str, str | None]] = {}
         #: WRITE transfers a load is waiting for: only their "written" notices are kept, so
         #: notices nobody asked for cannot fill ``_written``.
-        self._awaiting: dict[str, str] = {}  # transfer id -> the prefill peer that must write
+        self._awaiting: dict[str, set[str]] = {}  # transfer id -> the prefill peers that write
         self._load_errors: set[int] = set()
         self._failed_loads: set[str] = set()
         self._refusal_log = Throttle(_REFUSAL_LOG_EVERY_S)
@@ -226,7 +236,8 @@ class TransferWorker:
         self._pushes: dict[str, _Push] = {}  # req id -> push
         self._push_futures: dict[str, Future] = {}
         self._push_confirmed: set[str] = set()
-        self._targets: dict[str, _Target] = {}  # transfer id -> offer
+        #: transfer id -> decode TP rank -> its offer
+        self._targets: dict[str, dict[int, _Target]] = {}
         self._finished_sending: set[str] = set()
         self._finished_reqs: set[str] = set()
 
@@ -244,6 +255,7 @@ class TransferWorker:
             model=self.model,
             group_of=self.group_of,
             head_major=self.head_major,
+            heads_first=self.heads_first,
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
         )
@@ -451,23 +463,41 @@ class TransferWorker:
         for ref in meta.renew:
             self._pool.submit(self._send_quietly, ref, {"op": "renew"})
         for ref in meta.release:
-            self._pool.submit(self._send_quietly, ref, {"op": "done"})
+            self._pool.submit(self._send_quietly, ref, self._done_notice())
+
+    def _done_notice(self) -> dict[str, Any]:
+        """The "done" notice of a READ: it names this decode rank (``decode_engine``,
+        ``tp_rank``), so a prefill rank whose lease has a slot for it that it never claimed
+        (it failed before its ``/renew``) closes that slot."""
+        return {"op": "done", "decode_engine": self.engine_id, "tp_rank": self.tp_rank}
 
     def _send_quietly(self, remote: RemoteRef, body: dict[str, Any]) -> None:
         """Send ``body`` about a READ to every prefill rank we load from; log failures."""
         for rank in self._source_ranks(remote):
             try:
                 peer = self._peer(remote, rank)
-                self._notify(peer.peer_id, {**body, "req": remote.request_id})
             except (TransportError, SideChannelError, LayoutMismatch, OSError) as e:
-                logger.warning(
-                    "could not send %s for %s to %s (TP rank %d): %s",
-                    body.get("op"),
-                    remote.request_id,
-                    remote.host,
-                    rank,
-                    e,
-                )
+                self._log_unsent(remote, rank, body, e)
+                continue
+            self._notify_quietly(remote, peer, body)
+
+    def _notify_quietly(self, remote: RemoteRef, peer: _Peer, body: dict[str, Any]) -> None:
+        """Send ``body`` about the READ of ``remote`` to prefill rank ``peer``; log a failure."""
+        try:
+            self._notify(peer.peer_id, {**body, "req": remote.request_id})
+        except (TransportError, OSError) as e:
+            self._log_unsent(remote, peer.rank, body, e)
+
+    @staticmethod
+    def _log_unsent(remote: RemoteRef, rank: int, body: Mapping[str, Any], e: Exception) -> None:
+        logger.warning(
+            "could not send %s for %s to %s (TP rank %d): %s",
+            body.get("op"),
+            remote.request_id,
+            remote.host,
+            rank,
+            e,
+        )
 
     def _load(self, spec: RecvSpec) -> None:
         """Transfer thread: complete one decode-side load or raise :class:`LoadFailed`; a
@@ -502,74 +532,17 @@ class TransferWorker:
         try:
             assert self.transport is not None and self.layout is not None
             if spec.mode == READ:
-                peers = [self._peer(spec.remote, r) for r in self._source_ranks(spec.remote)]
-                remote_tp = spec.remote.tp_size or self.tp_size
-                for peer in peers:
-                    if peer.layout.tp_size != remote_tp:
-                        raise LayoutMismatch(
-                            f"the READ answer said prefill TP {remote_tp}; its rank "
-                            f"{peer.rank} has TP {peer.layout.tp_size}"
-                        )
-                # Claim the blocks of every source rank (each then lets our transport read
-                # them, and only the decode ranks that claimed them); they must still be held,
-                # and stay held while we read: renew synchronously, then finish well inside
-                # the new lease: the first rank's, from before its renewal, ends first.
-                claimed = time.monotonic()
-                for peer in peers:
-                    post_json(
-                        spec.remote.host,
-                        spec.remote.port + peer.rank,
-                        "/renew",
-                        {
-                            "req": spec.remote.request_id,
-                            "engine_id": self.transport.engine_id,
-                            "decode_engine": self.engine_id,
-                            "tp_size": self.tp_size,
-                            "tp_rank": self.tp_rank,
-                        },
-                        self.cfg.handshake_timeout_s,
-                        self.key,
-                    )
-                if spec.lease_s:
-                    deadline = min(deadline, claimed + 0.8 * spec.lease_s)
-                nbytes = self._read(peers, spec.pairs, deadline)
-                if time.monotonic() > deadline:
-                    raise LoadFailed("the read ended after the prefill side's lease could end")
-                # the KV is ours: a rank we cannot tell frees its blocks at its lease's end
-                self._send_quietly(spec.remote, {"op": "done"})
+                reached: list[_Peer] = []
+                try:
+                    nbytes = self._run_read(spec, reached, deadline)
+                finally:
+                    # The KV is ours, or this load failed (before its claim too): either way
+                    # every prefill rank we reached frees its blocks now; a rank we could not
+                    # reach frees them at its lease's end.
+                    for peer in reached:
+                        self._notify_quietly(spec.remote, peer, self._done_notice())
             else:
-                if spec.remote.tp_size not in (None, self.tp_size):
-                    raise LayoutMismatch(
-                        tp_refusal(spec.remote.tp_size, self.tp_size, mode=WRITE) or ""
-                    )
-                peer = self._peer(spec.remote, mode=WRITE)
-                with self._lock:
-                    self._awaiting[str(spec.transfer_id)] = peer.peer_id
-                # the prefill transport may write into the blocks we offer, nowhere else
-                self._grant(
-                    _write_grant(str(spec.transfer_id)),
-                    TransferOp.WRITE,
-                    peer.peer_id,
-                    self._grant_spans([[d for d, _ in group] for group in spec.pairs]),
-                )
-                post_json(
-                    spec.remote.host,
-                    spec.remote.port + self.tp_rank,
-                    "/write_target",
-                    {
-                        "transfer_id": spec.transfer_id,
-                        "engine_id": self.engine_id,
-                        "transport": self.transport.descriptor().to_dict(),
-                        "layout": self.layout.to_dict(),
-                        "pairs": [[list(pair) for pair in group] for group in spec.pairs],
-                        "v": HANDSHAKE_VERSION,
-                        "tp_size": self.tp_size,
-                        "tp_rank": self.tp_rank,
-                    },
-                    self.cfg.handshake_timeout_s,
-                    self.key,
-                )
-                nbytes = self._await_written(spec, deadline)
+                nbytes = self._run_write(spec, deadline)
         except KVRefused as e:
             self.stats.params_refused()
             if self._refusal_log.ready():
@@ -587,14 +560,106 @@ class TransferWorker:
             raise LoadFailed(
                 f"KV load of {spec.req_id} from {spec.remote.host}:{spec.remote.port} failed: {e}"
             ) from e
-        finally:
-            if spec.transfer_id is not None:
-                # written, failed or timed out (then cancelled): nothing more may land
-                self._revoke(_write_grant(str(spec.transfer_id)))
-                with self._lock:
-                    self._awaiting.pop(str(spec.transfer_id), None)
-                    self._written.pop(str(spec.transfer_id), None)
         self.stats.transfer(time.perf_counter() - t0, nbytes, spec.remote.engine_id)
+        return nbytes
+
+    def _write_sources(self, remote: RemoteRef) -> list[_Peer]:
+        """The prefill ranks that write our KV heads in a WRITE: the rank of our index when
+        the prefill engine has our TP size, else every rank whose heads overlap ours (its
+        TP size learnt from its rank 0's handshake: a WRITE's params do not carry it)."""
+        if remote.tp_size not in (None, self.tp_size):
+            raise LayoutMismatch(
+                tp_refusal(remote.tp_size, self.tp_size, mode=WRITE, kv_heads=self._kv_heads)
+                or f"the WRITE params say prefill TP {remote.tp_size}"
+            )
+        prefill_tp = self._peer(remote, 0, mode=WRITE).layout.tp_size
+        if prefill_tp == self.tp_size:
+            return [self._peer(remote, mode=WRITE)]
+        ranks = source_ranks(self.tp_rank, self.tp_size, prefill_tp)
+        return [self._peer(remote, r, mode=WRITE) for r in ranks]
+
+    def _run_write(self, spec: RecvSpec, deadline: float) -> int:
+        """A WRITE's decode side: offer our blocks to each prefill rank that writes our heads
+        (granting its transport write access to them, nothing else), wait for each one's
+        "written" notice; the grants are withdrawn however it ends. Moves no bytes itself."""
+        assert self.transport is not None and self.layout is not None
+        tid = str(spec.transfer_id)
+        grants: list[str] = []
+        try:
+            peers = self._write_sources(spec.remote)
+            with self._lock:
+                self._awaiting[tid] = {p.peer_id for p in peers}
+            spans = self._grant_spans([[d for d, _ in group] for group in spec.pairs])
+            offer = {
+                "transfer_id": spec.transfer_id,
+                "engine_id": self.engine_id,
+                "transport": self.transport.descriptor().to_dict(),
+                "layout": self.layout.to_dict(),
+                "pairs": [[list(pair) for pair in group] for group in spec.pairs],
+                "v": HANDSHAKE_VERSION,
+                "tp_size": self.tp_size,
+                "tp_rank": self.tp_rank,
+            }
+            for peer in peers:
+                # the prefill rank's transport may write into the blocks we offer, nowhere else
+                grants.append(_write_grant(tid, peer.rank))
+                self._grant(grants[-1], TransferOp.WRITE, peer.peer_id, spans)
+                post_json(
+                    spec.remote.host,
+                    spec.remote.port + peer.rank,
+                    "/write_target",
+                    offer,
+                    self.cfg.handshake_timeout_s,
+                    self.key,
+                )
+            return self._await_written(spec, peers, deadline)
+        finally:
+            # written, failed or timed out (then cancelled): nothing more may land
+            for grant in grants:
+                self._revoke(grant)
+            with self._lock:
+                writers = self._awaiting.pop(tid, set())
+                for writer in writers:
+                    self._written.pop((tid, writer), None)
+
+    def _run_read(self, spec: RecvSpec, reached: list[_Peer], deadline: float) -> int:
+        """A READ's handshakes (each prefill rank handshaken is added to ``reached``), claims
+        and reads; the bytes moved."""
+        assert self.transport is not None
+        for r in self._source_ranks(spec.remote):
+            reached.append(self._peer(spec.remote, r))
+        remote_tp = spec.remote.tp_size or self.tp_size
+        for peer in reached:
+            if peer.layout.tp_size != remote_tp:
+                raise LayoutMismatch(
+                    f"the READ answer said prefill TP {remote_tp}; its rank "
+                    f"{peer.rank} has TP {peer.layout.tp_size}"
+                )
+        # Claim the blocks of every source rank (each then lets our transport read them, and
+        # only the decode ranks that claimed them); they must still be held, and stay held
+        # while we read: renew synchronously, then finish well inside the new lease: the
+        # first rank's, from before its renewal, ends first.
+        claimed = time.monotonic()
+        for peer in reached:
+            post_json(
+                spec.remote.host,
+                spec.remote.port + peer.rank,
+                "/renew",
+                {
+                    "req": spec.remote.request_id,
+                    "engine_id": self.transport.engine_id,
+                    "decode_engine": self.engine_id,
+                    "tp_size": self.tp_size,
+                    "tp_rank": self.tp_rank,
+                },
+                self.cfg.handshake_timeout_s,
+                self.key,
+            )
+        if spec.lease_s:
+            deadline = min(deadline, claimed + 0.8 * spec.lease_s)
+        nbytes = self._read(reached, spec.pairs, deadline)
+        if time.monotonic() > deadline:
+            raise LoadFailed("the read ended after the prefill side's lease could end")
         return nbytes
 
     def _read(self, peers: Sequence[_Peer], pairs: Any, deadline: float) -> int:
@@ -624,28 +689,45 @@ class TransferWorker:
         self.transport.wait_all(handles, max(0.0, deadline - time.monotonic()))
         return nbytes
 
-    def _await_written(self, spec: RecvSpec, deadline: float) -> int:
+    def _await_written(self, spec: RecvSpec, peers: Sequence[_Peer], deadline: float) -> int:
+        """Wait for the "written" notice of every prefill rank in ``peers``; on a failed or
+        refused one, or none in time, make sure the ranks still writing stop first."""
         transfer_id = str(spec.transfer_id)
-        while time.monotonic() < deadline:
-            with self._lock:
-                result = self._written.pop(transfer_id, None)
-            if result is not None:
-                ok, error, computed = result
-                if not ok:
-                    raise LoadFailed(f"prefill side reported: {error}")
-                if spec.prompt_hash is None or computed != spec.prompt_hash:
-                    raise KVRefused(
-                        f"transfer {transfer_id} was computed for another prompt (hash "
-                        f"{str(computed)[:32]}, this request's {spec.prompt_hash})"
-                    )
-                return 0
-            time.sleep(0.002)
-        # Our blocks are freed once we report this load: first make sure the prefill side
-        # writes nothing more into them.
+        pending = {p.peer_id: p for p in peers}
+        try:
+            while pending:
+                if time.monotonic() >= deadline:
+                    raise LoadFailed(f"no 'written' notice for transfer {transfer_id} in time")
+                with self._lock:
+                    results = [
+                        (w, self._written.pop((transfer_id, w)))
+                        for w in list(pending)
+                        if (transfer_id, w) in self._written
+                    ]
+                for writer, (ok, error, computed) in results:
+                    del pending[writer]
+                    if not ok:
+                        raise LoadFailed(f"prefill side reported: {error}")
+                    if spec.prompt_hash is None or computed != spec.prompt_hash:
+                        raise KVRefused(
+                            f"transfer {transfer_id} was computed for another prompt (hash "
+                            f"{str(computed)[:32]}, this request's {spec.prompt_hash})"
+                        )
+                if pending:
+                    time.sleep(0.002)
+            return 0
+        except LoadFailed:
+            # Our blocks are freed once we report this load: first make sure no prefill rank
+            # writes anything more into them.
+            for peer in pending.values():
+                self._cancel_write(spec.remote, peer.rank, transfer_id)
+            raise
+
+    def _cancel_write(self, remote: RemoteRef, rank: int, transfer_id: str) -> None:
         try:
             post_json(
-                spec.remote.host,
-                spec.remote.port + self.tp_rank,
+                remote.host,
+                remote.port + rank,
                 "/cancel",
                 {"transfer_id": transfer_id},
                 self.cfg.handshake_timeout_s,
@@ -653,13 +735,21 @@ class TransferWorker:
             )
         except SideChannelError as e:
             logger.warning("could not cancel transfer %s on the prefill side: %s", transfer_id, e)
-        raise LoadFailed(f"no 'written' notice for transfer {transfer_id} in time")
 
     # ---- prefill side, WRITE mode ----
     def _on_write_target(self, body: dict[str, Any]) -> None:
         """Side-channel thread: a decode worker's offer for transfer ``transfer_id``."""
         assert self.transport is not None
-        layout = self._check_handshake(body, None, peer_is_prefill=False, mode=WRITE)
+        decode_tp, rank = body.get("tp_size"), None
+        if (
+            isinstance(decode_tp, int)
+            and decode_tp != self.tp_size
+            and 1 <= decode_tp <= MAX_TP_SIZE
+        ):
+            rank = body.get("tp_rank")  # a decode of another size: any rank holding our heads
+            if rank not in reader_ranks(self.tp_rank, self.tp_size, decode_tp):
+                raise ValueError(f"decode TP rank {rank!r} of {decode_tp} holds no head of ours")
+        layout = self._check_handshake(body, None, peer_is_prefill=False, mode=WRITE, rank=rank)
         peer_id = self.transport.connect(TransportDescriptor.from_dict(body["transport"]))
         target = _Target(
             peer_id=peer_id,
@@ -669,11 +759,35 @@ class TransferWorker:
         )
         tid = str(body["transfer_id"])
         with self._lock:
-            if tid in self._targets:
+            offers = self._targets.get(tid)
+            if offers is None:
+                if len(self._targets) >= MAX_OFFERS:
+                    raise ValueError(f"{MAX_OFFERS} offers are waiting already")
+                offers = self._targets[tid] = {}
+            if layout.tp_rank in offers:
                 raise ValueError(f"transfer {tid} already has a target: the first offer stands")
-            if len(self._targets) >= MAX_OFFERS:
-                raise ValueError(f"{MAX_OFFERS} offers are waiting already")
-            self._targets[tid] = target
+            if any(o.layout.tp_size != layout.tp_size for o in offers.values()):
+                raise ValueError(f"transfer {tid} has offers of another decode TP size")
+            offers[layout.tp_rank] = target
+
+    def _writes_to(self, decode_tp: int) -> list[int]:
+        """The decode ranks (of ``decode_tp``) a WRITE of ours fills: the rank of our index,
+        or, between TP sizes, every rank holding heads of ours."""
+        if decode_tp == self.tp_size:
+            return [self.tp_rank]
+        return reader_ranks(self.tp_rank, self.tp_size, decode_tp)
+
+    def _offers(self, tid: str, complete: bool = False) -> list[_Target]:
+        """The decode offers for transfer ``tid`` so far (``complete``: none until every
+        decode rank we write has offered)."""
+        with self._lock:
+            offers = dict(self._targets.get(tid, {}))
+        if not offers:
+            return []
+        expected = self._writes_to(next(iter(offers.values())).layout.tp_size)
+        if complete and not set(expected) <= offers.keys():
+            return []
+        return [offers[r] for r in sorted(offers)]
 
     def _push_pairs(self, push: _Push, target: _Target) -> list[np.ndarray]:
         """Per group: (our block, decode block) for each position the decode side offered."""
@@ -692,15 +806,12 @@ class TransferWorker:
         for push in self._pushes.values():
             if push.spec.req_id in self._push_futures:
                 continue
-            with self._lock:
-                target = self._targets.get(push.spec.transfer_id)
-            if target is None:
-                continue
             try:
-                pairs = self._push_pairs(push, target)
-                for i in views:
-                    if i not in push.views_done:
-                        self._write_view(push, target, i, pairs)
+                for target in self._offers(push.spec.transfer_id):
+                    pairs = self._push_pairs(push, target)
+                    for i in views:
+                        if (target.layout.tp_rank, i) not in push.views_done:
+                            self._write_view(push, target, i, pairs)
             except (TransportError, LayoutMismatch) as e:
                 logger.warning(
                     "layer push of %s failed, retrying after the step: %s", push.spec.req_id, e
@@ -710,7 +821,17 @@ class TransferWorker:
         """Submit the write of cache view ``i`` of ``push`` (non-blocking)."""
         assert self.transport is not None and self.layout is not None
         mine, theirs = self.layout.views[i], target.layout.views[i]
-        spans = block_spans(mine, theirs, pairs[mine.group])
+        rank, decode_tp = target.layout.tp_rank, target.layout.tp_size
+        if decode_tp == self.tp_size:
+            spans = block_spans(mine, theirs, pairs[mine.group])
+        else:  # the head slices of ours that decode rank ``rank`` holds, into their place
+            reverse = pairs[mine.group][:, ::-1]  # (decode block, ours)
+            parts = [
+                block_spans(theirs, mine, reverse, s)[:, [1, 0, 2]]
+                for s in head_slices(rank, decode_tp, self.tp_size, mine.heads * self.tp_size)
+                if s.remote_rank == self.tp_rank
+            ]
+            spans = np.concatenate(parts) if parts else np.empty((0, 3), np.int64)
         with push.lock:
             if push.cancelled:
                 raise LoadFailed("the decode side cancelled the transfer")
@@ -719,7 +840,7 @@ class TransferWorker:
                     self.transport.write(target.peer_id, mine.region, theirs.region, spans)
                 )
                 push.nbytes += int(spans[:, 2].sum())
-            push.views_done.add(i)
+            push.views_done.add((rank, i))
 
     def _on_cancel(self, body: dict[str, Any]) -> None:
         """Side-channel thread: the decode side gave up on a WRITE transfer. Answer only once
@@ -831,24 +952,24 @@ class TransferWorker:
         assert self.transport is not None and self.layout is not None
         tid = push.spec.transfer_id
         deadline = push.started + self.cfg.lease_s
-        target = None
+        targets: list[_Target] = []
         while time.monotonic() < deadline and tid not in self._cancelled:
-            with self._lock:
-                target = self._targets.get(tid)
-            if target is not None:
+            targets = self._offers(tid, complete=True)
+            if targets:
                 break
             time.sleep(0.002)
-        if target is None:
+        if not targets:
             self.stats.lease_expired()
             raise LoadFailed(f"no decode offer for transfer {tid} within the lease")
-        push.peer = target.reply_to
+        push.peer = targets[0].reply_to
         ok, error, failure = True, "", None
         t0 = time.perf_counter()
         try:
-            pairs = self._push_pairs(push, target)
-            for i in range(len(self.layout.views)):
-                if i not in push.views_done:
-                    self._write_view(push, target, i, pairs)
+            for target in targets:
+                pairs = self._push_pairs(push, target)
+                for i in range(len(self.layout.views)):
+                    if (target.layout.tp_rank, i) not in push.views_done:
+                        self._write_view(push, target, i, pairs)
             self.transport.wait_all(push.handles, max(0.0, deadline - time.monotonic()))
             # Only vouch for the bytes once the scheduler confirmed it kept the blocks.
             while push.spec.req_id not in self._push_confirmed:
@@ -865,16 +986,15 @@ class TransferWorker:
         finally:
             with self._lock:
                 self._targets.pop(tid, None)
-        self._notify(
-            target.peer_id,
-            {
-                "op": "written",
-                "transfer_id": tid,
-                "ok": ok,
-                "error": error,
-                "prompt_hash": push.spec.prompt_hash,
-            },
-        )
+        notice = {
+            "op": "written",
+            "transfer_id": tid,
+            "ok": ok,
+            "error": error,
+            "prompt_hash": push.spec.prompt_hash,
+        }
+        for target in targets:
+            self._notify(target.peer_id, notice)
         return failure
 
     # ---- completions ----
@@ -889,9 +1009,11 @@ class TransferWorker:
                 continue
             if op in ("done", "renew"):
                 req = str(body.get("req"))
+                slot = _reader_slot(body) if op == "done" else None
                 with self._lease_lock:
                     holders = self._leases.holders(req)
-                    if holders and n.sender not in holders:
+                    closes = slot is not None and self._leases.unclaimed(req, slot)
+                    if holders and n.sender not in holders and not closes:
                         logger.warning(
                             "ignored %r for %s from %s: its blocks are leased to %s",
                             op,
@@ -903,22 +1025,22 @@ class TransferWorker:
                     if op == "renew":
                         self._leases.renew(req)
                         continue
-                    released = self._leases.done(req, n.sender)
+                    released = self._leases.done(req, n.sender, slot)
                 if released:
                     self._free(req, "released", n.sender)
             elif op == "written":
                 tid = str(body.get("transfer_id"))
                 with self._lock:
-                    writer = self._awaiting.get(tid)
-                    if writer is not None and writer == n.sender:
+                    writers = self._awaiting.get(tid)
+                    if writers is not None and n.sender in writers:
                         computed = body.get("prompt_hash")
-                        self._written[tid] = (
+                        self._written[(tid, n.sender)] = (
                             bool(body.get("ok")),
                             str(body.get("error", "")),
                             computed if isinstance(computed, str) else None,
                         )
                         continue
-                if writer is None:
+                if writers is None:
                     logger.warning(
                         "ignored a 'written' notice from %s for no waiting load", n.sender
                     )
@@ -927,13 +1049,15 @@ class TransferWorker:
                         "ignored a 'written' notice for transfer %s from %s: %s writes it",
                         tid,
                         n.sender,
-                        writer,
+                        ", ".join(sorted(writers)),
                     )
 
     def _free(self, req_id: str, outcome: str, peer: str | None = None) -> None:
         """The lease of ``req_id`` ended (``outcome``: released by ``peer``, or expired): no
         peer may read its blocks any more."""
-        for grant in self._read_grants.pop(req_id, ()):
+        with self._lease_lock:  # the side channel adds grants under it (``_on_renew``)
+            grants = self._read_grants.pop(req_id, ())
+        for grant in grants:
             self._revoke(grant)
         blocks = self._held.pop(req_id, None)
         self._finished_sending.add(req_id)
@@ -1012,7 +1136,10 @@ class TransferWorker:
         went elsewhere): after two leases nobody can still be waiting for them."""
         horizon = time.monotonic() - 2 * self.cfg.lease_s
         with self._lock:
-            for tid in [t for t, o in self._targets.items() if o.received < horizon]:
+            stale = [
+                t for t, o in self._targets.items() if min(x.received for x in o.values()) < horizon
+            ]
+            for tid in stale:
                 del self._targets[tid]
                 self._cancelled.pop(tid, None)
             for tid in [t for t, at in self._cancelled.items() if at < horizon]:
@@ -1044,11 +1171,21 @@ def _failure(error: BaseException) -> str:
     return "refused" if isinstance(error, KVRefused) else "failed"
 
 
+def _reader_slot(body: Mapping[str, Any]) -> tuple[str, int] | None:
+    """The lease slot a "done" notice names (as ``_claim_slots`` keys it: decode engine, TP
+    rank), or None when it names none (a decode of an earlier package)."""
+    engine, rank = body.get("decode_engine"), body.get("tp_rank")
+    if isinstance(engine, str) and isinstance(rank, int) and not isinstance(rank, bool):
+        return engine, rank
+    return None
+
+
 def _read_grant(req_id: str) -> str:
     """Id of the grant that lets a lease's holder read the blocks of ``req_id``."""
     return f"read:{req_id}"
 
 
-def _write_grant(transfer_id: str) -> str:
-    """Id of the grant that lets the prefill side write transfer ``transfer_id``'s blocks."""
-    return f"write:{transfer_id}"
+def _write_grant(transfer_id: str, rank: int) -> str:
+    """Id of the grant that lets prefill rank ``rank`` write transfer ``transfer_id``'s
+    blocks."""
+    return f"write:{transfer_id}#{rank}"
