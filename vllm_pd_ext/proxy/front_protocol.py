@@ -500,20 +500,36 @@ def front_protocol(
         pdx_front = True
         body_budget = shared_budget  # shared by every connection this class serves
         _read_timer: asyncio.TimerHandle | None = None
+        _read_by: float | None = None  # when what is being read is due (loop time)
 
         def _read_within(self, seconds: float) -> None:
-            """Close the connection unless what is being read arrives within ``seconds``."""
-            if self._read_timer is not None:
-                self._read_timer.cancel()
-            self._read_timer = self.loop.call_later(seconds, self._read_too_slow)
+            """Close the connection unless what is being read arrives within ``seconds``.
+
+            One timer per connection, not one per request: it is armed only when none is
+            due by the new limit; one that fires early finds the limit later (the next
+            request's, or none) and re-arms for it, or stops."""
+            by = self._read_by = self.loop.time() + seconds
+            timer = self._read_timer
+            if timer is None or timer.when() > by:
+                if timer is not None:
+                    timer.cancel()
+                self._read_timer = self.loop.call_at(by, self._read_due)
 
         def _read_done(self) -> None:
-            if self._read_timer is not None:
-                self._read_timer.cancel()
-                self._read_timer = None
+            self._read_by = None  # the timer stays: the next request likely reuses it
+
+        def _read_due(self) -> None:
+            self._read_timer = None
+            by = self._read_by
+            if by is None:
+                return
+            if self.loop.time() < by:
+                self._read_timer = self.loop.call_at(by, self._read_due)
+                return
+            self._read_by = None
+            self._read_too_slow()
 
         def _read_too_slow(self) -> None:
-            self._read_timer = None
             cycle = self.cycle
             if (  # its body is late (not the head of a request pipelined behind it)
                 type(cycle) is FastCycle and not cycle.body_complete and not cycle.response_started
@@ -528,7 +544,10 @@ def front_protocol(
             self._read_within(head_s)
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._read_done()
+            self._read_by = None
+            if self._read_timer is not None:
+                self._read_timer.cancel()
+                self._read_timer = None
             cycle = getattr(self, "cycle", None)
             if type(cycle) is FastCycle and not cycle.response_started:
                 cycle.release()  # its body will not be used (run() releases it too: once)

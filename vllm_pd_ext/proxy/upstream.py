@@ -95,6 +95,11 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
+        #: The read timer (``wait``), kept across waits and exchanges until it fires.
+        self.timer: asyncio.TimerHandle | None = None
+        self._by: float | None = None  # when the current wait times out (loop time)
+        self._kind: ErrorKind = "read_timeout"
+        self._timeout = 0.0
         self.reset()
 
     def reset(self) -> None:
@@ -111,7 +116,6 @@ class _Conn(asyncio.Protocol):
         self.got_bytes = False
         self.head_only = False
         self.waiter: asyncio.Future | None = None
-        self.timer: asyncio.TimerHandle | None = None
         self.sink: Callable[[bytes], bool] | None = None
         #: Becomes ``sink`` when the head says 200 (``Upstream.send(sink_on_ok=...)``).
         self.sink_on_ok: Callable[[bytes], bool] | None = None
@@ -134,24 +138,43 @@ class _Conn(asyncio.Protocol):
             and not self.chunks
             and self.error is None
         ):
-            # A streamed event as a rule: one read, one whole chunk, for the sink (the
-            # general parse below does the same, with more steps)
-            end = data.find(b"\r\n")
-            try:
-                size = int(data[:end], 16) if end > 0 else 0
-            except ValueError:  # chunk extensions: the general parse
-                size = 0
-            stop = end + 2 + size
-            if size > 0 and len(data) == stop + 2 and data.endswith(b"\r\n"):
-                piece = data[end + 2 : stop]
+            # A streamed read as a rule: whole chunks only (the body's end among them, or
+            # not), their payload offered to the sink in one piece, without the general
+            # parse below (which takes anything else, nothing read here)
+            pieces: list[bytes] = []
+            pos, n, done = 0, len(data), False
+            while pos < n:
+                end = data.find(b"\r\n", pos)
+                if end <= pos:
+                    break
+                try:
+                    size = int(data[pos:end], 16)
+                except ValueError:  # chunk extensions, or not a chunk
+                    break
+                stop = end + 2 + size
+                if size <= 0:  # the last chunk, without a trailer: the body is complete
+                    done = size == 0 and stop + 2 == n and data[stop:] == b"\r\n"
+                    break
+                if data[stop : stop + 2] != b"\r\n":
+                    break  # a chunk that continues in a later read
+                pieces.append(data[end + 2 : stop])
+                pos = stop + 2
+            if pos == n or done:
+                if done:
+                    self.state = _DONE
                 self.rx_at = self.loop.time()
-                if sink(piece):
-                    return
-                self.chunks.append(piece)  # left to whoever reads the response
-                self.buffered = size
-                if size > _HIGH_WATER and not self.paused and self.transport is not None:
-                    self.paused = True
-                    self.transport.pause_reading()
+                if pieces:
+                    piece = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                    if sink(piece):
+                        if not done:
+                            return  # taken, the body goes on: nobody to wake
+                    else:
+                        self.chunks.append(piece)  # left to whoever reads the response
+                        self.buffered = len(piece)
+                        transport = self.transport
+                        if len(piece) > _HIGH_WATER and transport is not None:
+                            self.paused = True
+                            transport.pause_reading()
                 self._wake()
                 return
         if self.state == _DONE or self.error is not None:
@@ -193,6 +216,9 @@ class _Conn(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        if self.timer is not None and self.waiter is None:
+            self.timer.cancel()  # no wait to time out: nothing keeps this connection
+            self.timer = None
         if self.state == _UNTIL_EOF:
             self.state = _DONE  # a body delimited by the server closing: complete
         elif self.state != _DONE and self.error is None:
@@ -341,7 +367,12 @@ class _Conn(asyncio.Protocol):
         return data
 
     async def wait(self, read_s: float | None, deadline: float | None) -> None:
-        """Wait for the next bytes (or the end); raises ``UpstreamError`` on a timeout."""
+        """Wait for the next bytes (or the end); raises ``UpstreamError`` on a timeout.
+
+        One timer per connection, not one per wait: a wait sets its limit (``_by``) and
+        arms the timer only when none is due by then; a timer that fires early finds the
+        limit later (a later wait's, or pushed by bytes the sink took) and re-arms for it.
+        """
         loop = self.loop
         timeout, kind = read_s, "read_timeout"
         if deadline is not None:
@@ -350,33 +381,40 @@ class _Conn(asyncio.Protocol):
                 timeout, kind = max(left, 0.0), "timeout"
         waiter = self.waiter = loop.create_future()
         if timeout is not None:
-            self.timer = loop.call_later(timeout, self._expire, waiter, timeout, kind)
+            by = loop.time() + timeout
+            self._by, self._kind, self._timeout = by, kind, timeout
+            timer = self.timer
+            if timer is None or timer.when() > by:
+                if timer is not None:
+                    timer.cancel()
+                self.timer = loop.call_at(by, self._expire)
         try:
             expired = await waiter
         finally:
             self.waiter = None
-            if self.timer is not None:
-                self.timer.cancel()
-                self.timer = None
+            self._by = None  # the timer stays, for the next wait
         if expired:
             raise UpstreamError(kind, f"no answer within {timeout:.3g} s")
 
-    def _expire(self, waiter: asyncio.Future, timeout: float, kind: str) -> None:
-        if waiter.done():
-            return
-        if kind == "read_timeout" and self.sink is not None:
+    def _expire(self) -> None:
+        self.timer = None
+        waiter, by = self.waiter, self._by
+        if waiter is None or by is None or waiter.done():
+            return  # no wait now: the next one arms a timer
+        if self._kind == "read_timeout" and self.sink is not None:
             # bytes the sink took count as read: the limit runs from the last of them
-            idle = self.loop.time() - self.rx_at
-            if idle < timeout:
-                self.timer = self.loop.call_later(
-                    timeout - idle, self._expire, waiter, timeout, kind
-                )
-                return
+            by = max(by, self.rx_at + self._timeout)
+        if self.loop.time() < by:
+            self.timer = self.loop.call_at(by, self._expire)
+            return
         waiter.set_result(True)
 
     def close(self) -> None:
         self.closed = True
         self.sink = None
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
         if self.transport is not None:
             self.transport.close()
 

@@ -335,6 +335,54 @@ def test_a_read_of_one_whole_chunk_reaches_the_sink_as_its_payload_whatever_its_
     assert taken[:2] == [b"data: a\n\n", b"data: b\n\n"] and not chunks and state == _DONE
 
 
+def test_a_read_of_whole_chunks_with_the_body_end_reaches_the_sink_at_once_and_ends_it():
+    """Several whole chunks in one read, the last chunk among them, go to the sink as one
+    piece; the body is complete and whoever waits on the response is woken for its end.
+    A piece the sink refuses from such a read stays for the reader, once."""
+
+    async def go(refuse: bytes | None):
+        loop = asyncio.get_running_loop()
+        conn = _Conn(loop)
+        taken: list[bytes] = []
+        conn.sink_on_ok = _sink_into(taken, refuse=refuse)
+        conn.data_received(HEAD + _chunk(b"data: a\n\n"))
+        waiting = asyncio.ensure_future(conn.wait(5.0, None))
+        await _until(lambda: conn.waiter is not None)
+        conn.data_received(_chunk(b"data: b\n\n") + _chunk(b"data: c\n\n") + b"0\r\n\r\n")
+        await asyncio.wait_for(waiting, 5.0)
+        return taken, conn.take(), conn.state
+
+    end = b"data: b\n\ndata: c\n\n"
+    assert asyncio.run(go(None)) == ([b"data: a\n\n", end], b"", _DONE)
+    assert asyncio.run(go(end)) == ([b"data: a\n\n"], end, _DONE)
+
+
+def test_a_wait_keeps_its_own_read_limit_whatever_timer_an_earlier_wait_left():
+    """The read timer outlives a wait: one left by a shorter, earlier wait does not cut a
+    later, longer one short, and one left by a longer wait does not stretch a shorter one."""
+
+    async def go():
+        loop = asyncio.get_running_loop()
+        conn = _Conn(loop)
+        first = asyncio.ensure_future(conn.wait(0.05, None))
+        await _until(lambda: conn.waiter is not None)
+        conn._wake()
+        await first  # bytes came: no timeout; its timer is still armed
+        stale = conn.timer
+        assert stale is not None
+        second = asyncio.ensure_future(conn.wait(30.0, None))
+        # the earlier wait's timer fires, finds the later limit and re-arms for it
+        await _until(lambda: conn.timer is not stale and conn.timer is not None)
+        assert not second.done()
+        conn._wake()
+        await second
+        with pytest.raises(UpstreamError) as info:  # a timer due in 30 s, a limit of 0.05 s
+            await asyncio.wait_for(conn.wait(0.05, None), 10.0)
+        return info.value
+
+    assert asyncio.run(go()).kind == "read_timeout"
+
+
 def test_sink_on_ok_takes_the_body_that_comes_with_a_200_head_and_not_an_error_body():
     async def go():
         taken: dict[int, list[bytes]] = {200: [], 503: []}
