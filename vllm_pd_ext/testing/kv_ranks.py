@@ -136,6 +136,7 @@ def rank_worker(
         block_sizes=(shape.block_size,),
         model={"layers": shape.layers, "kv_heads": shape.kv_heads},
         head_major={0: shape.kv_heads // tp_size},
+        heads_first=True,  # vLLM's CPU layout, declared as the shell declares it
     )
 
 
