@@ -365,6 +365,22 @@ def test_up_runs_pdext_between_tp_sizes(
     assert ProxyConfig.model_validate(written).protocol == f"pdext-{pdext_mode}"
 
 
+@pytest.mark.parametrize("pdext_mode", ["read", "write"])
+def test_up_refuses_tp_sizes_the_models_kv_heads_cannot_split(
+    tmp_path, monkeypatch, built_stack, pdext_mode
+):
+    """A model of two KV heads (its config.json) cannot be read or written between prefill TP
+    4 and decode TP 1 (a prefill rank would hold half a head): up says so before starting
+    anything; TP 2 -> TP 1 builds."""
+    from vllm_pd_ext.tools import launcher
+
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
+    (tmp_path / "config.json").write_text(json.dumps({"num_key_value_heads": 2}))
+    with pytest.raises(ValueError, match="prefill TP 4 is more than the model's 2 KV heads"):
+        built_stack(prefill_tp=4, decode_tp=1, pdext_mode=pdext_mode)
+    assert len(built_stack(prefill_tp=2, decode_tp=1, pdext_mode=pdext_mode).parts) == 3
+
+
 def test_up_pdext_write_mode_reaches_the_engines_and_the_proxy(tmp_path, built_stack):
     from vllm_pd_ext.proxy.config import ProxyConfig
 

@@ -505,11 +505,32 @@ class Stack:
             config["otlp_traces_endpoint"] = cfg.otlp_traces_endpoint
         return config
 
+    def _check_tp_heads(self, local: Path) -> None:
+        """Prefill and decode TP sizes that differ against the model's KV heads (its local
+        config.json; a hub name is checked by the engines at their first handshake):
+        ValueError when no KV could move between them."""
+        from vllm_pd_ext.connectors.common.parallel import tp_refusal
+
+        cfg = self.config
+        if not (cfg.prefill and cfg.connector == "pdext" and cfg.prefill_tp != cfg.decode_tp):
+            return
+        try:
+            model = json.loads((local / "config.json").read_text())
+        except (OSError, ValueError):
+            return
+        heads = model.get("num_key_value_heads", model.get("num_attention_heads"))
+        if not isinstance(heads, int):
+            return
+        refusal = tp_refusal(cfg.prefill_tp, cfg.decode_tp, mode=cfg.pdext_mode, kv_heads=heads)
+        if refusal is not None:
+            raise ValueError(f"prefill_tp and decode_tp: {refusal}. Supported: {TP_MATRIX}")
+
     def build(self) -> None:
         cfg = self.config
         self.model_dir = str(ensure_model(cfg.model)) if cfg.model in MODELS else cfg.model
         local = Path(self.model_dir)
         self.served_name = local.name if local.is_dir() else self.model_dir
+        self._check_tp_heads(local)
         self.key_env = self._fleet_key()
         if cfg.kv_events:
             missing = kv_events_missing()
@@ -799,6 +820,10 @@ def run_up(config: UpConfig) -> int:
         stack.build()
     except fleet_key.FleetKeyError as e:
         print(f"vllm-pd up: fleet key: {e}", file=sys.stderr)
+        return 2
+    except ValueError as e:  # the model and the configuration do not fit together
+        print(f"vllm-pd up: {e}", file=sys.stderr)
+        stack.stop_all()
         return 2
     previous = {
         sig: signal.signal(sig, stack.request_stop) for sig in (signal.SIGINT, signal.SIGTERM)

@@ -652,6 +652,61 @@ def test_a_write_offer_from_a_decode_rank_holding_none_of_our_heads_is_refused(p
     assert "t-no" not in p._targets
 
 
+def test_a_write_offer_one_prefill_rank_cannot_take_is_withdrawn_from_the_others(backend):
+    """Decode TP 1 offers its blocks to both ranks of a TP 2 prefill engine; rank 1 is gone
+    when the second transfer's offers go out (rank 0 has its offer already): the load fails,
+    and rank 0's offer is withdrawn before our blocks go back to vLLM, so rank 0's later
+    layer pushes write nothing into them."""
+    heads = 4
+    port = free_port()
+    ps = engine_ranks("kv_producer", port, backend, tp_size=2, heads=heads)
+    d = worker("kv_consumer", free_port(), backend=backend, heads=heads)
+    pcs, dc = [caches(True, heads=heads // 2) for _ in ps], caches(False, heads=heads)
+    try:
+        for w, c in ((ps[0], pcs[0]), (ps[1], pcs[1]), (d, dc)):
+            w.register_kv_caches(c)
+        # a first WRITE: the decode rank knows both prefill ranks (handshakes done)
+        for p in ps:
+            p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),), PROMPT_HASH)]))
+            p.wait_for_save()
+        write_offer(d, port, "t-1", ((5, 0), (9, 1)))
+        for p in ps:
+            p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), "t-1")]))
+        assert poll(lambda: d.get_finished(set())[1], "the first load") == {"d-req"}
+        assert d.get_block_ids_with_load_errors() == set()
+        ps[1].shutdown()  # its side channel closed: an offer to it fails
+        ps[0].bind(PdTransferMetadata(push=[PushSpec("p-2", "t-2", ((1, 2),), PROMPT_HASH)]))
+        write_offer(d, port, "t-2", ((6, 0), (10, 1)))
+        assert poll(lambda: d.get_finished(set())[1], "the failed load") == {"d-req"}
+        assert d.get_block_ids_with_load_errors() == {6, 10}
+        assert ps[0]._offers("t-2") == []  # withdrawn
+        for layer in pcs[0]:
+            ps[0].save_kv_layer(layer)
+        ps[0].wait_for_save()
+        for name in dc:
+            for loc in (6, 10):
+                assert torch.count_nonzero(block(dc, name, loc)) == 0
+    finally:
+        for w in (d, *ps):
+            w.shutdown()
+
+
+@pytest.mark.parametrize("pair", [{}], indirect=True)
+def test_a_cancel_racing_a_layer_push_does_not_raise_into_the_forward_pass(pair):
+    """The decode side cancels a WRITE while the prefill's forward pass pushes its layers
+    (the push took its offers just before the cancel withdrew them): save_kv_layer writes
+    nothing more and raises nothing into vLLM's forward pass."""
+    p, pc, d, _, port = pair
+    p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-c", ((1, 2),), PROMPT_HASH)]))
+    write_offer(d, port, "t-c", ((4, 0), (8, 1)))
+    offers = poll(lambda: p._offers("t-c"), "the decode offer")
+    p._on_cancel({"transfer_id": "t-c"})  # as the side channel's thread runs it
+    p._offers = lambda tid: offers  # the snapshot the layer push took before the cancel
+    for layer in pc:
+        p.save_kv_layer(layer)
+    assert p._pushes["p-req"].views_done == set()
+
+
 class LockedOnly(dict):
     """A dict that records every change made while ``lock`` is not held."""
 

@@ -600,18 +600,26 @@ class TransferWorker:
                 "tp_size": self.tp_size,
                 "tp_rank": self.tp_rank,
             }
-            for peer in peers:
-                # the prefill rank's transport may write into the blocks we offer, nowhere else
-                grants.append(_write_grant(tid, peer.rank))
-                self._grant(grants[-1], TransferOp.WRITE, peer.peer_id, spans)
-                post_json(
-                    spec.remote.host,
-                    spec.remote.port + peer.rank,
-                    "/write_target",
-                    offer,
-                    self.cfg.handshake_timeout_s,
-                    self.key,
-                )
+            posted: list[_Peer] = []
+            try:
+                for peer in peers:
+                    # the prefill rank's transport may write into the blocks we offer, only
+                    grants.append(_write_grant(tid, peer.rank))
+                    self._grant(grants[-1], TransferOp.WRITE, peer.peer_id, spans)
+                    posted.append(peer)  # before the post: its offer may land, its answer not
+                    post_json(
+                        spec.remote.host,
+                        spec.remote.port + peer.rank,
+                        "/write_target",
+                        offer,
+                        self.cfg.handshake_timeout_s,
+                        self.key,
+                    )
+            except Exception:
+                # the load fails and our blocks go back to vLLM: withdraw every offer made
+                for peer in posted:
+                    self._cancel_write(spec.remote, peer.rank, tid)
+                raise
             return self._await_written(spec, peers, deadline)
         finally:
             # written, failed or timed out (then cancelled): nothing more may land
@@ -816,6 +824,8 @@ class TransferWorker:
                 logger.warning(
                     "layer push of %s failed, retrying after the step: %s", push.spec.req_id, e
                 )
+            except LoadFailed:  # cancelled by the decode side meanwhile: nothing more to write
+                logger.debug("layer push of %s cancelled by the decode side", push.spec.req_id)
 
     def _write_view(self, push: _Push, target: _Target, i: int, pairs: list[np.ndarray]) -> None:
         """Submit the write of cache view ``i`` of ``push`` (non-blocking)."""
