@@ -115,7 +115,12 @@ def _signed_headers(key: bytes | None, method: str, path: str, body: bytes) -> d
 
 
 class SideChannelError(RuntimeError):
-    """The peer's side channel could not be reached or answered badly."""
+    """The peer's side channel could not be reached or answered badly; ``status``: the HTTP
+    status it answered with, None when it gave no answer."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class SideChannelLimits(BaseModel):
@@ -410,7 +415,9 @@ def _exchange(
             status, tag = r.status, r.headers.get(AUTH_HEADER)
     except urllib.error.HTTPError as e:
         detail = e.read(4096).decode("utf-8", "replace")
-        raise SideChannelError(f"{method} {path} to {host}:{port}: {e.code} {detail}") from e
+        raise SideChannelError(
+            f"{method} {path} to {host}:{port}: {e.code} {detail}", status=e.code
+        ) from e
     except (OSError, urllib.error.URLError) as e:
         raise SideChannelError(f"{method} {path} to {host}:{port} failed: {e}") from e
     if key is not None:

@@ -607,14 +607,19 @@ class TransferWorker:
                     grants.append(_write_grant(tid, peer.rank))
                     self._grant(grants[-1], TransferOp.WRITE, peer.peer_id, spans)
                     posted.append(peer)  # before the post: its offer may land, its answer not
-                    post_json(
-                        spec.remote.host,
-                        spec.remote.port + peer.rank,
-                        "/write_target",
-                        offer,
-                        self.cfg.handshake_timeout_s,
-                        self.key,
-                    )
+                    try:
+                        post_json(
+                            spec.remote.host,
+                            spec.remote.port + peer.rank,
+                            "/write_target",
+                            offer,
+                            self.cfg.handshake_timeout_s,
+                            self.key,
+                        )
+                    except SideChannelError as e:
+                        if e.status is not None and 400 <= e.status < 500:
+                            posted.pop()  # refused: nothing of ours to withdraw there
+                        raise
             except Exception:
                 # the load fails and our blocks go back to vLLM: withdraw every offer made
                 for peer in posted:
