@@ -160,27 +160,16 @@ def _limit(route: str, body: dict[str, Any]) -> int | None:
     return value if type(value) is int else None
 
 
-class Migration:
-    """One stream's record: enough to continue it elsewhere, and to make the continuation's
-    events read as the first leg's. See the module docstring for its states.
-
-    While the first leg streams (every stream, nearly always to the end), its events are
-    only scanned, never parsed: the first event's bytes are kept as they came (its
-    ``id``, ``created``, ``model`` and the prompt's ids are read from them on a break),
-    each later event's ids as the engine wrote them."""
+class _Record:
+    """What every stream's record keeps, text or token mode: the ids generated so far (as
+    the engine wrote them, parsed when needed: most streams never break), the limits the
+    continuation must respect, and how the current leg ended."""
 
     __slots__ = (
-        "_first_event",
         "_generated",
-        "_head",
-        "_prompt_ids",
-        "_role_sent",
         "_unparsed",
         "before",
         "chat",
-        "client_ids",
-        "continuous",
-        "convert",
         "done",
         "error",
         "finish",
@@ -192,26 +181,16 @@ class Migration:
         "via",
         "why_not",
     )
+    #: Set by each kind of record from its request: the most tokens the answer may have
+    #: (None: what the context leaves), its ``min_tokens``, whether usage was asked for.
+    limit: int | None
+    min_tokens: int | None
+    include_usage: bool
 
-    def __init__(self, ctx: RequestContext, client_ids: bool):
-        body = ctx.body
+    def __init__(self, ctx: RequestContext) -> None:
         self.chat = ctx.route == "chat"
-        #: Did the client ask for token ids itself (then it sees them)?
-        self.client_ids = client_ids
-        options = body.get("stream_options") or {}
-        self.include_usage = bool(options.get("include_usage"))
-        self.continuous = bool(options.get("continuous_usage_stats"))
-        self.limit = _limit(ctx.route, body)
-        self.min_tokens = body.get("min_tokens") if type(body.get("min_tokens")) is int else None
-        #: The first leg's first event as the engine sent it (None: none yet), read on a
-        #: break (``_read_first``) into what follows.
-        self._first_event: bytes | None = None
-        self._head: dict[str, Any] | None = None
-        self._prompt_ids: list[int] | None = None
-        self._role_sent = False
         self._generated: list[int] = []
-        #: The first leg's ids as the engine wrote them (``b"9,8"``), parsed when needed:
-        #: most streams never break.
+        #: The ids as the engine wrote them (``b"9,8"``), parsed when needed.
         self._unparsed: list[bytes] = []
         #: Ids generated before the current leg (its usage counts from here).
         self.before = 0
@@ -221,8 +200,6 @@ class Migration:
         self.error: str | None = None  # an error event from the engine (dropped)
         self.why_not: str | None = None  # found while streaming: cannot be continued
         self.moves = 0
-        #: The current leg is a completion continuing a chat (its events converted).
-        self.convert = False
         self.via = ""  # "from a via b" for the request's log line
 
     @property
@@ -236,6 +213,56 @@ class Migration:
                 self.why_not = "token ids that are not integers"
             self._unparsed.clear()
         return self._generated
+
+    def broken(self) -> str | None:
+        """After a leg's body ended cleanly: why the stream is incomplete (None: it is
+        whole)."""
+        if self.error is not None:
+            return f"error event {self.error}"
+        return None if self.done else "stream ended before [DONE]"
+
+    def left(self) -> int | None:
+        """Tokens the request may still generate (None: no limit known)."""
+        return None if self.limit is None else max(0, self.limit - len(self.generated))
+
+
+class Migration(_Record):
+    """One stream's record: enough to continue it elsewhere, and to make the continuation's
+    events read as the first leg's. See the module docstring for its states.
+
+    While the first leg streams (every stream, nearly always to the end), its events are
+    only scanned, never parsed: the first event's bytes are kept as they came (its
+    ``id``, ``created``, ``model`` and the prompt's ids are read from them on a break),
+    each later event's ids as the engine wrote them."""
+
+    __slots__ = (
+        "_first_event",
+        "_head",
+        "_prompt_ids",
+        "_role_sent",
+        "client_ids",
+        "continuous",
+        "convert",
+    )
+
+    def __init__(self, ctx: RequestContext, client_ids: bool):
+        super().__init__(ctx)
+        body = ctx.body
+        #: Did the client ask for token ids itself (then it sees them)?
+        self.client_ids = client_ids
+        options = body.get("stream_options") or {}
+        self.include_usage = bool(options.get("include_usage"))
+        self.continuous = bool(options.get("continuous_usage_stats"))
+        self.limit = _limit(ctx.route, body)
+        self.min_tokens = body.get("min_tokens") if type(body.get("min_tokens")) is int else None
+        #: The first leg's first event as the engine sent it (None: none yet), read on a
+        #: break (``_read_first``) into what follows.
+        self._first_event: bytes | None = None
+        self._head: dict[str, Any] | None = None
+        self._prompt_ids: list[int] | None = None
+        self._role_sent = False
+        #: The current leg is a completion continuing a chat (its events converted).
+        self.convert = False
 
     @property
     def head(self) -> dict[str, Any] | None:
@@ -432,17 +459,6 @@ class Migration:
 
     # -- the break -----------------------------------------------------------------------
 
-    def broken(self) -> str | None:
-        """After a leg's body ended cleanly: why the stream is incomplete (None: it is
-        whole)."""
-        if self.error is not None:
-            return f"error event {self.error}"
-        return None if self.done else "stream ended before [DONE]"
-
-    def left(self) -> int | None:
-        """Tokens the request may still generate (None: no limit given)."""
-        return None if self.limit is None else max(0, self.limit - len(self.generated))
-
     def ending(self) -> bytes:
         """What the client still needs once everything was generated: the finish (when the
         limit was reached unsaid), the usage (when asked for), ``[DONE]``."""
@@ -487,7 +503,7 @@ class Migration:
         return PATHS["completions"], out
 
 
-class TokenMigration:
+class TokenMigration(_Record):
     """A token-mode stream's record: the engine events (vLLM's generate stream) on their
     way to the derender, their ids kept, so that the answer can go on elsewhere with the
     derender's state as it was (the client's events are made after this, by the derender,
@@ -497,28 +513,11 @@ class TokenMigration:
     and pass unchanged (but an error event, kept back); a continuation's events are parsed
     to count its usage from the first leg's (its prompt holds the ids generated before)."""
 
-    __slots__ = (
-        "_generate",
-        "_unparsed",
-        "before",
-        "chat",
-        "done",
-        "error",
-        "finish",
-        "generated_ids",
-        "include_usage",
-        "limit",
-        "min_tokens",
-        "moves",
-        "prompt_ids",
-        "usage_sent",
-        "via",
-        "why_not",
-    )
+    __slots__ = ("_generate", "prompt_ids")
 
     def __init__(self, ctx: RequestContext):
         assert ctx.tokens is not None
-        self.chat = ctx.route == "chat"
+        super().__init__(ctx)
         self._generate = ctx.tokens.generate
         self.prompt_ids: list[int] | None = ctx.tokens.prompt_ids
         sampling = self._generate.get("sampling_params") or {}
@@ -528,28 +527,6 @@ class TokenMigration:
         self.min_tokens = least if type(least) is int and least > 0 else None
         options = self._generate.get("stream_options") or {}
         self.include_usage = bool(options.get("include_usage"))
-        self.generated_ids: list[int] = []
-        self._unparsed: list[bytes] = []
-        self.before = 0
-        self.finish: str | None = None
-        self.usage_sent = False
-        self.done = False
-        self.error: str | None = None
-        self.why_not: str | None = None
-        self.moves = 0
-        self.via = ""
-
-    @property
-    def generated(self) -> list[int]:
-        """The ids generated so far, in order."""
-        if self._unparsed:
-            try:
-                for raw in self._unparsed:
-                    self.generated_ids.extend(int(t) for t in raw.split(b",") if t.strip())
-            except ValueError:
-                self.why_not = "token ids that are not integers"
-            self._unparsed.clear()
-        return self.generated_ids
 
     def feed(self, ready: bytes) -> bytes:
         """Complete engine events, recorded; what goes on to the derender (may be empty).
@@ -594,16 +571,6 @@ class TokenMigration:
             prompt = len(self.prompt_ids or ())
             usage.update(prompt_tokens=prompt, completion_tokens=done, total_tokens=prompt + done)
         return b"data: " + json.dumps(data, separators=(",", ":")).encode()
-
-    def broken(self) -> str | None:
-        """After a leg's body ended cleanly: why the stream is incomplete (None: whole)."""
-        if self.error is not None:
-            return f"error event {self.error}"
-        return None if self.done else "stream ended before [DONE]"
-
-    def left(self) -> int | None:
-        """Tokens the request may still generate (None: no limit known)."""
-        return None if self.limit is None else max(0, self.limit - len(self.generated))
 
     def ending(self) -> bytes:
         """Engine events for what the derender still needs once everything was generated:
