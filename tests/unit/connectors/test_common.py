@@ -359,15 +359,11 @@ def test_peer_labels_give_the_longest_idle_peers_place_to_a_new_one():
     assert labels("b") == "b" and evicted == ["b", "a"]
 
 
-def test_prom_metrics_remove_an_aged_out_peers_series(monkeypatch):
-    """A decode restarted with a new engine id after MAX_PEERS others were seen gets its own
-    series once an old peer has been idle long enough: the old peer's series are removed, so
-    the series stay bounded and the new peer is not hidden under "other"."""
+def _peers_after_a_restart() -> set[str]:
+    """The peer labels of new metrics after transfers with MAX_PEERS peers, then with one
+    more (a decode restarted under a new engine id)."""
     from prometheus_client import CollectorRegistry
 
-    from vllm_pd_ext.connectors.common import stats
-
-    monkeypatch.setattr(stats, "PEER_IDLE_S", 0.0)  # every labelled peer counts as idle
     registry = CollectorRegistry()
     prom = _prom_metrics(registry)
     rec = StatsRecorder()
@@ -376,7 +372,17 @@ def test_prom_metrics_remove_an_aged_out_peers_series(monkeypatch):
     prom.observe(rec.take().data)  # type: ignore[union-attr]
     rec.transfer(0.001, 10, "restarted")
     prom.observe(rec.take().data)  # type: ignore[union-attr]
-    peers = {dict(k)["peer"] for k in _series(registry, "vllm:pdext_kv_peer_transfers_total")}
+    return {dict(k)["peer"] for k in _series(registry, "vllm:pdext_kv_peer_transfers_total")}
+
+
+def test_prom_metrics_remove_an_aged_out_peers_series(monkeypatch):
+    """A decode restarted with a new engine id after MAX_PEERS others were seen gets its own
+    series once an old peer has been idle long enough: the old peer's series are removed, so
+    the series stay bounded and the new peer is not hidden under "other"."""
+    from vllm_pd_ext.connectors.common import stats
+
+    monkeypatch.setattr(stats, "PEER_IDLE_S", 0.0)  # every labelled peer counts as idle
+    peers = _peers_after_a_restart()
     assert "restarted" in peers and "old-0" not in peers and "other" not in peers
     assert len(peers) == MAX_PEERS + 1  # + "unknown"
 
@@ -384,21 +390,11 @@ def test_prom_metrics_remove_an_aged_out_peers_series(monkeypatch):
 def test_prom_metrics_under_several_api_servers_keep_their_peers(monkeypatch, tmp_path):
     """prometheus_client's multi-process mode cannot remove a series: there no peer ages out
     (a new one past the bound is "other"), so the series stay bounded."""
-    from prometheus_client import CollectorRegistry
-
     from vllm_pd_ext.connectors.common import stats
 
     monkeypatch.setattr(stats, "PEER_IDLE_S", 0.0)
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    registry = CollectorRegistry()
-    prom = _prom_metrics(registry)
-    rec = StatsRecorder()
-    for i in range(MAX_PEERS):
-        rec.transfer(0.001, 10, f"old-{i}")
-    prom.observe(rec.take().data)  # type: ignore[union-attr]
-    rec.transfer(0.001, 10, "restarted")
-    prom.observe(rec.take().data)  # type: ignore[union-attr]
-    peers = {dict(k)["peer"] for k in _series(registry, "vllm:pdext_kv_peer_transfers_total")}
+    peers = _peers_after_a_restart()
     assert "restarted" not in peers and "old-0" in peers and "other" in peers
 
 
