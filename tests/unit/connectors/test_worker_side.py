@@ -10,6 +10,7 @@ it binds the metadata each step would carry and calls ``get_finished`` as the ru
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 
@@ -324,6 +325,24 @@ def engine_ranks(role: str, port: int, backend: str, tp_size: int, heads: int) -
     ]
 
 
+@contextlib.contextmanager
+def tp_engines(backend: str, port: int, prefill_tp: int, decode_tp: int, heads: int):
+    """A prefill engine (side channel ``port``) and a decode engine of those TP sizes, each
+    rank with its caches registered (its share of ``heads``): (prefill ranks, decode ranks,
+    their caches); every rank shut down at the end."""
+    ps = engine_ranks("kv_producer", port, backend, tp_size=prefill_tp, heads=heads)
+    ds = engine_ranks("kv_consumer", free_port(), backend, tp_size=decode_tp, heads=heads)
+    pcs = [caches(True, heads=heads // prefill_tp) for _ in ps]
+    dcs = [caches(False, heads=heads // decode_tp) for _ in ds]
+    try:
+        for w, c in zip(ps + ds, pcs + dcs, strict=True):
+            w.register_kv_caches(c)
+        yield ps, ds, pcs, dcs
+    finally:
+        for w in ds + ps:
+            w.shutdown()
+
+
 def test_a_release_reaches_every_prefill_rank_a_decode_rank_of_a_smaller_tp_reads(backend):
     """A TP 1 decode engine's request ends before it loads from a TP 2 prefill engine: its
     "done" goes to both prefill ranks (each holds the blocks of its own heads), and both free
@@ -513,14 +532,8 @@ def test_read_between_tp_sizes_moves_each_decode_ranks_heads(backend, prefill_tp
     rank's heads). Every decode block equals the model's heads it holds; a prefill rank frees
     the request only once every decode rank that reads it said done."""
     heads = 4
-    port, dport = free_port(), free_port()  # every decode rank: one engine id
-    ps = engine_ranks("kv_producer", port, backend, tp_size=prefill_tp, heads=heads)
-    ds = engine_ranks("kv_consumer", dport, backend, tp_size=decode_tp, heads=heads)
-    pcs = [caches(True, heads=heads // prefill_tp) for _ in ps]
-    dcs = [caches(False, heads=heads // decode_tp) for _ in ds]
-    try:
-        for w, c in zip(ps + ds, pcs + dcs, strict=True):
-            w.register_kv_caches(c)
+    port = free_port()
+    with tp_engines(backend, port, prefill_tp, decode_tp, heads) as (ps, ds, pcs, dcs):
         for p in ps:
             p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
             assert p.get_finished({"p-req"}) == (None, None)  # held
@@ -546,9 +559,6 @@ def test_read_between_tp_sizes_moves_each_decode_ranks_heads(backend, prefill_tp
         for p in ps:
             sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's release")
             assert sending == {"p-req"}
-    finally:
-        for w in ds + ps:
-            w.shutdown()
 
 
 def test_a_decode_rank_that_fails_before_its_claim_closes_its_lease_slot(backend):
@@ -597,14 +607,8 @@ def test_write_between_tp_sizes_puts_each_prefill_ranks_heads_in_place(
     holding heads of its own and loads once each of them said written; every decode block
     equals the model's heads it holds, nothing else is written, every prefill rank frees."""
     heads = 4
-    port, dport = free_port(), free_port()
-    ps = engine_ranks("kv_producer", port, backend, tp_size=prefill_tp, heads=heads)
-    ds = engine_ranks("kv_consumer", dport, backend, tp_size=decode_tp, heads=heads)
-    pcs = [caches(True, heads=heads // prefill_tp) for _ in ps]
-    dcs = [caches(False, heads=heads // decode_tp) for _ in ds]
-    try:
-        for w, c in zip(ps + ds, pcs + dcs, strict=True):
-            w.register_kv_caches(c)
+    port = free_port()
+    with tp_engines(backend, port, prefill_tp, decode_tp, heads) as (ps, ds, pcs, dcs):
         for p in ps:
             p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-x", ((1, 2),), PROMPT_HASH)]))
         offered = ((5, 0), (9, 1))  # (decode block, prompt block position)
@@ -636,9 +640,6 @@ def test_write_between_tp_sizes_puts_each_prefill_ranks_heads_in_place(
         for p in ps:
             sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's free")
             assert sending == {"p-req"}
-    finally:
-        for w in ds + ps:
-            w.shutdown()
 
 
 @pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)
@@ -659,12 +660,7 @@ def test_a_write_offer_one_prefill_rank_cannot_take_is_withdrawn_from_the_others
     layer pushes write nothing into them."""
     heads = 4
     port = free_port()
-    ps = engine_ranks("kv_producer", port, backend, tp_size=2, heads=heads)
-    d = worker("kv_consumer", free_port(), backend=backend, heads=heads)
-    pcs, dc = [caches(True, heads=heads // 2) for _ in ps], caches(False, heads=heads)
-    try:
-        for w, c in ((ps[0], pcs[0]), (ps[1], pcs[1]), (d, dc)):
-            w.register_kv_caches(c)
+    with tp_engines(backend, port, 2, 1, heads) as (ps, (d,), pcs, (dc,)):
         # a first WRITE: the decode rank knows both prefill ranks (handshakes done)
         for p in ps:
             p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-1", ((1, 2),), PROMPT_HASH)]))
@@ -686,9 +682,6 @@ def test_a_write_offer_one_prefill_rank_cannot_take_is_withdrawn_from_the_others
         for name in dc:
             for loc in (6, 10):
                 assert torch.count_nonzero(block(dc, name, loc)) == 0
-    finally:
-        for w in (d, *ps):
-            w.shutdown()
 
 
 @pytest.mark.parametrize("pair", [{}], indirect=True)
