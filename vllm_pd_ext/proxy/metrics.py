@@ -100,9 +100,10 @@ class ProxyMetrics:
         )
         self.split_failures = Counter(
             "vllm_pd_split_failures",
-            "Split requests whose decode leg failed after their prefill leg, by prefill -> "
-            "decode pair and reason: stall (no first token by the stall guard's deadline), "
-            "decode_error (the decode instance failed the leg); each was served another way",
+            "Split requests that failed on their pair, by prefill -> decode pair and reason: "
+            "stall (no first token by the stall guard's deadline), prefill_stall (the prefill "
+            "leg past its deadline), decode_error (the decode instance failed the leg after "
+            "the prefill leg); each was served another way",
             ["prefill", "decode", "reason"],
             registry=r,
         )

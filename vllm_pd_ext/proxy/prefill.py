@@ -85,7 +85,7 @@ class PrefillLeg:
         for inst in self.router.candidates(call.ctx, route.prefill_pool, "prefill"):
             try:
                 plan = self.protocol.plan(call.ctx.request_id, inst.config, route.decode.config)
-                answer, usage = await self._once(call, inst, plan.prefill_params)
+                answer, usage = await self._once(call, inst, route.decode, plan.prefill_params)
             except (MissingCoordinates, _AttemptFailed) as exc:
                 errors.append(str(exc))
                 continue
@@ -112,7 +112,7 @@ class PrefillLeg:
             )
             try:
                 _, usage = await call.watch.race(
-                    self._once(call, inst, plan.prefill_params), "prefill"
+                    self._once(call, inst, route.decode, plan.prefill_params), "prefill"
                 )
             except _AttemptFailed as exc:
                 await discard(pending)
@@ -125,9 +125,10 @@ class PrefillLeg:
         raise LegFailed("; ".join(errors) or "no healthy prefill instance")
 
     async def _once(
-        self, call: Call, inst: Instance, params: dict[str, Any]
+        self, call: Call, inst: Instance, decode: Instance, params: dict[str, Any]
     ) -> tuple[dict[str, Any] | None, dict | None]:
-        """One attempt on ``inst``: its answer's kv_transfer_params and usage."""
+        """One attempt on ``inst`` for a split to ``decode``: its answer's
+        kv_transfer_params and usage."""
         ctx = call.ctx
         if ctx.tokens is not None:
             call.engines.append(inst)
@@ -151,7 +152,7 @@ class PrefillLeg:
             except TimeoutError:  # the stall guard's deadline: the engine aborts it
                 if trace is not None:
                     trace.leg_done(span, error="stall_guard_deadline")
-                self.router.guard.prefill_stalled(inst, ctx.request_id)
+                self.router.guard.prefill_stalled(inst, decode, ctx.request_id)
                 raise _AttemptFailed(f"{inst.label}: past the stall guard's deadline") from None
         if trace is not None:
             trace.leg_done(span, status)

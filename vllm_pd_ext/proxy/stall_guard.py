@@ -26,6 +26,9 @@ client has seen nothing yet: served colocated). The deadline counts the decode's
 so ``floor_s`` is set with room for it; once splits are measured the expected transfer gap
 (prefill done -> first token) includes that queueing.
 
+A prefill leg that misses its own deadline (``prefill_budget_s``) is a stall of its pair
+too: a prefill instance that keeps stalling trips the breaker just as a stalled transfer does.
+
 A prefill-decode pair that stalls ``breaker_stalls`` times in a row gets no splits for
 ``breaker_open_s`` (decision reason ``breaker_open``; ``vllm_pd_breaker_open{prefill,decode}``
 is 1 meanwhile, and one WARNING line says so). Then one guarded split probes it: a
@@ -136,9 +139,11 @@ class StallGuard:
         if pair is not None and pair.open_until != 0.0:
             pair.probe_at = self._clock()
 
-    def prefill_stalled(self, prefill: Instance, request_id: str) -> None:
-        """A prefill leg missed its deadline (it is retried, then served colocated)."""
+    def prefill_stalled(self, prefill: Instance, decode: Instance, request_id: str) -> None:
+        """A prefill leg for a split to ``decode`` missed its deadline (it is retried, then
+        served colocated); a stall of the pair, for its breaker."""
         self.metrics.fallbacks.labels("prefill_stall").inc()
+        self.metrics.pair(self.metrics.split_failures, prefill, decode, "prefill_stall").inc()
         if self._log.ready():
             logger.warning(
                 "request %s: the prefill leg on %s took longer than the stall guard's deadline; "
@@ -146,6 +151,7 @@ class StallGuard:
                 request_id,
                 prefill.label,
             )
+        self._count_stall(prefill, decode)
 
     def rescue_stalled(self, inst: Instance, request_id: str) -> None:
         """A stalled split's colocated leg on ``inst`` missed its deadline too."""
@@ -172,8 +178,12 @@ class StallGuard:
                 decode.label,
                 prefill.label if prefill is not None else "?",
             )
-        if prefill is None:
-            return
+        if prefill is not None:
+            self._count_stall(prefill, decode)
+
+    def _count_stall(self, prefill: Instance, decode: Instance) -> None:
+        """One more stall in a row on this pair: its breaker opens at ``breaker_stalls``, or
+        again (for twice as long) when the stall was a probe's."""
         key = (prefill.label, decode.label)
         pair = self._pairs.get(key)
         if pair is None:

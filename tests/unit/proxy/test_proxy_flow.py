@@ -781,3 +781,34 @@ def test_a_prefill_leg_past_its_deadline_is_served_colocated(engines):
         assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_stall") == 1
         assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_failed") == 1
         assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
+
+
+def test_prefill_legs_that_keep_missing_their_deadline_open_the_pairs_breaker(engines):
+    """A prefill engine that keeps stalling is a stalled pair, as a stalled transfer is:
+    ``breaker_stalls`` prefill legs closed at their deadline in a row open the pair's
+    breaker, and the next request is served colocated without a prefill leg."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    body = {"model": "m", "prompt": LONG, "max_tokens": 5}
+    guard = {"floor_s": 0.3, "breaker_stalls": 2, "breaker_open_s": 600.0}
+    p1, d1 = engines["p1"].url, engines["d1"].url
+    with proxy(engines, instances=one_pair, stall_guard=guard) as (base, svc):
+        measured = svc.router.decider.prefill_s_per_token
+        for _ in range(20):  # until cost_min_samples splits are measured
+            _whole(base, body)
+            if measured.samples >= 5:
+                break
+        assert measured.samples >= 5
+        engines["p1"].behavior.delay_s = 30.0
+        for stalls in (1, 2):
+            assert _whole(base, body)["choices"][0]["text"]
+            wait_until(lambda n=stalls: engines["p1"].disconnects == n)
+        assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_stall") == 2
+        assert metric(base, "vllm_pd_breaker_open", prefill=p1, decode=d1) == 1
+        failures = metric(
+            base, "vllm_pd_split_failures_total", prefill=p1, decode=d1, reason="prefill_stall"
+        )
+        assert failures == 2
+        prefill_legs = len(engines["p1"].requests)
+        assert _whole(base, body)["choices"][0]["text"]
+        assert len(engines["p1"].requests) == prefill_legs  # no split tried
+        assert metric(base, "vllm_pd_decisions_total", reason="breaker_open") == 1
