@@ -181,7 +181,11 @@ class StallGuardConfig(_Strict):
         30.0, gt=0, description="how long a pair gets no splits; then one split probes it"
     )
     breaker_max_open_s: float = Field(
-        300.0, gt=0, description="a probe that stalls again doubles the time, up to this"
+        300.0,
+        gt=0,
+        description="a probe that stalls again doubles the time, up to this; a pair whose "
+        "breaker a probe closed is remembered this long (a stall then opens it again at once, "
+        "for twice as long)",
     )
 
 

@@ -33,7 +33,11 @@ A prefill-decode pair that stalls ``breaker_stalls`` times in a row gets no spli
 ``breaker_open_s`` (decision reason ``breaker_open``; ``vllm_pd_breaker_open{prefill,decode}``
 is 1 meanwhile, and one WARNING line says so). Then one guarded split probes it: a
 first token in time closes the breaker, another stall opens it for twice as long, up to
-``breaker_max_open_s``. Stall lines are logged at most every ``LOG_EVERY_S`` (the counter
+``breaker_max_open_s``. A pair whose breaker a probe closed is remembered for
+``breaker_max_open_s``: a stall in that time opens it again at once (not after
+``breaker_stalls``) for twice as long as it was last open, so a pair that stalls on and off
+is not given a fresh run of stalls each time one probe comes through; a first token in time
+after that time forgets it. Stall lines are logged at most every ``LOG_EVERY_S`` (the counter
 counts every one).
 """
 
@@ -65,6 +69,7 @@ class _Pair:
     open_until: float = 0.0  # monotonic; 0: closed
     open_s: float = 0.0  # how long it was last opened for
     probe_at: float = -1e18  # when the last probe was sent (monotonic)
+    closed_at: float = -1e18  # when a probe last closed its breaker (monotonic)
 
 
 class StallGuard:
@@ -183,7 +188,8 @@ class StallGuard:
 
     def _count_stall(self, prefill: Instance, decode: Instance) -> None:
         """One more stall in a row on this pair: its breaker opens at ``breaker_stalls``, or
-        again (for twice as long) when the stall was a probe's."""
+        again (for twice as long) when the stall was a probe's or came soon after a probe
+        closed it."""
         key = (prefill.label, decode.label)
         pair = self._pairs.get(key)
         if pair is None:
@@ -198,9 +204,12 @@ class StallGuard:
         if pair.open_until != 0.0 and now < pair.open_until:
             return  # split before the breaker opened: it stays open as long as it was
         probing = pair.open_until != 0.0
-        if probing or pair.stalls >= cfg.breaker_stalls:
+        relapse = now < pair.closed_at + cfg.breaker_max_open_s
+        if probing or relapse or pair.stalls >= cfg.breaker_stalls:
             pair.open_s = (
-                min(2 * pair.open_s, cfg.breaker_max_open_s) if probing else cfg.breaker_open_s
+                min(2 * pair.open_s, cfg.breaker_max_open_s)
+                if probing or relapse
+                else cfg.breaker_open_s
             )
             pair.open_until = now + pair.open_s
             self.metrics.breaker_open.labels(prefill.label, decode.label).set(1)
@@ -213,11 +222,26 @@ class StallGuard:
             )
 
     def served(self, prefill: Instance | None, decode: Instance) -> None:
-        """A guarded leg's first token came in time: the pair's record is cleared (its
-        breaker closed)."""
+        """A guarded leg's first token came in time: no stalls in a row now; a breaker
+        past its open time closes (remembered for ``breaker_max_open_s``), a record with
+        neither is cleared. One that came while the breaker is open (a split sent before it
+        opened) changes nothing."""
         if prefill is None:
             return
-        pair = self._pairs.pop((prefill.label, decode.label), None)
-        if pair is not None and pair.open_until != 0.0:
+        key = (prefill.label, decode.label)
+        pair = self._pairs.get(key)
+        if pair is None:
+            return
+        now = self._clock()
+        if pair.open_until != 0.0:
+            if now < pair.open_until:
+                return
+            pair.open_until = 0.0
+            pair.closed_at = now
+            pair.stalls = 0
             self.metrics.breaker_open.remove(prefill.label, decode.label)
             logger.warning("splits from %s to %s again", prefill.label, decode.label)
+        elif now < pair.closed_at + self.config.breaker_max_open_s:
+            pair.stalls = 0
+        else:
+            del self._pairs[key]

@@ -80,8 +80,47 @@ def test_after_the_open_time_one_guarded_probe_passes_and_its_outcome_decides():
     assert guard.allows(P, D, True)
     guard.probing(P, D)
     guard.served(P, D)  # the probe came through: closed, and its series gone
-    assert guard.allows(P, D, False) and not guard.stalls
+    assert guard.allows(P, D, False)
     assert "vllm_pd_breaker_open{" not in generate_latest(metrics.registry).decode()
+
+
+def test_a_pair_that_stalls_soon_after_a_probe_closed_its_breaker_is_stopped_at_once():
+    """On and off: one stall soon after a probe closed the breaker opens it again (not after
+    breaker_stalls), for twice as long as last time; once the pair has served for
+    breaker_max_open_s it is forgotten and needs breaker_stalls in a row again."""
+    clock = Clock()
+    guard, _, metrics = _guard(clock, breaker_stalls=3, breaker_open_s=30, breaker_max_open_s=600)
+    for i in range(3):
+        guard.stalled(P, D, f"r{i}")
+    assert not guard.allows(P, D, True)  # open for 30 s
+    clock.now += 31
+    guard.probing(P, D)
+    guard.served(P, D)  # closed
+    assert guard.allows(P, D, False) and _breaker(metrics) == 0
+    clock.now += 100
+    guard.served(P, D)
+    guard.stalled(P, D, "relapse")
+    assert not guard.allows(P, D, True) and _breaker(metrics) == 1
+    clock.now += 59.9
+    assert not guard.allows(P, D, True)  # 60 s: twice as long
+    clock.now += 0.2
+    guard.probing(P, D)
+    guard.served(P, D)  # closed again
+    clock.now += 601
+    guard.served(P, D)  # served past the memory: forgotten
+    assert not guard.stalls
+    for i in range(2):
+        guard.stalled(P, D, f"late{i}")
+    assert guard.allows(P, D, True)  # 2 of 3 in a row: still closed
+
+
+def test_a_leg_served_while_the_breaker_is_open_does_not_close_it():
+    clock = Clock()
+    guard, _, metrics = _guard(clock, breaker_stalls=1, breaker_open_s=30)
+    guard.stalled(P, D, "r1")
+    clock.now += 5
+    guard.served(P, D)  # a split sent before the breaker opened, served in time
+    assert not guard.allows(P, D, True) and _breaker(metrics) == 1
 
 
 def test_a_stall_of_a_split_made_before_the_breaker_opened_does_not_extend_it():
