@@ -434,9 +434,11 @@ def phase(
         wait_idle(engines)
         after = scrape_engines(engines)
         decisions: dict[str, float] = {}
+        fallbacks: dict[str, float] = {}  # by reason (the front logs at WARNING only)
         if front in OURS:
             m = parse_metrics(httpx.get(f"{url}/metrics", timeout=10).text)
             decisions = m.by_label("vllm_pd_decisions_total", "decision", "reason")
+            fallbacks = m.by_label("vllm_pd_fallbacks_total", "reason")
     finally:
         child.stop()
     grew = {
@@ -465,6 +467,7 @@ def phase(
         "balanced_oracle_hits": oracle_hits(turns, engines.block_size, len(decodes)),
         "requests_by_engine": {n: g["requests"] for n, g in grew.items()},
         "decisions": decisions,
+        "fallbacks": fallbacks,
         "ttft_p50_ms": round(statistics.median(ttft), 1),
         "ttft_p99_ms": round(pct(ttft, 99), 1),
         "front_cpu_s": round(cpu, 4),

@@ -9,8 +9,16 @@ its lease stays with the call until the answer is out.
 
 A split streamed leg is guarded (``stall_guard.py``): its first token must come within the
 guard's deadline after the prefill leg, else it is closed and the request served colocated.
-Served on the prefill instance, a stream's colocated leg is guarded too (that instance may
-have frozen after its leg): past its own deadline it is closed and the next instance tried.
+No colocated leg that follows waits unbounded on an instance that may be wedged (a suspect):
+
+* after a stall, the stream's colocated leg on the instance ``stalled_on`` names (the prefill
+  instance that just computed the prompt, or the decode that stalled) has a deadline too;
+* a stream routed colocated because the breakers of its decode instance are open
+  (``breaker_open``: that decode stalled again and again) has a deadline on that instance;
+
+past it the leg is closed, counted (``vllm_pd_fallbacks_total{reason="colocated_stall"}``) and
+the next instance tried. The instances tried after a suspect are the pool's others: the
+stalled prefill and decode, or the broken decode, come again only when no other is healthy.
 """
 
 from __future__ import annotations
@@ -111,16 +119,24 @@ class DecodeLeg:
         stream: StreamRelay | None,
         first: Instance | None = None,
         rescue_s: float | None = None,
+        suspects: tuple[Instance, ...] = (),
     ) -> Opened:
         """The first decode instance to answer 200 (``first``, else the route's decode
         instance, first). ``rescue_s``: the seconds ``first`` has for its first bytes (a
-        stalled split's colocated leg on its prefill instance). Raises ``ProxyError`` (a 4xx
-        passed through; 502 when every instance tried failed) or ``ClientGone``."""
+        stalled split's colocated leg). ``suspects``: instances that may be wedged, tried
+        after ``first`` only when no other is healthy. Raises ``ProxyError`` (a 4xx passed
+        through; 502 when every instance tried failed) or ``ClientGone``."""
         errors: list[str] = []
-        candidates = self.router.candidates(
-            call.ctx, route.decode_pool, "decode", first or route.decode
-        )
         guard = self.router.guard
+        broken = first is None and route.decision.reason == "breaker_open"
+        if broken:  # every prefill's breaker with this decode is open: it may be wedged itself
+            suspects = (route.decode,)
+        pool = [i for i in route.decode_pool if i not in suspects and i.healthy]
+        if broken and stream is not None and pool:  # (the only decode healthy: waited for)
+            rescue_s = self._suspect_budget_s(call)
+        candidates = self.router.candidates(
+            call.ctx, pool or route.decode_pool, "decode", first or route.decode
+        )
         stalled: Instance | None = None  # the prefill instance of a stalled split
         stalled_leg_s = 0.0  # and how long its prefill leg took
         for attempt, inst in enumerate(candidates):
@@ -173,7 +189,7 @@ class DecodeLeg:
                         # the stream was under way, from the engine connection's side
                         raise ClientGone("decode_stream") from None
                     raise
-                if resp is None and rescue:  # frozen after its prefill leg: the next one
+                if resp is None and rescue:  # a suspect past its deadline: the next one
                     guard.rescue_stalled(inst, call.ctx.request_id)
                     errors.append(f"{inst.label}: no first token in {rescue_s:.1f} s")
                     continue
@@ -203,11 +219,22 @@ class DecodeLeg:
                 return Opened(resp, inst)
         else:
             raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
-        # a stall: served colocated now, on the instance the guard's config names first
+        # a stall: served colocated now, on the instance the guard's config names first,
+        # within a deadline (a stream); both instances of the pair come last after it
+        rescuer = inst
         if stalled is not None and guard.config.stalled_on == "prefill" and stalled.healthy:
-            rescue_s = guard.rescue_budget_s(stalled_leg_s) if stream is not None else None
-            return await self.open(call, route, None, stream, stalled, rescue_s)
-        return await self.open(call, route, None, stream)
+            rescuer = stalled
+        rescue_s = guard.rescue_budget_s(stalled_leg_s) if stream is not None else None
+        pair = (inst,) if stalled is None else (stalled, inst)
+        return await self.open(call, route, None, stream, rescuer, rescue_s, pair)
+
+    def _suspect_budget_s(self, call: Call) -> float:
+        """Seconds a colocated stream on a decode instance whose breakers are all open has
+        for its first token: what the guard gives a prefill leg of its prompt, once the cost
+        model measured prefill legs; until then the guard's floor."""
+        guard = self.router.guard
+        budget = guard.prefill_budget_s(call.ctx.est_prompt_tokens)
+        return guard.config.floor_s if budget is None else budget
 
     def _split_failed(self, call: Call, inst: Instance) -> None:
         """A decode attempt on ``inst`` failed; counted per pair when it was to load a

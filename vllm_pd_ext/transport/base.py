@@ -294,6 +294,10 @@ class Transport(abc.ABC):
         self.stats = TransferStats()
         self._coalesce = coalesce_spans
         self._lock = threading.RLock()
+        #: Serializes what changes the backend's peers (connect, disconnect, close): a connect
+        #: does network I/O, so it holds this, never ``_lock`` (which every engine step takes,
+        #: to drain notifications and poll transfers).
+        self._peers_lock = threading.Lock()
         self._regions: dict[str, Region] = {}
         self._keepalive: dict[str, Any] = {}
         self._peers: dict[str, TransportDescriptor] = {}
@@ -447,13 +451,14 @@ class Transport(abc.ABC):
                 f"peer {desc.engine_id} uses backend {desc.backend!r}, this transport "
                 f"uses {self.backend_name!r}"
             )
-        with self._lock:
+        if desc.engine_id == self.engine_id:
+            raise PeerMismatch("a transport cannot connect to itself")
+        with self._peers_lock:
             self._check_open()
-            if desc.engine_id == self.engine_id:
-                raise PeerMismatch("a transport cannot connect to itself")
-            self._connect(desc)
-            self._peers[desc.engine_id] = desc
-            self._outstanding.setdefault(desc.engine_id, set())
+            self._connect(desc)  # may wait on the peer: not under ``_lock``
+            with self._lock:
+                self._peers[desc.engine_id] = desc
+                self._outstanding.setdefault(desc.engine_id, set())
         logger.info(
             "connected to %s peer %s at %s", self.backend_name, desc.engine_id, desc.address
         )
@@ -461,7 +466,7 @@ class Transport(abc.ABC):
 
     def disconnect(self, peer: str) -> None:
         """Forget a peer; its pending handles can still be polled."""
-        with self._lock:
+        with self._peers_lock, self._lock:
             self._check_open()
             desc = self._peer(peer)
             self._disconnect(desc)
@@ -622,7 +627,7 @@ class Transport(abc.ABC):
 
         Pending handles are abandoned: polling them afterwards raises TransportClosed.
         """
-        with self._lock:
+        with self._peers_lock, self._lock:
             if self._closed:
                 return
             self._closed = True

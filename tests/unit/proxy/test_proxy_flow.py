@@ -6,12 +6,15 @@ import asyncio
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
 import pytest
 
 from tests.unit.proxy.helpers import LONG, SHORT, fleet, metric, proxy, sent, wait_until
 from vllm_pd_ext.proxy import client_channel
+from vllm_pd_ext.proxy.service import ProxyService
 
 
 def test_split_non_streaming_legs_and_response(engines):
@@ -646,6 +649,78 @@ def test_a_stalled_split_stream_whose_prefill_froze_too_is_served_on_the_decode(
         assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
         assert metric(base, "vllm_pd_fallbacks_total", reason="colocated_stall") == 1
         assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
+        assert metric(base, "vllm_pd_in_flight") == 0
+
+
+@contextmanager
+def _d1_looks_idle(engines, **overrides) -> Iterator[tuple[str, ProxyService]]:
+    """A proxy over p1, d1 and d2 (least-loaded decodes) that sees d2 busy, so d1 (frozen
+    in these tests: a wedged engine reports nothing running) is always the idlest decode."""
+    instances = fleet(engines, prefill=("p1",), decode=("d1", "d2"))
+    engines["d2"].running = 5
+    try:
+        with proxy(engines, instances=instances, decode_policy="least-loaded", **overrides) as (
+            base,
+            svc,
+        ):
+            wait_until(lambda: any(d.running == 5 for d in svc.fleet.healthy("decode")))
+            yield base, svc
+    finally:
+        engines["d2"].running = 0
+
+
+def test_a_stalled_split_whose_pair_froze_is_served_on_another_decode(engines):
+    """The decode stalls on the KV and then stays frozen (it looks the idlest), and the
+    prefill instance froze after its leg too: the colocated leg there is closed at its
+    deadline, and the request is served on the other decode instance, not left waiting on
+    the decode that just stalled (which then has no deadline); counted."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
+    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
+        expected = _stream_events(base, 5, LONG)
+    for e in engines.values():
+        e.requests.clear()
+    engines["d1"].behavior.kv_stall_s = 600.0
+    engines["d1"].behavior.colocated_stall_s = 600.0
+    engines["p1"].behavior.colocated_stall_s = 600.0
+    guard = {"floor_s": 0.5, "breaker_stalls": 5}
+    with _d1_looks_idle(engines, stall_guard=guard) as (base, _):
+        assert _stream_events(base, 5, LONG) == expected
+        wait_until(lambda: engines["d1"].disconnects == 1 and engines["p1"].disconnects == 1)
+        (stalled_leg,) = sent(engines["d1"])
+        assert stalled_leg["kv_transfer_params"]["do_remote_prefill"] is True
+        (served,) = sent(engines["d2"])
+        assert "kv_transfer_params" not in served and served["stream"] is True
+        assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="colocated_stall") == 1
+        assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
+        assert metric(base, "vllm_pd_in_flight") == 0
+
+
+def test_a_stream_routed_colocated_to_a_broken_decode_that_froze_moves_on(engines):
+    """A decode that stalled opens its breaker; a stream routed there next is served
+    colocated on it (``breaker_open``). It is frozen: past the guard's floor (the cost model
+    has no prefill measured) the leg is closed and the request served on the other decode
+    instance, instead of waiting on the frozen one; counted."""
+    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
+    with proxy(engines, instances=fleet(engines), decision=colocated) as (base, _):
+        expected = _stream_events(base, 5, LONG)
+    for e in engines.values():
+        e.requests.clear()
+    engines["d1"].behavior.kv_stall_s = 600.0
+    engines["d1"].behavior.colocated_stall_s = 600.0
+    guard = {"floor_s": 0.5, "breaker_stalls": 1, "breaker_open_s": 600.0}
+    with _d1_looks_idle(engines, stall_guard=guard) as (base, _):
+        assert _stream_events(base, 5, LONG) == expected  # the stall, served on p1
+        assert _stream_events(base, 5, LONG) == expected  # breaker open: colocated on d1
+        wait_until(lambda: engines["d1"].disconnects == 2)
+        stalled_leg, frozen_leg = sent(engines["d1"])
+        assert stalled_leg["kv_transfer_params"]["do_remote_prefill"] is True
+        assert "kv_transfer_params" not in frozen_leg
+        (served,) = sent(engines["d2"])
+        assert "kv_transfer_params" not in served and served["stream"] is True
+        assert metric(base, "vllm_pd_decisions_total", reason="breaker_open") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="colocated_stall") == 1
         assert metric(base, "vllm_pd_in_flight") == 0
 
 

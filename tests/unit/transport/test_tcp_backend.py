@@ -4,8 +4,10 @@ receiver's own checks, a peer that dies or stalls mid-transfer (an error, never 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
@@ -455,3 +457,45 @@ def test_transports_with_different_keys_do_not_connect(client_key, server_key, w
     finally:
         client.close()
         server.close()
+
+
+def test_a_connect_waiting_on_a_silent_peer_does_not_hold_up_draining_notifications() -> None:
+    """A connector drains notifications on the engine's step, while its transfer threads
+    connect to peers: a connect waiting for the HELLO of a peer that accepted the connection
+    but never answers (a wedged engine) must not stop the drain (the engine's step) until
+    the connect gives up."""
+    silent = socket.create_server(("127.0.0.1", 0))
+    accepted: list[socket.socket] = []
+    acceptor = threading.Thread(target=lambda: accepted.append(silent.accept()[0]))
+    acceptor.start()
+    t, other = _local(connect_timeout_s=120.0), _local()
+    port = silent.getsockname()[1]
+    target = dataclasses.replace(other.descriptor(), address=f"127.0.0.1:{port}")
+    failed: list[Exception] = []
+
+    def connect() -> None:
+        try:
+            t.connect(target)
+        except TransportError as e:
+            failed.append(e)
+
+    connecting = threading.Thread(target=connect)
+    drained: list[object] = []
+    draining = threading.Thread(target=lambda: drained.append(t.drain_notifications()))
+    try:
+        connecting.start()
+        acceptor.join(WAIT_S)
+        assert accepted, "the connect never reached the silent peer"
+        draining.start()
+        draining.join(WAIT_S)  # bounded: the assertions below say whether it was held up
+        assert drained == [[]]
+        assert connecting.is_alive()  # still waiting for the HELLO
+    finally:
+        for s in accepted:
+            s.close()  # the connect fails now
+        connecting.join(WAIT_S)
+        draining.join(WAIT_S)
+        t.close()
+        other.close()
+        silent.close()
+    assert failed and isinstance(failed[0], TransportError)
