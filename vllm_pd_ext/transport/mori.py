@@ -234,12 +234,13 @@ class MoriTransport(Transport):
             raise PeerMismatch(f"MoRI descriptor of {desc.engine_id} lacks {e}") from e
         if getattr(engine_desc, "key", desc.engine_id) != desc.engine_id:
             raise PeerMismatch(f"engine key {engine_desc.key!r} != {desc.engine_id!r}")
-        if desc.engine_id in self._remote_engines:
-            self._drop_peer(desc.engine_id)
-        self._engine.register_remote_engine(engine_desc)
-        self._remote_engines[desc.engine_id] = engine_desc
-        for name, md in mems.items():
-            self._remote_mem[(desc.engine_id, name)] = md
+        with self._lock:  # the peer maps that transfers read (a connect runs without it)
+            if desc.engine_id in self._remote_engines:
+                self._drop_peer(desc.engine_id)
+            self._engine.register_remote_engine(engine_desc)
+            self._remote_engines[desc.engine_id] = engine_desc
+            for name, md in mems.items():
+                self._remote_mem[(desc.engine_id, name)] = md
 
     def _drop_peer(self, peer: str) -> None:
         for key in [k for k in self._sessions if k[0] == peer]:
