@@ -313,7 +313,11 @@ class StreamRelay:
             cached is not None and b'"prompt_tokens_details"' in ready
         ):
             ready = _patch_events(ready, cached)
-        self.observe(ready, now)
+        if self.first is None:
+            self.observe(ready, now)
+        else:  # ``observe``'s gap, without its call: this runs for every event
+            self.itl.observe(now - self.last)
+            self.last = now
         return ready
 
     def observe(self, ready: bytes, now: float) -> None:
