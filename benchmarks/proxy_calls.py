@@ -1,25 +1,27 @@
 """Python calls per proxied request: a deterministic stand-in for the proxy's CPU per request.
 
 Timing on a shared host is noisy; the number of function calls a request costs is not. This
-runs our proxy (``vllm-pd proxy --both URL``, built as the CLI builds it, fast path and all)
-in this process, in front of the fake upstream ``proxy_overhead.py --upstream fake`` uses
-(``vllm_pd_ext.testing.fake_engine``, in its own process), and counts with ``sys.setprofile``
-every Python function call (a coroutine's or generator's resumption counts as one, as in
-cProfile) and every C call the proxy's thread makes for one request, from the client's first
-byte to a short settle after its last. Requests: one streamed ``/v1/completions`` of
-``--max-tokens`` tokens and one non-streamed, each ``--repeat`` times after a warm-up; the
-client is a thread of this process (its calls are not counted). Tasks that were already
-running when counting began (uvicorn's tick, the health loops) are left out, so what is
-counted is the request's own work plus the event loop's iterations that serve it.
+runs our proxy (``vllm-pd proxy --both URL``, built as the CLI builds it, fast path, uvloop
+and all) in this process, in front of the fake upstream ``proxy_overhead.py --upstream fake``
+uses (``vllm_pd_ext.testing.fake_engine``, in its own process), and counts with
+``sys.setprofile`` every Python function call (a coroutine's or generator's resumption counts
+as one, as in cProfile) and every C call the proxy's thread makes for one request, from the
+client's first byte to a short settle after its last; then, in a second pass of the same
+requests, with ``sys.settrace``, the bytecode instructions each Python function executes
+(``--no-opcodes``: not). Requests: one streamed ``/v1/completions`` of ``--max-tokens``
+tokens and one non-streamed, each ``--repeat`` times after a warm-up; the client is a thread
+of this process (not counted). Tasks that were already running when counting began (uvicorn's
+tick, the health loops) are left out; what the loop does for them outside a task (a health
+check's connection, a tick's timer) is not, so some runs count more: the run with the fewest
+is the one reported.
 
 The fake upstream pauses ``--token-interval-ms`` between tokens (5 ms by default, long enough
 under the profiler that every token reaches the proxy as its own read, as at 1 ms without it).
 
-Prints, per request kind, the total (the median run's), its spread over the runs, and the
-top functions; writes ``benchmarks/results/proxy_calls_<label>.json`` (date, commit, every
-count of the median run).
+Prints, per request kind, the totals of every run and the top functions of the reported one;
+writes ``benchmarks/results/proxy_calls_<label>.json`` (date, commit, every count of it).
 
-    .venv/bin/python benchmarks/proxy_calls.py [--label before|after] [--repeat 5]
+    .venv/bin/python benchmarks/proxy_calls.py [--label before|after] [--repeat 7]
 """
 
 from __future__ import annotations
@@ -61,11 +63,13 @@ def _where(filename: str) -> str:
 
 
 class Counting:
-    """``sys.setprofile`` on the proxy's thread: calls by function, the background tasks
-    that were running when it started left out."""
+    """On the proxy's thread, the background tasks that were running when it started left
+    out: ``sys.setprofile``'s calls by function (``opcodes=False``), or ``sys.settrace``'s
+    bytecode instructions executed by function (``opcodes=True``; C code runs none)."""
 
-    def __init__(self) -> None:
-        self.calls: Counter[tuple[str, str]] = Counter()  # (kind, function) -> calls
+    def __init__(self, opcodes: bool = False) -> None:
+        self.opcodes = opcodes
+        self.calls: Counter[tuple[str, str]] = Counter()  # (kind, function) -> count
         self._background: set[asyncio.Task] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -73,18 +77,27 @@ class Counting:
         self.calls.clear()
         self._loop = asyncio.get_running_loop()
         self._background = set(asyncio.all_tasks())
-        sys.setprofile(self._event)
+        if self.opcodes:
+            sys.settrace(self._trace)
+        else:
+            sys.setprofile(self._event)
 
     def stop(self) -> None:
-        sys.setprofile(None)
+        if self.opcodes:
+            sys.settrace(None)
+        else:
+            sys.setprofile(None)
+
+    def _ours(self, code: Any) -> bool:
+        """Is this frame's work outside the count?"""
+        return asyncio.current_task(self._loop) in self._background or code.co_filename == __file__
 
     def _event(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call":
             code = frame.f_code
-            if asyncio.current_task(self._loop) in self._background or code.co_filename == __file__:
+            if self._ours(code):
                 return
-            name = f"{code.co_qualname} ({_where(code.co_filename)}:{code.co_firstlineno})"
-            self.calls["py", name] += 1
+            self.calls["py", _name(code)] += 1
         elif event == "c_call":
             if asyncio.current_task(self._loop) in self._background:
                 return
@@ -93,6 +106,25 @@ class Counting:
             if module is None and owner is not None and not isinstance(owner, type(sys)):
                 module = type(owner).__module__
             self.calls["c", f"{module}.{arg.__qualname__}"] += 1
+
+    def _trace(self, frame: Any, event: str, arg: Any) -> Any:
+        code = frame.f_code
+        if event != "call" or self._ours(code):
+            return None
+        frame.f_trace_opcodes = True
+        frame.f_trace_lines = False
+        calls, key = self.calls, ("op", _name(code))
+
+        def local(frame: Any, event: str, arg: Any) -> Any:
+            if event == "opcode":
+                calls[key] += 1
+            return local
+
+        return local
+
+
+def _name(code: Any) -> str:
+    return f"{code.co_qualname} ({_where(code.co_filename)}:{code.co_firstlineno})"
 
 
 def _proxy_server(upstream: str, port: int) -> tuple[Any, Any]:
@@ -143,15 +175,16 @@ def _drive(
         loop = loop_box[0]
         wait_ready_url(url + "/health")
         counting = Counting()
+        tracing = Counting(opcodes=True)
 
         def on_loop(fn: Any) -> None:
             done = threading.Event()
 
             def run() -> None:  # the Event's calls outside the count
-                if fn == counting.start:
+                if fn in (counting.start, tracing.start):
                     done.set()
                 fn()
-                if fn == counting.stop:
+                if fn in (counting.stop, tracing.stop):
                     done.set()
 
             loop.call_soon_threadsafe(run)
@@ -176,11 +209,14 @@ def _drive(
                     one(kind, i)
             for i in range(args.repeat):
                 for kind in KINDS:
-                    on_loop(counting.start)
-                    one(kind, i)
-                    time.sleep(args.settle_s)  # the proxy's work after the last byte
-                    on_loop(counting.stop)
-                    out[kind].append(Counter(counting.calls))
+                    for counter, runs in ((counting, out[kind]), (tracing, out[kind + "_op"])):
+                        if counter is tracing and not args.opcodes:
+                            continue
+                        on_loop(counter.start)
+                        one(kind, i)
+                        time.sleep(args.settle_s)  # the proxy's work after the last byte
+                        on_loop(counter.stop)
+                        runs.append(Counter(counter.calls))
     except Exception as exc:  # reported by the main thread
         errors.append(f"{type(exc).__name__}: {exc}")
     finally:
@@ -200,20 +236,28 @@ def wait_ready_url(url: str) -> None:
 
 
 def commit() -> str:
+    """The commit of the checkout whose ``vllm_pd_ext`` was measured (``PYTHONPATH``)."""
+    import vllm_pd_ext
+
+    tree = Path(vllm_pd_ext.__file__).resolve().parent.parent
+
     def git(*a: str) -> str:
         return subprocess.run(
-            ["git", "-C", str(REPO), *a], capture_output=True, text=True, check=False
+            ["git", "-C", str(tree), *a], capture_output=True, text=True, check=False
         ).stdout.strip()
 
-    return git("rev-parse", "--short", "HEAD") + ("-dirty" if git("status", "--porcelain") else "")
+    dirty = git("status", "--porcelain", "--", "vllm_pd_ext")
+    return git("rev-parse", "--short", "HEAD") + ("-dirty" if dirty else "")
 
 
 def summarize(runs: list[Counter], top: int) -> dict[str, Any]:
     totals = [sum(r.values()) for r in runs]
-    median_run = runs[sorted(range(len(runs)), key=lambda k: totals[k])[len(runs) // 2]]
-    py = sum(n for (kind, _), n in median_run.items() if kind == "py")
-    c = sum(n for (kind, _), n in median_run.items() if kind == "c")
-    by_function = {f"{kind} {name}": n for (kind, name), n in median_run.most_common()}
+    # the run with the least else in it: the loop also serves the health checks' connections
+    # (outside any task) and uvicorn's tick timers, which some runs catch
+    least_run = runs[min(range(len(runs)), key=lambda k: totals[k])]
+    py = sum(n for (kind, _), n in least_run.items() if kind in ("py", "op"))
+    c = sum(n for (kind, _), n in least_run.items() if kind == "c")
+    by_function = {f"{kind} {name}": n for (kind, name), n in least_run.most_common()}
     return {
         "total": py + c,
         "python_calls": py,
@@ -224,6 +268,7 @@ def summarize(runs: list[Counter], top: int) -> dict[str, Any]:
         "top": list(by_function.items())[:top],
         "by_function": by_function,
         "median_of_totals": statistics.median(totals),
+        "min_of_totals": min(totals),
     }
 
 
@@ -233,10 +278,16 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--token-interval-ms", type=float, default=5.0)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--repeat", type=int, default=7)
     p.add_argument("--settle-s", type=float, default=0.05)
     p.add_argument("--top", type=int, default=40)
     p.add_argument("--no-write", action="store_true")
+    p.add_argument(
+        "--no-opcodes",
+        dest="opcodes",
+        action="store_false",
+        help="skip the second pass that counts bytecode instructions (sys.settrace)",
+    )
     args = p.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="proxy_calls."))
@@ -261,6 +312,7 @@ def main() -> int:
         port = free_port()
         server, _ = _proxy_server(upstream, port)
         out: dict[str, list[Counter]] = {k: [] for k in KINDS}
+        out.update({k + "_op": [] for k in KINDS})
         errors: list[str] = []
         loop_box: list[asyncio.AbstractEventLoop] = []
 
@@ -293,7 +345,7 @@ def main() -> int:
         "config": {k: v for k, v in vars(args).items() if k not in ("label", "no_write")},
         "method": "sys.setprofile on the proxy's thread: 'call' (Python frames entered, "
         "resumptions included) and 'c_call' events from the client's request to settle_s "
-        "after its response; tasks running before the request left out; the median run",
+        "after its response; tasks running before the request left out; the run with the fewest",
     }
     for kind in KINDS:
         s = summarize(out[kind], args.top)
@@ -304,6 +356,18 @@ def main() -> int:
         )
         for name, n in s["top"]:
             print(f"{n:7d}  {name}")
+        if out[kind + "_op"]:
+            ops = summarize(out[kind + "_op"], args.top)
+            result[kind]["opcodes"] = {
+                "total": ops["total"],
+                "totals_per_run": ops["totals_per_run"],
+                "by_function": ops["by_function"],
+            }
+            print(
+                f"\n-- {kind}: bytecode instructions {ops['total']}; runs {ops['totals_per_run']}"
+            )
+            for name, n in ops["top"][: args.top // 2]:
+                print(f"{n:7d}  {name}")
     if not args.no_write:
         path = RESULTS / f"proxy_calls_{args.label}.json"
         path.write_text(json.dumps(result, indent=1) + "\n")
