@@ -31,7 +31,8 @@ class Admission:
     def refusal_now(self) -> ProxyError | None:
         """The 429 ``acquire()`` would raise at once (no slot free, the queue full), else
         None: asked before a request's body is read, so that a refused body is never held."""
-        if self._slots.locked() and self.queued >= self.max_queued:
+        # the queue first: a number, where the semaphore's check is two Python calls
+        if self.queued >= self.max_queued and self._slots.locked():
             return ProxyError(
                 429, "proxy saturated: too many queued requests", code="queue_full", retry_after=1
             )

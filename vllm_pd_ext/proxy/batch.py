@@ -28,7 +28,7 @@ from vllm_pd_ext.proxy.client_channel import STREAM_END, RelayResponse
 from vllm_pd_ext.proxy.decode import DecodeLeg
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough, sse_error
 from vllm_pd_ext.proxy.fleet import Fleet, Lease
-from vllm_pd_ext.proxy.relay import Opened, Relay, StreamRelay, patch_payload
+from vllm_pd_ext.proxy.relay import JSONAnswer, Opened, Relay, StreamRelay, patch_payload
 from vllm_pd_ext.proxy.routing import Route, Router
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier, prompt_request_id
 from vllm_pd_ext.proxy.upstream import UpstreamError, UpstreamResponse
@@ -113,7 +113,7 @@ class Batch:
         )
         patch_payload(data, None)
         call.finish("ok", f"ok via {opened[0].instance.label} ({len(opened)} prompts)")
-        return JSONResponse(data, headers={"X-Request-Id": ctx.echo_id})
+        return JSONAnswer(data, ctx.echo_id)
 
     async def _events(
         self, call: Call, opened: list[Opened], stream: StreamRelay, render: RenderTier

@@ -151,15 +151,16 @@ class Call:
         metrics.child(metrics.requests, ctx.route, label, outcome).inc()
         if self.trace is not None:
             self.trace.finished(outcome, detail)
-        logger.info(
-            "request %s %s %s: %s (%.0f ms)%s",
-            ctx.request_id,
-            ctx.route,
-            label,
-            detail or outcome,
-            (time.perf_counter() - ctx.received) * 1e3,
-            f" client id {ctx.client_request_id!r}" if ctx.client_request_id else "",
-        )
+        if logger.isEnabledFor(logging.INFO):  # its arguments are not free either
+            logger.info(
+                "request %s %s %s: %s (%.0f ms)%s",
+                ctx.request_id,
+                ctx.route,
+                label,
+                detail or outcome,
+                (time.perf_counter() - ctx.received) * 1e3,
+                f" client id {ctx.client_request_id!r}" if ctx.client_request_id else "",
+            )
 
     def close(self) -> None:
         """Give back everything the request holds (once; later calls do nothing)."""

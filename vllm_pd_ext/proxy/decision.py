@@ -160,11 +160,12 @@ class Decider:
 
     @staticmethod
     def _log(ctx: RequestContext, decision: Decision) -> Decision:
-        logger.debug(
-            "request %s: %s (%s) inputs=%s",
-            ctx.request_id,
-            decision.label,
-            decision.reason,
-            decision.inputs,
-        )
+        if logger.isEnabledFor(logging.DEBUG):  # (its arguments cost a call of their own)
+            logger.debug(
+                "request %s: %s (%s) inputs=%s",
+                ctx.request_id,
+                decision.label,
+                decision.reason,
+                decision.inputs,
+            )
         return decision

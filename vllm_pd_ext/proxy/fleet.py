@@ -250,7 +250,8 @@ class Fleet:
         return list(self._instances.values())
 
     def healthy(self, role: str) -> list[Instance]:
-        return [i for i in self._instances.values() if i.healthy and i.serves(role)]
+        roles = (role, "both")  # ``Instance.serves``, without a call per instance and request
+        return [i for i in self._instances.values() if i.healthy and i.config.role in roles]
 
     def upstream_failed(self, inst: Instance, exc: UpstreamError) -> None:
         """A request to ``inst`` failed: take it out of rotation when the failure says it is

@@ -43,6 +43,26 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+#: ``JSONResponse.render``'s encoder, made once (``json.dumps`` with arguments makes one a call).
+_JSON = json.JSONEncoder(ensure_ascii=False, allow_nan=False, indent=None, separators=(",", ":"))
+
+
+class JSONAnswer(JSONResponse):
+    """A whole answer for the client: what ``JSONResponse(content, headers={"X-Request-Id":
+    request_id})`` is (status 200, the same body and head, in the same order), made in one
+    call instead of eight."""
+
+    def __init__(self, content: Any, request_id: str):
+        self.status_code = 200
+        self.background = None
+        self.body = body = _JSON.encode(content).encode("utf-8")
+        self.raw_headers = [
+            (b"x-request-id", request_id.encode("latin-1")),
+            (b"content-length", b"%d" % len(body)),
+            (b"content-type", b"application/json"),
+        ]
+
+
 @dataclass(slots=True)
 class Opened:
     """A decode leg whose engine answered 200; its body not read yet."""
@@ -107,7 +127,7 @@ class Relay:
             )
         patch_payload(data, call.cached)
         call.finish("ok", f"ok via {opened.instance.label}")
-        return JSONResponse(data, headers={"X-Request-Id": ctx.echo_id})
+        return JSONAnswer(data, ctx.echo_id)
 
     async def read(self, opened: Opened) -> dict[str, Any]:
         """An opened leg's whole answer, the JSON object it must be (its response closed).
@@ -313,7 +333,11 @@ class StreamRelay:
             cached is not None and b'"prompt_tokens_details"' in ready
         ):
             ready = _patch_events(ready, cached)
-        self.observe(ready, now)
+        if self.first is None:
+            self.observe(ready, now)
+        else:  # ``observe``'s gap, without its call: this runs for every event
+            self.itl.observe(now - self.last)
+            self.last = now
         return ready
 
     def observe(self, ready: bytes, now: float) -> None:
