@@ -224,7 +224,11 @@ class DecodeLeg:
         rescuer = inst
         if stalled is not None and guard.config.stalled_on == "prefill" and stalled.healthy:
             rescuer = stalled
-        rescue_s = guard.rescue_budget_s(stalled_leg_s) if stream is not None else None
+        rescue_s = (
+            guard.rescue_budget_s(stalled_leg_s, call.ctx.est_prompt_tokens)
+            if stream is not None
+            else None
+        )
         pair = (inst,) if stalled is None else (stalled, inst)
         return await self.open(call, route, None, stream, rescuer, rescue_s, pair)
 

@@ -132,7 +132,9 @@ class PrefillLeg:
         ctx = call.ctx
         if ctx.tokens is not None:
             call.engines.append(inst)
-        budget = self.router.guard.prefill_budget_s(ctx.est_prompt_tokens)
+        guard = self.router.guard
+        guard.probing(inst, decode)
+        budget = guard.prefill_budget_s(ctx.est_prompt_tokens)
         headers = {"X-Request-Id": ctx.request_id}
         trace = call.trace
         span = trace.leg("prefill", inst, headers) if trace is not None else None
@@ -152,7 +154,7 @@ class PrefillLeg:
             except TimeoutError:  # the stall guard's deadline: the engine aborts it
                 if trace is not None:
                     trace.leg_done(span, error="stall_guard_deadline")
-                self.router.guard.prefill_stalled(inst, decode, ctx.request_id)
+                guard.prefill_stalled(inst, decode, ctx.request_id)
                 raise _AttemptFailed(f"{inst.label}: past the stall guard's deadline") from None
         if trace is not None:
             trace.leg_done(span, status)

@@ -11,7 +11,8 @@ and frees its blocks) and the request is served colocated, on the prefill instan
 computed its prompt (``stalled_on``); counted in ``vllm_pd_fallbacks_total{reason="stall"}``
 and logged. That instance may itself have frozen since its leg, so a stream's colocated leg
 there has a deadline too: ``factor`` times its prefill leg for this request (it computes no
-more than that leg did), at least ``floor_s``; past it the leg is closed and the next
+more than that leg did; the measured leg for its length when shorter), at least ``floor_s``;
+past it the leg is closed and the next
 instance tried (``reason="colocated_stall"``).
 
 A non-streamed answer shows nothing until it is whole, so with ``non_streamed`` on (default) a
@@ -118,11 +119,15 @@ class StallGuard:
             return None
         return max(cfg.floor_s, cfg.factor * expected)
 
-    def rescue_budget_s(self, prefill_leg_s: float) -> float:
-        """Seconds a stalled split's colocated leg on its prefill instance has for its first
-        token, that instance's prefill leg for the same request having taken ``prefill_leg_s``."""
+    def rescue_budget_s(self, prefill_leg_s: float, prompt_tokens: int) -> float:
+        """Seconds a stalled split's colocated leg has for its first token, its prefill leg
+        having taken ``prefill_leg_s``: ``factor`` times that leg (it computes no more), or
+        times the measured leg for a prompt this long when that is shorter (a slow prefill
+        leg gives no slow rescue), at least ``floor_s``."""
         cfg = self.config
-        return max(cfg.floor_s, cfg.factor * prefill_leg_s)
+        expected = self.decider.expected_prefill_s(prompt_tokens)
+        leg_s = prefill_leg_s if expected is None else min(prefill_leg_s, expected)
+        return max(cfg.floor_s, cfg.factor * leg_s)
 
     def allows(self, prefill: Instance, decode: Instance, guarded: bool) -> bool:
         """May a request split across this pair now? False while its breaker is open; once
@@ -137,7 +142,9 @@ class StallGuard:
         )
 
     def probing(self, prefill: Instance | None, decode: Instance) -> None:
-        """A guarded leg is being sent across this pair (a probe, if its breaker is open)."""
+        """A split across this pair is under way (a probe, if its breaker is open): marked
+        when its prefill leg starts, so the requests routed while it runs do not probe too,
+        and again when its guarded decode leg is sent."""
         if prefill is None:
             return
         pair = self._pairs.get((prefill.label, decode.label))

@@ -7,6 +7,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import httpx
@@ -886,4 +887,30 @@ def test_prefill_legs_that_keep_missing_their_deadline_open_the_pairs_breaker(en
         prefill_legs = len(engines["p1"].requests)
         assert _whole(base, body)["choices"][0]["text"]
         assert len(engines["p1"].requests) == prefill_legs  # no split tried
+        assert metric(base, "vllm_pd_decisions_total", reason="breaker_open") == 1
+
+
+def test_once_a_breakers_open_time_is_over_one_split_probes_it_not_every_one_routed_meanwhile(
+    engines,
+):
+    """The probe is marked when its prefill leg starts: a request routed while that (slow)
+    prefill leg runs is served colocated (``breaker_open``), not split across the pair too."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    guard = {"floor_s": 0.3, "breaker_stalls": 1, "breaker_open_s": 1.0}
+    engines["d1"].behavior.kv_stall_s = 600.0
+    with proxy(engines, instances=one_pair, stall_guard=guard) as (base, svc):
+        assert _stream_events(base, 5, LONG)[-1] == "data: [DONE]"  # the stall: breaker open
+        assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
+        engines["d1"].behavior.kv_stall_s = 0.0
+        engines["p1"].behavior.delay_s = 3.0  # the probe's prefill leg takes a while
+        (p1,) = svc.fleet.healthy("prefill")
+        (d1,) = svc.fleet.healthy("decode")
+        wait_until(lambda: svc.router.guard.allows(p1, d1, True))  # the open time is over
+        legs = len(engines["p1"].requests)
+        with ThreadPoolExecutor(1) as pool:
+            probe = pool.submit(_stream_events, base, 5, LONG)
+            wait_until(lambda: len(engines["p1"].requests) == legs + 1)  # its prefill leg
+            assert _stream_events(base, 5, LONG)[-1] == "data: [DONE]"
+            assert probe.result(timeout=60)[-1] == "data: [DONE]"
+        assert len(engines["p1"].requests) == legs + 1  # one split across the pair: the probe
         assert metric(base, "vllm_pd_decisions_total", reason="breaker_open") == 1

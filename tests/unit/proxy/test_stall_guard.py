@@ -175,3 +175,13 @@ def test_pair_labelled_series_are_bounded_later_pairs_count_as_other(monkeypatch
     got = parse_metrics(generate_latest(metrics.registry).decode())
     failures = got.by_label("vllm_pd_split_failures_total", "prefill", "decode", "reason")
     assert failures == {"p/d0/stall": 2.0, "p/d1/stall": 1.0, "other/other/stall": 2.0}
+
+
+def test_a_rescue_has_the_measured_prefill_legs_deadline_not_a_slow_legs():
+    guard, decider, _ = _guard(floor_s=0.5, factor=4.0)
+    assert guard.rescue_budget_s(3.0, 1000) == 12.0  # nothing measured: 4 x its own leg
+    for _ in range(2):
+        decider.observe(1000, prefill_s=0.25, transfer_gap_s=0.1)
+    assert guard.rescue_budget_s(3.0, 1000) == 1.0  # 4 x the measured 0.25 s
+    assert guard.rescue_budget_s(0.2, 1000) == 0.8  # its own leg, when shorter
+    assert guard.rescue_budget_s(0.01, 1000) == 0.5  # the floor
