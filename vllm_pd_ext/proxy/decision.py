@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -78,33 +79,63 @@ class Ewma:
         self.samples += 1
 
 
+class RecentMedian:
+    """The median of the last ``window`` samples: the typical one, which a run of slow
+    outliers (a starved engine's legs) does not drag up as it drags a mean."""
+
+    def __init__(self, window: int = 64):
+        self._recent: deque[float] = deque(maxlen=window)
+        self._median: float | None = None  # cached until the next sample
+        self.samples = 0
+
+    def add(self, x: float) -> None:
+        self._recent.append(x)
+        self._median = None
+        self.samples += 1
+
+    @property
+    def value(self) -> float | None:
+        if self._median is None and self._recent:
+            ordered = sorted(self._recent)
+            self._median = ordered[len(ordered) // 2]
+        return self._median
+
+
 class Decider:
-    """Makes decisions and learns per-token prefill and transfer costs from measured splits."""
+    """Makes decisions and learns per-token prefill and transfer costs from measured splits:
+    a moving mean for the cost model, the recent median for the stall guard's deadlines (a
+    deadline set from a mean that slow legs pulled up would let the next slow legs pass)."""
 
     def __init__(self, config: DecisionConfig):
         self.config = config
         self.prefill_s_per_token = Ewma()
         self.transfer_s_per_token = Ewma()
+        self._typical_prefill = RecentMedian()
+        self._typical_transfer = RecentMedian()
 
     def observe(self, prompt_tokens: int, prefill_s: float, transfer_gap_s: float) -> None:
         """Record one completed split (called after the first decode token arrives)."""
         if prompt_tokens > 0:
             self.prefill_s_per_token.add(prefill_s / prompt_tokens)
             self.transfer_s_per_token.add(transfer_gap_s / prompt_tokens)
+            self._typical_prefill.add(prefill_s / prompt_tokens)
+            self._typical_transfer.add(transfer_gap_s / prompt_tokens)
 
     def expected_prefill_s(self, prompt_tokens: int) -> float | None:
-        """The measured prefill leg for a prompt this long (None: not measured enough)."""
-        prefill = self.prefill_s_per_token
-        if prefill.value is None or prefill.samples < self.config.cost_min_samples:
-            return None
-        return prefill.value * prompt_tokens
+        """The typical measured prefill leg for a prompt this long (None: not measured
+        enough)."""
+        return self._expected(self._typical_prefill, prompt_tokens)
 
     def expected_transfer_s(self, prompt_tokens: int) -> float | None:
-        """The measured transfer gap for a prompt this long (None: not measured enough)."""
-        transfer = self.transfer_s_per_token
-        if transfer.value is None or transfer.samples < self.config.cost_min_samples:
+        """The typical measured transfer gap for a prompt this long (None: not measured
+        enough)."""
+        return self._expected(self._typical_transfer, prompt_tokens)
+
+    def _expected(self, per_token: RecentMedian, prompt_tokens: int) -> float | None:
+        value = per_token.value
+        if value is None or per_token.samples < self.config.cost_min_samples:
             return None
-        return transfer.value * prompt_tokens
+        return value * prompt_tokens
 
     def decide(
         self,

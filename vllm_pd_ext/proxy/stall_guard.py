@@ -4,8 +4,8 @@ A split pays the KV transfer before its first token. When the transfer stalls (a
 waiting for blocks whose lease expired, a peer that stopped answering), the decode engine
 waits, and the client with it, far longer than a colocated prefill would have taken. So a
 guarded decode leg (a split) gets a deadline from the prefill leg's end: ``factor`` times the
-transfer the cost model expects for its prompt once it has measured enough splits, and never
-less than ``floor_s``. If the leg's first body bytes (its first token) have not arrived by
+typical transfer for its prompt (the recent median, ``Decider.expected_transfer_s``) once
+enough splits are measured, and never less than ``floor_s``. If the leg's first body bytes (its first token) have not arrived by
 then, and so the client has seen nothing yet, the leg is closed (the engine aborts the request
 and frees its blocks) and the request is served colocated, on the prefill instance that just
 computed its prompt (``stalled_on``); counted in ``vllm_pd_fallbacks_total{reason="stall"}``

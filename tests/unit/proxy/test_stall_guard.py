@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from prometheus_client import generate_latest
 
 from vllm_pd_ext.proxy import metrics as metrics_module
@@ -185,3 +186,18 @@ def test_a_rescue_has_the_measured_prefill_legs_deadline_not_a_slow_legs():
     assert guard.rescue_budget_s(3.0, 1000) == 1.0  # 4 x the measured 0.25 s
     assert guard.rescue_budget_s(0.2, 1000) == 0.8  # its own leg, when shorter
     assert guard.rescue_budget_s(0.01, 1000) == 0.5  # the floor
+
+
+def test_slow_legs_do_not_drag_the_deadlines_up_the_typical_leg_sets_them():
+    """A starved prefill engine's slow legs, while fewer than the typical ones, leave the
+    deadlines where the typical legs put them: a mean would have let the next slow leg pass."""
+    guard, decider, _ = _guard(floor_s=0.1, factor=4.0)
+    for _ in range(10):
+        decider.observe(1000, prefill_s=0.1, transfer_gap_s=0.05)
+    for _ in range(5):
+        decider.observe(1000, prefill_s=5.0, transfer_gap_s=3.0)
+    assert guard.prefill_budget_s(1000) == pytest.approx(0.4)
+    assert guard.budget_s(1000) == pytest.approx(0.2)
+    for _ in range(15):  # once slow is what it does, slow is what is expected
+        decider.observe(1000, prefill_s=5.0, transfer_gap_s=3.0)
+    assert guard.prefill_budget_s(1000) == pytest.approx(20.0)
