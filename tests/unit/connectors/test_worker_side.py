@@ -596,6 +596,39 @@ def test_a_decode_rank_that_fails_before_its_claim_closes_its_lease_slot(backend
             w.shutdown()
 
 
+def test_a_done_that_closes_an_unclaimed_slot_gives_its_sender_no_claim(backend):
+    """Prefill TP 1, decode TP 2: rank 0 claims the lease; rank 1's request ends before it
+    claims, and its "done" closes its slot. The slot is closed, not held by rank 1: a later
+    ``/renew`` from rank 1 is refused, and the lease's holder is still rank 0 alone."""
+    port = free_port()
+    with tp_engines(backend, port, 1, 2, heads=4) as ((p,), ds, _, _):
+        p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+        assert p.get_finished({"p-req"}) == (None, None)  # held
+        engines = []
+        for d in ds:
+            assert d.transport is not None
+            engines.append(d.transport.engine_id)
+
+        def claim(q: int) -> None:
+            body = {"req": "p-req", "engine_id": engines[q], "decode_engine": ds[q].engine_id}
+            post_json("127.0.0.1", port, "/renew", {**body, "tp_size": 2, "tp_rank": q}, 5.0)
+
+        claim(0)
+        ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req", tp_size=1)
+        ds[1].bind(PdTransferMetadata(release=[ref]))
+        ds[1].start_load_kv()
+
+        def closed() -> bool:
+            p.get_finished(set())
+            return not p._leases.unclaimed("p-req", (ds[1].engine_id, 1))
+
+        poll(closed, "rank 1's done")
+        assert "p-req" in p._held  # rank 0 still reads
+        with pytest.raises(SideChannelError, match="closed unread"):
+            claim(1)
+        assert p._leases.holders("p-req") == {engines[0]}
+
+
 @pytest.mark.parametrize("layerwise", [True, False])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
 def test_write_between_tp_sizes_puts_each_prefill_ranks_heads_in_place(
