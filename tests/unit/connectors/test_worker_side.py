@@ -316,22 +316,29 @@ def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(back
             w.shutdown()
 
 
-def engine_ranks(role: str, port: int, backend: str, tp_size: int, heads: int) -> list:
+def engine_ranks(role: str, port: int, backend: str, tp_size: int, heads: int, **cfg) -> list:
     """One engine's workers, a rank each (side channel ``port`` + rank), of a model with
-    ``heads`` KV heads split evenly among them."""
+    ``heads`` KV heads split evenly among them (``cfg``: their connector config)."""
     return [
-        worker(role, port, backend=backend, tp_size=tp_size, tp_rank=r, heads=heads // tp_size)
+        worker(
+            role, port, backend=backend, tp_size=tp_size, tp_rank=r, heads=heads // tp_size, **cfg
+        )
         for r in range(tp_size)
     ]
 
 
 @contextlib.contextmanager
-def tp_engines(backend: str, port: int, prefill_tp: int, decode_tp: int, heads: int):
+def tp_engines(
+    backend: str, port: int, prefill_tp: int, decode_tp: int, heads: int, decode_cfg=None
+):
     """A prefill engine (side channel ``port``) and a decode engine of those TP sizes, each
     rank with its caches registered (its share of ``heads``): (prefill ranks, decode ranks,
-    their caches); every rank shut down at the end."""
+    their caches); every rank shut down at the end. ``decode_cfg``: the decode's connector
+    config."""
     ps = engine_ranks("kv_producer", port, backend, tp_size=prefill_tp, heads=heads)
-    ds = engine_ranks("kv_consumer", free_port(), backend, tp_size=decode_tp, heads=heads)
+    ds = engine_ranks(
+        "kv_consumer", free_port(), backend, tp_size=decode_tp, heads=heads, **(decode_cfg or {})
+    )
     pcs = [caches(True, heads=heads // prefill_tp) for _ in ps]
     dcs = [caches(False, heads=heads // decode_tp) for _ in ds]
     try:
@@ -673,6 +680,52 @@ def test_write_between_tp_sizes_puts_each_prefill_ranks_heads_in_place(
         for p in ps:
             sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's free")
             assert sending == {"p-req"}
+
+
+@pytest.mark.parametrize("when", ["waiting for offers", "mid push", "before its offer"])
+def test_a_cancel_from_one_decode_rank_fails_the_others_loads_at_once(backend, when):
+    """Prefill TP 1 writes into both ranks of a TP 2 decode engine; decode rank 0 cancels
+    the transfer (its load failed: in the middle of the layer pushes, its own load timed out)
+    while the push waits for the offers (rank 1's is in), mid push, or before rank 1 offered.
+    Rank 1 fails its load at once (told by the prefill, or its offer refused), not at its
+    transfer timeout; nothing more is written into its blocks; the prefill counts no lease
+    expiry."""
+    port = free_port()
+    slow = {"transfer_timeout_s": 60.0}  # beyond every poll below: only a notice ends it early
+    with tp_engines(backend, port, 1, 2, heads=4, decode_cfg=slow) as ((p,), ds, (pc,), dcs):
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-c", ((1, 2),), PROMPT_HASH)]))
+        ref = RemoteRef(p.engine_id, "127.0.0.1", port, None)
+        layers = list(pc)
+        if when == "waiting for offers":
+            p.wait_for_save()  # the push waits for both ranks' offers
+            write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
+            poll(lambda: p._offers("t-c"), "rank 1's offer")
+            ds[0]._cancel_write(ref, 0, "t-c")
+        elif when == "mid push":
+            ds[0].cfg = ds[0].cfg.model_copy(update={"transfer_timeout_s": 0.5})
+            for d in ds:
+                write_offer(d, port, "t-c", ((5, 0), (9, 1)))
+            poll(lambda: len(p._offers("t-c")) == 2, "both offers")
+            p.save_kv_layer(layers[0])  # the first layer goes to both ranks
+            assert poll(lambda: ds[0].get_finished(set())[1], "rank 0's timeout") == {"d-req"}
+            assert ds[0].get_block_ids_with_load_errors() == {5, 9}  # it cancelled
+        else:
+            ds[0]._cancel_write(ref, 0, "t-c")
+            write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
+        assert poll(lambda: ds[1].get_finished(set())[1], "rank 1's load") == {"d-req"}
+        assert ds[1].get_block_ids_with_load_errors() == {5, 9}
+        for layer in layers[1:]:
+            p.save_kv_layer(layer)
+        p.wait_for_save()
+
+        def push_ended() -> bool:
+            p.get_finished(set())
+            return not p._push_futures
+
+        poll(push_ended, "the push's end")
+        assert p.stats.take().data["lease_expiries"] == 0
+        for name in layers[1:]:  # written after the cancel: nothing
+            assert torch.count_nonzero(block(dcs[1], name, 5)) == 0
 
 
 @pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)

@@ -25,7 +25,10 @@ the transfers:
   into the decode blocks as it is saved (if the offer is already there), the rest after the
   step; then "written" is sent, with the prompt's hash, and the blocks are freed. When the TP
   sizes differ, each decode rank holding heads of ours offers its blocks, and gets our heads
-  it holds, in their place (``parallel.head_slices``), and its own "written".
+  it holds, in their place (``parallel.head_slices``), and its own "written". When one of
+  them cancels the transfer (it failed), the others that offered are told it failed ("written",
+  not ok) once nothing more is being written, so they fail their loads at once instead of
+  waiting out ``transfer_timeout_s``; offers that come after the cancel are refused.
 
 Every failure ends in the same place: the decode request is reported finished with its blocks
 in ``get_block_ids_with_load_errors()`` (or, for hybrid models whose block ids repeat across KV
@@ -737,12 +740,14 @@ class TransferWorker:
             raise
 
     def _cancel_write(self, remote: RemoteRef, rank: int, transfer_id: str) -> None:
+        """Withdraw our offer for ``transfer_id`` from prefill rank ``rank`` (naming our TP
+        rank, so that it tells only the other decode ranks that the transfer failed)."""
         try:
             post_json(
                 remote.host,
                 remote.port + rank,
                 "/cancel",
-                {"transfer_id": transfer_id},
+                {"transfer_id": transfer_id, "tp_rank": self.tp_rank},
                 self.cfg.handshake_timeout_s,
                 self.key,
             )
@@ -772,6 +777,8 @@ class TransferWorker:
         )
         tid = str(body["transfer_id"])
         with self._lock:
+            if tid in self._cancelled:
+                raise ValueError(f"transfer {tid} was cancelled by the decode side")
             offers = self._targets.get(tid)
             if offers is None:
                 if len(self._targets) >= MAX_OFFERS:
@@ -858,15 +865,17 @@ class TransferWorker:
             push.views_done.add((rank, i))
 
     def _on_cancel(self, body: dict[str, Any]) -> None:
-        """Side-channel thread: the decode side gave up on a WRITE transfer. Answer only once
-        nothing more can be written into its blocks."""
+        """Side-channel thread: the decode side (its TP rank ``tp_rank``) gave up on a WRITE
+        transfer. Answer only once nothing more can be written into its blocks; then every
+        other decode rank that offered blocks for it is told it failed (on a transfer
+        thread), and later offers for it are refused."""
         tid = str(body["transfer_id"])
         with self._lock:
             self._cancelled.pop(tid, None)
             if len(self._cancelled) >= MAX_OFFERS:  # the oldest: its offer was withdrawn anyway
                 del self._cancelled[next(iter(self._cancelled))]
             self._cancelled[tid] = time.monotonic()
-            self._targets.pop(tid, None)
+            offers = self._targets.pop(tid, {})
             pushes = [p for p in self._pushes.values() if p.spec.transfer_id == tid]
         for push in pushes:
             with push.lock:
@@ -874,6 +883,26 @@ class TransferWorker:
                 handles = list(push.handles)
             assert self.transport is not None
             self.transport.wait_all(handles, self.cfg.handshake_timeout_s)
+        canceller = body.get("tp_rank")  # None from a decode that does not name it: tell all
+        others = [o for r, o in offers.items() if r != canceller]
+        if others:
+            error = f"decode TP rank {canceller} cancelled transfer {tid}"
+            self._pool.submit(self._tell_failed, tid, others, error)
+
+    def _tell_failed(self, tid: str, targets: Sequence[_Target], error: str) -> None:
+        """Transfer thread: tell each decode rank of ``targets`` that transfer ``tid`` failed
+        (nothing more is written into its blocks); log the ones we cannot reach."""
+        notice = _written_notice(tid, False, error, None)
+        for target in targets:
+            try:
+                self._notify(target.peer_id, notice)
+            except (TransportError, OSError) as e:
+                logger.warning(
+                    "could not tell decode TP rank %d that transfer %s failed: %s",
+                    target.layout.tp_rank,
+                    tid,
+                    e,
+                )
 
     def _on_renew(self, body: dict[str, Any]) -> None:
         """Side-channel thread: extend a lease, and bind its blocks to the decode transport
@@ -974,6 +1003,8 @@ class TransferWorker:
                 break
             time.sleep(0.002)
         if not targets:
+            if tid in self._cancelled:  # the decode side gave up: no lease ran out
+                raise LoadFailed(f"the decode side cancelled transfer {tid}")
             self.stats.lease_expired()
             raise LoadFailed(f"no decode offer for transfer {tid} within the lease")
         push.peer = targets[0].reply_to
@@ -1001,13 +1032,7 @@ class TransferWorker:
         finally:
             with self._lock:
                 self._targets.pop(tid, None)
-        notice = {
-            "op": "written",
-            "transfer_id": tid,
-            "ok": ok,
-            "error": error,
-            "prompt_hash": push.spec.prompt_hash,
-        }
+        notice = _written_notice(tid, ok, error, push.spec.prompt_hash)
         for target in targets:
             self._notify(target.peer_id, notice)
         return failure
@@ -1184,6 +1209,20 @@ class TransferWorker:
 def _failure(error: BaseException) -> str:
     """A failed transfer's span outcome."""
     return "refused" if isinstance(error, KVRefused) else "failed"
+
+
+def _written_notice(
+    transfer_id: str, ok: bool, error: str, prompt_hash: str | None
+) -> dict[str, Any]:
+    """The "written" notice a WRITE's prefill rank sends each decode rank it wrote (or
+    failed to write): ``prompt_hash``, of the prompt it computed, is what the decode checks."""
+    return {
+        "op": "written",
+        "transfer_id": transfer_id,
+        "ok": ok,
+        "error": error,
+        "prompt_hash": prompt_hash,
+    }
 
 
 def _reader_slot(body: Mapping[str, Any]) -> tuple[str, int] | None:
