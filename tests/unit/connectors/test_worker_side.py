@@ -235,10 +235,11 @@ def test_release_frees_prefill_blocks(pair):
     assert sending == {"p-req"}
 
 
-def write_offer(d, port, transfer_id, pairs, prompt=PROMPT_HASH, engine=""):
+def write_offer(d, port, transfer_id, pairs, prompt=PROMPT_HASH, engine="", tp_size=None):
     """Offer decode blocks ``pairs`` (block, prompt position) for ``transfer_id``, for a
-    request whose prompt hashes to ``prompt``, to the prefill ``engine`` (if named)."""
-    ref = RemoteRef(engine, "127.0.0.1", port, None)
+    request whose prompt hashes to ``prompt``, to the prefill ``engine`` (if named; of TP
+    size ``tp_size``, if the params name one)."""
+    ref = RemoteRef(engine, "127.0.0.1", port, None, tp_size=tp_size)
     local = tuple(loc for loc, _ in pairs)
     spec = RecvSpec(
         "d-req", "write", ref, (pairs,), (local,), transfer_id=transfer_id, prompt_hash=prompt
@@ -274,9 +275,10 @@ def test_write_mode_pushes_into_decode_blocks(pair, layerwise):
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(backend, mode):
     """Two ranks a side, each rank's cache with its own bytes (its own heads): decode rank r
-    reaches prefill rank r at side_channel_port + r and loads that rank's blocks; each prefill
-    rank reports the request finished sending once its own peer is done (vLLM completes the
-    request when every rank has)."""
+    reaches prefill rank r at side_channel_port + r and loads that rank's blocks, connecting
+    to no other prefill rank (a WRITE learns the prefill's TP size from rank 0's handshake
+    without a connection); each prefill rank reports the request finished sending once its
+    own peer is done (vLLM completes the request when every rank has)."""
     port = free_port()  # prefill rank 1 listens on port + 1
     ps = [worker("kv_producer", port, backend=backend, tp_size=2, tp_rank=r) for r in (0, 1)]
     ds = [worker("kv_consumer", free_port(), backend=backend, tp_size=2, tp_rank=r) for r in (0, 1)]
@@ -308,6 +310,8 @@ def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(back
             assert_copied(pc, dc, [(r, loc) for loc, r in pairs])
         layer = next(iter(dcs[0]))
         assert not torch.equal(block(dcs[0], layer, 5), block(dcs[1], layer, 5))  # per rank
+        for r, d in enumerate(ds):
+            assert [peer.rank for peer in d._peers.values()] == [r]  # connected to its own
         for p in ps:
             sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's release")
             assert sending == {"p-req"}
@@ -726,6 +730,34 @@ def test_a_cancel_from_one_decode_rank_fails_the_others_loads_at_once(backend, w
         assert p.stats.take().data["lease_expiries"] == 0
         for name in layers[1:]:  # written after the cancel: nothing
             assert torch.count_nonzero(block(dcs[1], name, 5)) == 0
+
+
+@pytest.mark.parametrize("named", [2, 1], ids=["its TP size", "another TP size"])
+def test_write_params_naming_the_prefill_tp_size_are_taken_when_it_is_true(backend, named):
+    """WRITE params that name the prefill's TP size (2, decode TP 1): named right, the
+    decode rank offers to both prefill ranks and loads both halves of the heads; named
+    wrong (1), the prefill rank's handshake says otherwise and the load fails before any
+    offer."""
+    heads = 4
+    port = free_port()
+    with tp_engines(backend, port, 2, 1, heads) as (ps, (d,), pcs, (dc,)):
+        if named == 2:
+            for p in ps:
+                spec = PushSpec("p-req", "t-n", ((1, 2),), PROMPT_HASH)
+                p.bind(PdTransferMetadata(push=[spec]))
+                p.wait_for_save()
+        write_offer(d, port, "t-n", ((5, 0), (9, 1)), tp_size=named)
+        if named == 2:
+            for p in ps:
+                p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), "t-n")]))
+        assert poll(lambda: d.get_finished(set())[1], "the load") == {"d-req"}
+        for name in dc:
+            model = torch.cat([block(pc, name, 1) for pc in pcs])  # all heads of block 1
+            if named == 2:
+                assert torch.equal(block(dc, name, 5), model)
+            else:
+                assert torch.count_nonzero(block(dc, name, 5)) == 0
+        assert d.get_block_ids_with_load_errors() == (set() if named == 2 else {5, 9})
 
 
 @pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)

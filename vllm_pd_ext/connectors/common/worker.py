@@ -212,6 +212,8 @@ class TransferWorker:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
+        #: prefill engine (``_engine_key``) -> its TP size, as its rank 0's handshake said
+        self._prefill_tps: dict[str, int] = {}
         self._meta: PdTransferMetadata | None = None
         # decode side
         self._loads: dict[str, Future] = {}
@@ -370,7 +372,7 @@ class TransferWorker:
         """Handshake with TP rank ``rank`` (default: ours) of a prefill engine once (per
         engine id), for ``mode``; raise on any mismatch."""
         rank = self.tp_rank if rank is None else rank
-        key = f"{remote.engine_id}@{remote.host}:{remote.port}#{rank}"
+        key = f"{_engine_key(remote)}#{rank}"
         with self._lock:
             peer = self._peers.get(key)
             lock = self._peer_locks.setdefault(key, threading.Lock())
@@ -396,10 +398,29 @@ class TransferWorker:
             return peer
 
     def _forget_peer(self, remote: RemoteRef) -> None:
-        prefix = f"{remote.engine_id}@{remote.host}:{remote.port}#"
+        engine = _engine_key(remote)
+        prefix = f"{engine}#"
         with self._lock:
             for key in [k for k in self._peers if k.startswith(prefix)]:
                 del self._peers[key]
+            self._prefill_tps.pop(engine, None)
+
+    def _prefill_tp(self, remote: RemoteRef) -> int:
+        """The TP size of prefill engine ``remote``, from its rank 0's handshake (checked as
+        a WRITE's), fetched once per engine; no transport connection is opened to rank 0 for
+        it (only a rank we load from gets one, in :meth:`_peer`)."""
+        engine = _engine_key(remote)
+        with self._lock:
+            known = self._prefill_tps.get(engine)
+        if known is not None:
+            return known
+        doc = fetch_handshake(remote.host, remote.port, self.cfg.handshake_timeout_s, self.key)
+        layout = self._check_handshake(
+            doc, remote.engine_id or None, peer_is_prefill=True, mode=WRITE, rank=0
+        )
+        with self._lock:
+            self._prefill_tps[engine] = layout.tp_size
+        return layout.tp_size
 
     def _grant_spans(self, blocks: Sequence[Sequence[int]]) -> dict[str, np.ndarray] | None:
         """Per region, the (offset, length) spans of blocks ``blocks[g]`` of each KV cache
@@ -568,18 +589,27 @@ class TransferWorker:
 
     def _write_sources(self, remote: RemoteRef) -> list[_Peer]:
         """The prefill ranks that write our KV heads in a WRITE: the rank of our index when
-        the prefill engine has our TP size, else every rank whose heads overlap ours (its
-        TP size learnt from its rank 0's handshake: a WRITE's params do not carry it)."""
-        if remote.tp_size not in (None, self.tp_size):
-            raise LayoutMismatch(
-                tp_refusal(remote.tp_size, self.tp_size, mode=WRITE, kv_heads=self._kv_heads)
-                or f"the WRITE params say prefill TP {remote.tp_size}"
-            )
-        prefill_tp = self._peer(remote, 0, mode=WRITE).layout.tp_size
+        the prefill engine has our TP size, else every rank whose heads overlap ours. Its TP
+        size: the one ``remote`` names (refused if we cannot pair with it; each rank's
+        handshake must agree), else learnt from its rank 0's handshake (:meth:`_prefill_tp`:
+        a WRITE's params do not carry it)."""
+        prefill_tp = remote.tp_size
+        if prefill_tp is None:
+            prefill_tp = self._prefill_tp(remote)
+        elif refusal := tp_refusal(prefill_tp, self.tp_size, mode=WRITE, kv_heads=self._kv_heads):
+            raise LayoutMismatch(refusal)
         if prefill_tp == self.tp_size:
-            return [self._peer(remote, mode=WRITE)]
-        ranks = source_ranks(self.tp_rank, self.tp_size, prefill_tp)
-        return [self._peer(remote, r, mode=WRITE) for r in ranks]
+            ranks = [self.tp_rank]
+        else:
+            ranks = source_ranks(self.tp_rank, self.tp_size, prefill_tp)
+        peers = [self._peer(remote, r, mode=WRITE) for r in ranks]
+        for peer in peers:
+            if peer.layout.tp_size != prefill_tp:
+                raise LayoutMismatch(
+                    f"the WRITE params said prefill TP {prefill_tp}; its rank {peer.rank} has "
+                    f"TP {peer.layout.tp_size}"
+                )
+        return peers
 
     def _run_write(self, spec: RecvSpec, deadline: float) -> int:
         """A WRITE's decode side: offer our blocks to each prefill rank that writes our heads
@@ -1209,6 +1239,11 @@ class TransferWorker:
 def _failure(error: BaseException) -> str:
     """A failed transfer's span outcome."""
     return "refused" if isinstance(error, KVRefused) else "failed"
+
+
+def _engine_key(remote: RemoteRef) -> str:
+    """How a prefill engine's handshakes are keyed (its ranks' add ``#<rank>``)."""
+    return f"{remote.engine_id}@{remote.host}:{remote.port}"
 
 
 def _written_notice(
