@@ -98,6 +98,7 @@ class _Conn(asyncio.Protocol):
         #: The read timer (``wait``), kept across waits and exchanges until it fires.
         self.timer: asyncio.TimerHandle | None = None
         self._by: float | None = None  # when the current wait times out (loop time)
+        self._until: float | None = None  # the current wait's exchange deadline (loop time)
         self._kind: ErrorKind = "read_timeout"
         self._timeout = 0.0
         self.reset()
@@ -371,7 +372,8 @@ class _Conn(asyncio.Protocol):
 
         One timer per connection, not one per wait: a wait sets its limit (``_by``) and
         arms the timer only when none is due by then; a timer that fires early finds the
-        limit later (a later wait's, or pushed by bytes the sink took) and re-arms for it.
+        limit later (a later wait's, or pushed by bytes the sink took, never past
+        ``deadline``) and re-arms for it.
         """
         loop = self.loop
         timeout, kind = read_s, "read_timeout"
@@ -383,18 +385,21 @@ class _Conn(asyncio.Protocol):
         if timeout is not None:
             by = loop.time() + timeout
             self._by, self._kind, self._timeout = by, kind, timeout
+            self._until = deadline
             timer = self.timer
             if timer is None or timer.when() > by:
                 if timer is not None:
                     timer.cancel()
                 self.timer = loop.call_at(by, self._expire)
         try:
-            expired = await waiter
+            expired: ErrorKind | None = await waiter
         finally:
             self.waiter = None
             self._by = None  # the timer stays, for the next wait
-        if expired:
+        if expired == kind:
             raise UpstreamError(kind, f"no answer within {timeout:.3g} s")
+        if expired is not None:  # the sink kept the read going until the deadline
+            raise UpstreamError(expired, "the exchange ran past its total limit")
 
     def _expire(self) -> None:
         self.timer = None
@@ -402,12 +407,17 @@ class _Conn(asyncio.Protocol):
         if waiter is None or by is None or waiter.done():
             return  # no wait now: the next one arms a timer
         if self._kind == "read_timeout" and self.sink is not None:
-            # bytes the sink took count as read: the limit runs from the last of them
+            # bytes the sink took count as read: the limit runs from the last of them, up
+            # to the exchange's deadline
             by = max(by, self.rx_at + self._timeout)
+            until = self._until
+            if until is not None and by >= until:
+                by, self._kind = until, "timeout"
+            self._by = by
         if self.loop.time() < by:
             self.timer = self.loop.call_at(by, self._expire)
             return
-        waiter.set_result(True)
+        waiter.set_result(self._kind)
 
     def close(self) -> None:
         self.closed = True

@@ -262,9 +262,10 @@ def test_a_lease_with_several_readers_is_released_when_all_of_them_are_done():
 
 
 def test_a_reader_that_never_claimed_its_slot_closes_it_with_its_done():
-    """Rank 1 fails before its claim and says done naming its slot: the slot is closed, and
-    the lease released once rank 0, which claimed, is done too. A done naming a slot someone
-    else claimed, or one outside the lease's slots, closes nothing."""
+    """Rank 1 fails before its claim and says done naming its slot: the slot is closed (no
+    holder: nobody claims it later), and the lease released once rank 0, which claimed, is
+    done too. A done naming a slot someone else claimed, or one outside the lease's slots,
+    closes nothing."""
     leases = LeaseTable(10.0, clock=lambda: 0.0)
     leases.grant("a")
     slots = [("d", 0), ("d", 1)]
@@ -275,6 +276,10 @@ def test_a_reader_that_never_claimed_its_slot_closes_it_with_its_done():
     assert not leases.done("a", "t9", ("other", 1))
     assert not leases.done("a", "t1", ("d", 1))  # closed; rank 0 still reads
     assert not leases.unclaimed("a", ("d", 1))
+    assert leases.holders("a") == {"t0"}  # the closer holds nothing
+    with pytest.raises(ValueError, match="closed unread"):
+        leases.claim("a", "t1", ("d", 1))
+    assert not leases.done("a", "t9", ("d", 1))  # closed already: nothing more
     assert leases.done("a", "t0") and "a" not in leases
     leases.grant("b")
     assert leases.claim("b", "t0", ("d", 0), slots) == "t0"

@@ -235,10 +235,11 @@ def test_release_frees_prefill_blocks(pair):
     assert sending == {"p-req"}
 
 
-def write_offer(d, port, transfer_id, pairs, prompt=PROMPT_HASH, engine=""):
+def write_offer(d, port, transfer_id, pairs, prompt=PROMPT_HASH, engine="", tp_size=None):
     """Offer decode blocks ``pairs`` (block, prompt position) for ``transfer_id``, for a
-    request whose prompt hashes to ``prompt``, to the prefill ``engine`` (if named)."""
-    ref = RemoteRef(engine, "127.0.0.1", port, None)
+    request whose prompt hashes to ``prompt``, to the prefill ``engine`` (if named; of TP
+    size ``tp_size``, if the params name one)."""
+    ref = RemoteRef(engine, "127.0.0.1", port, None, tp_size=tp_size)
     local = tuple(loc for loc, _ in pairs)
     spec = RecvSpec(
         "d-req", "write", ref, (pairs,), (local,), transfer_id=transfer_id, prompt_hash=prompt
@@ -274,9 +275,10 @@ def test_write_mode_pushes_into_decode_blocks(pair, layerwise):
 @pytest.mark.parametrize("mode", ["read", "write"])
 def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(backend, mode):
     """Two ranks a side, each rank's cache with its own bytes (its own heads): decode rank r
-    reaches prefill rank r at side_channel_port + r and loads that rank's blocks; each prefill
-    rank reports the request finished sending once its own peer is done (vLLM completes the
-    request when every rank has)."""
+    reaches prefill rank r at side_channel_port + r and loads that rank's blocks, connecting
+    to no other prefill rank (a WRITE learns the prefill's TP size from rank 0's handshake
+    without a connection); each prefill rank reports the request finished sending once its
+    own peer is done (vLLM completes the request when every rank has)."""
     port = free_port()  # prefill rank 1 listens on port + 1
     ps = [worker("kv_producer", port, backend=backend, tp_size=2, tp_rank=r) for r in (0, 1)]
     ds = [worker("kv_consumer", free_port(), backend=backend, tp_size=2, tp_rank=r) for r in (0, 1)]
@@ -308,6 +310,8 @@ def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(back
             assert_copied(pc, dc, [(r, loc) for loc, r in pairs])
         layer = next(iter(dcs[0]))
         assert not torch.equal(block(dcs[0], layer, 5), block(dcs[1], layer, 5))  # per rank
+        for r, d in enumerate(ds):
+            assert [peer.rank for peer in d._peers.values()] == [r]  # connected to its own
         for p in ps:
             sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's release")
             assert sending == {"p-req"}
@@ -316,22 +320,29 @@ def test_under_tp_each_decode_rank_loads_from_the_prefill_rank_of_its_index(back
             w.shutdown()
 
 
-def engine_ranks(role: str, port: int, backend: str, tp_size: int, heads: int) -> list:
+def engine_ranks(role: str, port: int, backend: str, tp_size: int, heads: int, **cfg) -> list:
     """One engine's workers, a rank each (side channel ``port`` + rank), of a model with
-    ``heads`` KV heads split evenly among them."""
+    ``heads`` KV heads split evenly among them (``cfg``: their connector config)."""
     return [
-        worker(role, port, backend=backend, tp_size=tp_size, tp_rank=r, heads=heads // tp_size)
+        worker(
+            role, port, backend=backend, tp_size=tp_size, tp_rank=r, heads=heads // tp_size, **cfg
+        )
         for r in range(tp_size)
     ]
 
 
 @contextlib.contextmanager
-def tp_engines(backend: str, port: int, prefill_tp: int, decode_tp: int, heads: int):
+def tp_engines(
+    backend: str, port: int, prefill_tp: int, decode_tp: int, heads: int, decode_cfg=None
+):
     """A prefill engine (side channel ``port``) and a decode engine of those TP sizes, each
     rank with its caches registered (its share of ``heads``): (prefill ranks, decode ranks,
-    their caches); every rank shut down at the end."""
+    their caches); every rank shut down at the end. ``decode_cfg``: the decode's connector
+    config."""
     ps = engine_ranks("kv_producer", port, backend, tp_size=prefill_tp, heads=heads)
-    ds = engine_ranks("kv_consumer", free_port(), backend, tp_size=decode_tp, heads=heads)
+    ds = engine_ranks(
+        "kv_consumer", free_port(), backend, tp_size=decode_tp, heads=heads, **(decode_cfg or {})
+    )
     pcs = [caches(True, heads=heads // prefill_tp) for _ in ps]
     dcs = [caches(False, heads=heads // decode_tp) for _ in ds]
     try:
@@ -596,6 +607,39 @@ def test_a_decode_rank_that_fails_before_its_claim_closes_its_lease_slot(backend
             w.shutdown()
 
 
+def test_a_done_that_closes_an_unclaimed_slot_gives_its_sender_no_claim(backend):
+    """Prefill TP 1, decode TP 2: rank 0 claims the lease; rank 1's request ends before it
+    claims, and its "done" closes its slot. The slot is closed, not held by rank 1: a later
+    ``/renew`` from rank 1 is refused, and the lease's holder is still rank 0 alone."""
+    port = free_port()
+    with tp_engines(backend, port, 1, 2, heads=4) as ((p,), ds, _, _):
+        p.bind(PdTransferMetadata(send=[SendSpec("p-req", "read", ((1, 2),))]))
+        assert p.get_finished({"p-req"}) == (None, None)  # held
+        engines = []
+        for d in ds:
+            assert d.transport is not None
+            engines.append(d.transport.engine_id)
+
+        def claim(q: int) -> None:
+            body = {"req": "p-req", "engine_id": engines[q], "decode_engine": ds[q].engine_id}
+            post_json("127.0.0.1", port, "/renew", {**body, "tp_size": 2, "tp_rank": q}, 5.0)
+
+        claim(0)
+        ref = RemoteRef(p.engine_id, "127.0.0.1", port, "p-req", tp_size=1)
+        ds[1].bind(PdTransferMetadata(release=[ref]))
+        ds[1].start_load_kv()
+
+        def closed() -> bool:
+            p.get_finished(set())
+            return not p._leases.unclaimed("p-req", (ds[1].engine_id, 1))
+
+        poll(closed, "rank 1's done")
+        assert "p-req" in p._held  # rank 0 still reads
+        with pytest.raises(SideChannelError, match="closed unread"):
+            claim(1)
+        assert p._leases.holders("p-req") == {engines[0]}
+
+
 @pytest.mark.parametrize("layerwise", [True, False])
 @pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2)])
 def test_write_between_tp_sizes_puts_each_prefill_ranks_heads_in_place(
@@ -640,6 +684,80 @@ def test_write_between_tp_sizes_puts_each_prefill_ranks_heads_in_place(
         for p in ps:
             sending = poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's free")
             assert sending == {"p-req"}
+
+
+@pytest.mark.parametrize("when", ["waiting for offers", "mid push", "before its offer"])
+def test_a_cancel_from_one_decode_rank_fails_the_others_loads_at_once(backend, when):
+    """Prefill TP 1 writes into both ranks of a TP 2 decode engine; decode rank 0 cancels
+    the transfer (its load failed: in the middle of the layer pushes, its own load timed out)
+    while the push waits for the offers (rank 1's is in), mid push, or before rank 1 offered.
+    Rank 1 fails its load at once (told by the prefill, or its offer refused), not at its
+    transfer timeout; nothing more is written into its blocks; the prefill counts no lease
+    expiry."""
+    port = free_port()
+    slow = {"transfer_timeout_s": 60.0}  # beyond every poll below: only a notice ends it early
+    with tp_engines(backend, port, 1, 2, heads=4, decode_cfg=slow) as ((p,), ds, (pc,), dcs):
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-c", ((1, 2),), PROMPT_HASH)]))
+        ref = RemoteRef(p.engine_id, "127.0.0.1", port, None)
+        layers = list(pc)
+        if when == "waiting for offers":
+            p.wait_for_save()  # the push waits for both ranks' offers
+            write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
+            poll(lambda: p._offers("t-c"), "rank 1's offer")
+            ds[0]._cancel_write(ref, 0, "t-c")
+        elif when == "mid push":
+            ds[0].cfg = ds[0].cfg.model_copy(update={"transfer_timeout_s": 0.5})
+            for d in ds:
+                write_offer(d, port, "t-c", ((5, 0), (9, 1)))
+            poll(lambda: len(p._offers("t-c")) == 2, "both offers")
+            p.save_kv_layer(layers[0])  # the first layer goes to both ranks
+            assert poll(lambda: ds[0].get_finished(set())[1], "rank 0's timeout") == {"d-req"}
+            assert ds[0].get_block_ids_with_load_errors() == {5, 9}  # it cancelled
+        else:
+            ds[0]._cancel_write(ref, 0, "t-c")
+            write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
+        assert poll(lambda: ds[1].get_finished(set())[1], "rank 1's load") == {"d-req"}
+        assert ds[1].get_block_ids_with_load_errors() == {5, 9}
+        for layer in layers[1:]:
+            p.save_kv_layer(layer)
+        p.wait_for_save()
+
+        def push_ended() -> bool:
+            p.get_finished(set())
+            return not p._push_futures
+
+        poll(push_ended, "the push's end")
+        assert p.stats.take().data["lease_expiries"] == 0
+        for name in layers[1:]:  # written after the cancel: nothing
+            assert torch.count_nonzero(block(dcs[1], name, 5)) == 0
+
+
+@pytest.mark.parametrize("named", [2, 1], ids=["its TP size", "another TP size"])
+def test_write_params_naming_the_prefill_tp_size_are_taken_when_it_is_true(backend, named):
+    """WRITE params that name the prefill's TP size (2, decode TP 1): named right, the
+    decode rank offers to both prefill ranks and loads both halves of the heads; named
+    wrong (1), the prefill rank's handshake says otherwise and the load fails before any
+    offer."""
+    heads = 4
+    port = free_port()
+    with tp_engines(backend, port, 2, 1, heads) as (ps, (d,), pcs, (dc,)):
+        if named == 2:
+            for p in ps:
+                spec = PushSpec("p-req", "t-n", ((1, 2),), PROMPT_HASH)
+                p.bind(PdTransferMetadata(push=[spec]))
+                p.wait_for_save()
+        write_offer(d, port, "t-n", ((5, 0), (9, 1)), tp_size=named)
+        if named == 2:
+            for p in ps:
+                p.bind(PdTransferMetadata(send=[SendSpec("p-req", "write", ((1, 2),), "t-n")]))
+        assert poll(lambda: d.get_finished(set())[1], "the load") == {"d-req"}
+        for name in dc:
+            model = torch.cat([block(pc, name, 1) for pc in pcs])  # all heads of block 1
+            if named == 2:
+                assert torch.equal(block(dc, name, 5), model)
+            else:
+                assert torch.count_nonzero(block(dc, name, 5)) == 0
+        assert d.get_block_ids_with_load_errors() == (set() if named == 2 else {5, 9})
 
 
 @pytest.mark.parametrize("pair", [{"p": {"tp_size": 2}}], indirect=True)

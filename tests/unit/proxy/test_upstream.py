@@ -271,6 +271,42 @@ def test_a_sink_takes_pieces_in_order_and_what_it_takes_counts_as_read():
     assert error.kind == "read_timeout"
 
 
+def test_what_a_sink_takes_never_reads_past_the_exchanges_total_limit():
+    """A stream the sink takes whole, with events well inside the read timeout, for longer
+    than the exchange's total limit: it ends with the total limit (``timeout``), before the
+    engine stops sending."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(HEAD)
+        with contextlib.suppress(ConnectionError):
+            for i in range(60):  # 3 s of events, each gap well under the 0.3 s read timeout
+                writer.write(_chunk(b"data: %d\n\n" % i))
+                await writer.drain()
+                await asyncio.sleep(0.05)
+        writer.close()  # cut, without the body's end: a disconnect, unless it ended before
+
+    async def go():
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        up = Upstream(_url(server), max_connections=4)
+        taken: list[bytes] = []
+        try:
+            resp = await up.send("GET", "/", Timeouts(total=0.6, read=0.3).client())
+            resp.set_sink(_sink_into(taken, refuse=None))
+            with pytest.raises(UpstreamError) as info:
+                async for _ in resp.chunks():
+                    pass
+            resp.close()
+        finally:
+            await up.close()
+            server.close()
+        return info.value, taken
+
+    error, taken = asyncio.run(go())
+    assert error.kind == "timeout" and not error.down
+    assert len(taken) < 60  # ended before the stream did
+
+
 def test_a_chunked_body_cut_anywhere_between_two_reads_parses_to_the_same_payload():
     """Whole chunks in one read are taken at once, cut ones piece by piece: the payload is
     the same wherever the cut falls, and a chunk not followed by CRLF is an error both

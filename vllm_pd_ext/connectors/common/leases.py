@@ -13,7 +13,8 @@ class LeaseTable:
     parallelism of different sizes, several decode ranks read one prefill rank's blocks); the
     first claim of each slot stands, and the blocks are released once every slot's holder said
     done or a reader that never claimed its slot closed it (or at once when nobody claimed
-    any). The first claimant may name its engine id (what
+    any). A closed slot has no holder: nobody may claim it later, nor renew through it. The
+    first claimant may name its engine id (what
     an expired lease is counted under). Not thread-safe: the caller holds one lock
     around every call.
 
@@ -27,6 +28,8 @@ class LeaseTable:
         self._slots: dict[str, frozenset[Hashable]] = {}
         self._claims: dict[str, dict[Hashable, str]] = {}
         self._done: dict[str, set[Hashable]] = {}
+        #: slots closed unclaimed (their reader failed before its claim): nobody holds them
+        self._closed: dict[str, set[Hashable]] = {}
         self._engine: dict[str, str | None] = {}
 
     def grant(self, req_id: str, lease_s: float | None = None) -> None:
@@ -51,12 +54,15 @@ class LeaseTable:
         """The peer ``slot`` of the held blocks of ``req_id`` belongs to once ``peer`` claims
         it (the first claim of a slot stands); None if ``req_id`` holds no lease. The first
         claim fixes the slots (``slots``, by default its own slot alone) and the engine id
-        (``engine``, as the claimant named it); ``ValueError`` for a slot outside them."""
+        (``engine``, as the claimant named it); ``ValueError`` for a slot outside them, or one
+        closed unclaimed."""
         if req_id not in self._expiry:
             return None
         expected = self._slots.setdefault(req_id, frozenset([slot] if slots is None else slots))
         if slot not in expected:
             raise ValueError(f"the blocks of {req_id} are leased to other readers")
+        if slot in self._closed.get(req_id, ()):
+            raise ValueError(f"that reader's slot of the blocks of {req_id} was closed unread")
         self._engine.setdefault(req_id, engine)
         return self._claims.setdefault(req_id, {}).setdefault(slot, peer)
 
@@ -70,24 +76,29 @@ class LeaseTable:
         return next(iter(self._claims.get(req_id, {}).values()), None)
 
     def unclaimed(self, req_id: str, slot: Hashable) -> bool:
-        """Whether ``slot`` is one of the slots the first claim of ``req_id`` fixed, and nobody
-        claimed it yet."""
-        return slot in self._slots.get(req_id, ()) and slot not in self._claims.get(req_id, {})
+        """Whether ``slot`` is one of the slots the first claim of ``req_id`` fixed, nobody
+        claimed it yet, and nobody closed it."""
+        return (
+            slot in self._slots.get(req_id, ())
+            and slot not in self._claims.get(req_id, {})
+            and slot not in self._closed.get(req_id, ())
+        )
 
     def done(self, req_id: str, peer: str, slot: Hashable = None) -> bool:
         """``peer`` read what it claimed of ``req_id``, or is done with it unread (it failed,
         or its request ended, before it could claim); naming a ``slot`` nobody claimed, it
-        closes that slot (claimed by ``peer``, and done: a reader that failed before its
-        claim). True once that released the lease (every slot done or closed, or nobody had
-        claimed any)."""
+        closes that slot (done, with no holder: a reader that failed before its claim; ``peer``
+        gains nothing there). True once that released the lease (every slot done or closed,
+        or nobody had claimed any)."""
         if req_id not in self._expiry:
             return False
         claims = self._claims.get(req_id)
         if not claims:
             return self.release(req_id)
-        if self.unclaimed(req_id, slot):
-            claims[slot] = peer
         finished = self._done.setdefault(req_id, set())
+        if self.unclaimed(req_id, slot):
+            self._closed.setdefault(req_id, set()).add(slot)
+            finished.add(slot)
         finished.update(s for s, p in claims.items() if p == peer)
         if finished >= self._slots[req_id]:
             return self.release(req_id)
@@ -102,6 +113,7 @@ class LeaseTable:
         self._slots.pop(req_id, None)
         self._claims.pop(req_id, None)
         self._done.pop(req_id, None)
+        self._closed.pop(req_id, None)
         self._engine.pop(req_id, None)
 
     def expired(self) -> dict[str, str | None]:

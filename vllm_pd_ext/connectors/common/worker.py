@@ -25,7 +25,10 @@ the transfers:
   into the decode blocks as it is saved (if the offer is already there), the rest after the
   step; then "written" is sent, with the prompt's hash, and the blocks are freed. When the TP
   sizes differ, each decode rank holding heads of ours offers its blocks, and gets our heads
-  it holds, in their place (``parallel.head_slices``), and its own "written".
+  it holds, in their place (``parallel.head_slices``), and its own "written". When one of
+  them cancels the transfer (it failed), the others that offered are told it failed ("written",
+  not ok) once nothing more is being written, so they fail their loads at once instead of
+  waiting out ``transfer_timeout_s``; offers that come after the cancel are refused.
 
 Every failure ends in the same place: the decode request is reported finished with its blocks
 in ``get_block_ids_with_load_errors()`` (or, for hybrid models whose block ids repeat across KV
@@ -209,6 +212,8 @@ class TransferWorker:
         self._lock = threading.Lock()
         self._peers: dict[str, _Peer] = {}
         self._peer_locks: dict[str, threading.Lock] = {}
+        #: prefill engine (``_engine_key``) -> its TP size, as its rank 0's handshake said
+        self._prefill_tps: dict[str, int] = {}
         self._meta: PdTransferMetadata | None = None
         # decode side
         self._loads: dict[str, Future] = {}
@@ -367,7 +372,7 @@ class TransferWorker:
         """Handshake with TP rank ``rank`` (default: ours) of a prefill engine once (per
         engine id), for ``mode``; raise on any mismatch."""
         rank = self.tp_rank if rank is None else rank
-        key = f"{remote.engine_id}@{remote.host}:{remote.port}#{rank}"
+        key = f"{_engine_key(remote)}#{rank}"
         with self._lock:
             peer = self._peers.get(key)
             lock = self._peer_locks.setdefault(key, threading.Lock())
@@ -393,10 +398,29 @@ class TransferWorker:
             return peer
 
     def _forget_peer(self, remote: RemoteRef) -> None:
-        prefix = f"{remote.engine_id}@{remote.host}:{remote.port}#"
+        engine = _engine_key(remote)
+        prefix = f"{engine}#"
         with self._lock:
             for key in [k for k in self._peers if k.startswith(prefix)]:
                 del self._peers[key]
+            self._prefill_tps.pop(engine, None)
+
+    def _prefill_tp(self, remote: RemoteRef) -> int:
+        """The TP size of prefill engine ``remote``, from its rank 0's handshake (checked as
+        a WRITE's), fetched once per engine; no transport connection is opened to rank 0 for
+        it (only a rank we load from gets one, in :meth:`_peer`)."""
+        engine = _engine_key(remote)
+        with self._lock:
+            known = self._prefill_tps.get(engine)
+        if known is not None:
+            return known
+        doc = fetch_handshake(remote.host, remote.port, self.cfg.handshake_timeout_s, self.key)
+        layout = self._check_handshake(
+            doc, remote.engine_id or None, peer_is_prefill=True, mode=WRITE, rank=0
+        )
+        with self._lock:
+            self._prefill_tps[engine] = layout.tp_size
+        return layout.tp_size
 
     def _grant_spans(self, blocks: Sequence[Sequence[int]]) -> dict[str, np.ndarray] | None:
         """Per region, the (offset, length) spans of blocks ``blocks[g]`` of each KV cache
@@ -565,18 +589,27 @@ class TransferWorker:
 
     def _write_sources(self, remote: RemoteRef) -> list[_Peer]:
         """The prefill ranks that write our KV heads in a WRITE: the rank of our index when
-        the prefill engine has our TP size, else every rank whose heads overlap ours (its
-        TP size learnt from its rank 0's handshake: a WRITE's params do not carry it)."""
-        if remote.tp_size not in (None, self.tp_size):
-            raise LayoutMismatch(
-                tp_refusal(remote.tp_size, self.tp_size, mode=WRITE, kv_heads=self._kv_heads)
-                or f"the WRITE params say prefill TP {remote.tp_size}"
-            )
-        prefill_tp = self._peer(remote, 0, mode=WRITE).layout.tp_size
+        the prefill engine has our TP size, else every rank whose heads overlap ours. Its TP
+        size: the one ``remote`` names (refused if we cannot pair with it; each rank's
+        handshake must agree), else learnt from its rank 0's handshake (:meth:`_prefill_tp`:
+        a WRITE's params do not carry it)."""
+        prefill_tp = remote.tp_size
+        if prefill_tp is None:
+            prefill_tp = self._prefill_tp(remote)
+        elif refusal := tp_refusal(prefill_tp, self.tp_size, mode=WRITE, kv_heads=self._kv_heads):
+            raise LayoutMismatch(refusal)
         if prefill_tp == self.tp_size:
-            return [self._peer(remote, mode=WRITE)]
-        ranks = source_ranks(self.tp_rank, self.tp_size, prefill_tp)
-        return [self._peer(remote, r, mode=WRITE) for r in ranks]
+            ranks = [self.tp_rank]
+        else:
+            ranks = source_ranks(self.tp_rank, self.tp_size, prefill_tp)
+        peers = [self._peer(remote, r, mode=WRITE) for r in ranks]
+        for peer in peers:
+            if peer.layout.tp_size != prefill_tp:
+                raise LayoutMismatch(
+                    f"the WRITE params said prefill TP {prefill_tp}; its rank {peer.rank} has "
+                    f"TP {peer.layout.tp_size}"
+                )
+        return peers
 
     def _run_write(self, spec: RecvSpec, deadline: float) -> int:
         """A WRITE's decode side: offer our blocks to each prefill rank that writes our heads
@@ -737,12 +770,14 @@ class TransferWorker:
             raise
 
     def _cancel_write(self, remote: RemoteRef, rank: int, transfer_id: str) -> None:
+        """Withdraw our offer for ``transfer_id`` from prefill rank ``rank`` (naming our TP
+        rank, so that it tells only the other decode ranks that the transfer failed)."""
         try:
             post_json(
                 remote.host,
                 remote.port + rank,
                 "/cancel",
-                {"transfer_id": transfer_id},
+                {"transfer_id": transfer_id, "tp_rank": self.tp_rank},
                 self.cfg.handshake_timeout_s,
                 self.key,
             )
@@ -772,6 +807,8 @@ class TransferWorker:
         )
         tid = str(body["transfer_id"])
         with self._lock:
+            if tid in self._cancelled:
+                raise ValueError(f"transfer {tid} was cancelled by the decode side")
             offers = self._targets.get(tid)
             if offers is None:
                 if len(self._targets) >= MAX_OFFERS:
@@ -858,15 +895,17 @@ class TransferWorker:
             push.views_done.add((rank, i))
 
     def _on_cancel(self, body: dict[str, Any]) -> None:
-        """Side-channel thread: the decode side gave up on a WRITE transfer. Answer only once
-        nothing more can be written into its blocks."""
+        """Side-channel thread: the decode side (its TP rank ``tp_rank``) gave up on a WRITE
+        transfer. Answer only once nothing more can be written into its blocks; then every
+        other decode rank that offered blocks for it is told it failed (on a transfer
+        thread), and later offers for it are refused."""
         tid = str(body["transfer_id"])
         with self._lock:
             self._cancelled.pop(tid, None)
             if len(self._cancelled) >= MAX_OFFERS:  # the oldest: its offer was withdrawn anyway
                 del self._cancelled[next(iter(self._cancelled))]
             self._cancelled[tid] = time.monotonic()
-            self._targets.pop(tid, None)
+            offers = self._targets.pop(tid, {})
             pushes = [p for p in self._pushes.values() if p.spec.transfer_id == tid]
         for push in pushes:
             with push.lock:
@@ -874,6 +913,26 @@ class TransferWorker:
                 handles = list(push.handles)
             assert self.transport is not None
             self.transport.wait_all(handles, self.cfg.handshake_timeout_s)
+        canceller = body.get("tp_rank")  # None from a decode that does not name it: tell all
+        others = [o for r, o in offers.items() if r != canceller]
+        if others:
+            error = f"decode TP rank {canceller} cancelled transfer {tid}"
+            self._pool.submit(self._tell_failed, tid, others, error)
+
+    def _tell_failed(self, tid: str, targets: Sequence[_Target], error: str) -> None:
+        """Transfer thread: tell each decode rank of ``targets`` that transfer ``tid`` failed
+        (nothing more is written into its blocks); log the ones we cannot reach."""
+        notice = _written_notice(tid, False, error, None)
+        for target in targets:
+            try:
+                self._notify(target.peer_id, notice)
+            except (TransportError, OSError) as e:
+                logger.warning(
+                    "could not tell decode TP rank %d that transfer %s failed: %s",
+                    target.layout.tp_rank,
+                    tid,
+                    e,
+                )
 
     def _on_renew(self, body: dict[str, Any]) -> None:
         """Side-channel thread: extend a lease, and bind its blocks to the decode transport
@@ -974,6 +1033,8 @@ class TransferWorker:
                 break
             time.sleep(0.002)
         if not targets:
+            if tid in self._cancelled:  # the decode side gave up: no lease ran out
+                raise LoadFailed(f"the decode side cancelled transfer {tid}")
             self.stats.lease_expired()
             raise LoadFailed(f"no decode offer for transfer {tid} within the lease")
         push.peer = targets[0].reply_to
@@ -1001,13 +1062,7 @@ class TransferWorker:
         finally:
             with self._lock:
                 self._targets.pop(tid, None)
-        notice = {
-            "op": "written",
-            "transfer_id": tid,
-            "ok": ok,
-            "error": error,
-            "prompt_hash": push.spec.prompt_hash,
-        }
+        notice = _written_notice(tid, ok, error, push.spec.prompt_hash)
         for target in targets:
             self._notify(target.peer_id, notice)
         return failure
@@ -1184,6 +1239,25 @@ class TransferWorker:
 def _failure(error: BaseException) -> str:
     """A failed transfer's span outcome."""
     return "refused" if isinstance(error, KVRefused) else "failed"
+
+
+def _engine_key(remote: RemoteRef) -> str:
+    """How a prefill engine's handshakes are keyed (its ranks' add ``#<rank>``)."""
+    return f"{remote.engine_id}@{remote.host}:{remote.port}"
+
+
+def _written_notice(
+    transfer_id: str, ok: bool, error: str, prompt_hash: str | None
+) -> dict[str, Any]:
+    """The "written" notice a WRITE's prefill rank sends each decode rank it wrote (or
+    failed to write): ``prompt_hash``, of the prompt it computed, is what the decode checks."""
+    return {
+        "op": "written",
+        "transfer_id": transfer_id,
+        "ok": ok,
+        "error": error,
+        "prompt_hash": prompt_hash,
+    }
 
 
 def _reader_slot(body: Mapping[str, Any]) -> tuple[str, int] | None:
