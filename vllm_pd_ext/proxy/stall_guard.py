@@ -5,15 +5,15 @@ waiting for blocks whose lease expired, a peer that stopped answering), the deco
 waits, and the client with it, far longer than a colocated prefill would have taken. So a
 guarded decode leg (a split) gets a deadline from the prefill leg's end: ``factor`` times the
 typical transfer for its prompt (the recent median, ``Decider.expected_transfer_s``) once
-enough splits are measured, and never less than ``floor_s``. If the leg's first body bytes (its first token) have not arrived by
-then, and so the client has seen nothing yet, the leg is closed (the engine aborts the request
-and frees its blocks) and the request is served colocated, on the prefill instance that just
-computed its prompt (``stalled_on``); counted in ``vllm_pd_fallbacks_total{reason="stall"}``
-and logged. That instance may itself have frozen since its leg, so a stream's colocated leg
-there has a deadline too: ``factor`` times its prefill leg for this request (it computes no
-more than that leg did; the measured leg for its length when shorter), at least ``floor_s``;
-past it the leg is closed and the next
-instance tried (``reason="colocated_stall"``).
+enough splits are measured, and never less than ``floor_s``. If the leg's first body bytes
+(its first token) have not arrived by then, and so the client has seen nothing yet, the leg
+is closed (the engine aborts the request and frees its blocks) and the request is served
+colocated, on the prefill instance that just computed its prompt (``stalled_on``); counted
+in ``vllm_pd_fallbacks_total{reason="stall"}`` and logged. That instance may itself have
+frozen since its leg, so a stream's colocated leg there has a deadline too: ``factor``
+times its prefill leg for this request (it computes no more than that leg did; the
+measured leg for its length when shorter), at least ``floor_s``; past it the leg is closed
+and the next instance tried (``reason="colocated_stall"``).
 
 A non-streamed answer shows nothing until it is whole, so with ``non_streamed`` on (default) a
 non-streamed split's decode leg is sent in two steps: first the one-token leg with the KV
