@@ -38,8 +38,8 @@ first token in time closes the breaker, another stall opens it for twice as long
 ``breaker_max_open_s``: a stall in that time opens it again at once (not after
 ``breaker_stalls``) for twice as long as it was last open, so a pair that stalls on and off
 is not given a fresh run of stalls each time one probe comes through; a first token in time
-after that time forgets it. Stall lines are logged at most every ``LOG_EVERY_S`` (the counter
-counts every one).
+after that time forgets it. Each kind of stall line (stall, prefill stall, failed rescue) is
+logged at most every ``LOG_EVERY_S`` (the counters count every one).
 """
 
 from __future__ import annotations
@@ -88,7 +88,10 @@ class StallGuard:
         self.metrics = metrics
         self._clock = clock
         self._pairs: OrderedDict[tuple[str, str], _Pair] = OrderedDict()
-        self._log = Throttle(LOG_EVERY_S, clock)
+        # one per kind of line, so frequent stall lines never hide a rescue that failed
+        self._log_prefill = Throttle(LOG_EVERY_S, clock)
+        self._log_rescue = Throttle(LOG_EVERY_S, clock)
+        self._log_stall = Throttle(LOG_EVERY_S, clock)
 
     @property
     def stalls(self) -> bool:
@@ -156,7 +159,7 @@ class StallGuard:
         served colocated); a stall of the pair, for its breaker."""
         self.metrics.fallbacks.labels("prefill_stall").inc()
         self.metrics.pair(self.metrics.split_failures, prefill, decode, "prefill_stall").inc()
-        if self._log.ready():
+        if self._log_prefill.ready():
             logger.warning(
                 "request %s: the prefill leg on %s took longer than the stall guard's deadline; "
                 'trying elsewhere (vllm_pd_fallbacks_total{reason="prefill_stall"} counts each)',
@@ -168,7 +171,7 @@ class StallGuard:
     def rescue_stalled(self, inst: Instance, request_id: str) -> None:
         """A stalled split's colocated leg on ``inst`` missed its deadline too."""
         self.metrics.fallbacks.labels("colocated_stall").inc()
-        if self._log.ready():
+        if self._log_rescue.ready():
             logger.warning(
                 "request %s: no first token from %s, serving it colocated after a stall, within "
                 "the stall guard's deadline; trying the next instance "
@@ -181,7 +184,7 @@ class StallGuard:
         """A guarded leg missed its deadline on this pair."""
         self.metrics.fallbacks.labels("stall").inc()
         self.metrics.pair(self.metrics.split_failures, prefill, decode, "stall").inc()
-        if self._log.ready():
+        if self._log_stall.ready():
             logger.warning(
                 "request %s: no first token from %s within the stall guard's deadline after "
                 "the prefill on %s; serving it colocated (vllm_pd_fallbacks_total "

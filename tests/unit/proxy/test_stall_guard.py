@@ -148,6 +148,21 @@ def test_stall_lines_are_rate_limited_and_every_stall_counted(caplog):
     assert parse_metrics(text).total("vllm_pd_fallbacks_total", reason="stall") == 6
 
 
+def test_each_kind_of_stall_line_has_its_own_rate_limit(caplog):
+    """Frequent stall lines never hide the first line of a rescue that failed too, or of a
+    prefill leg past its deadline."""
+    guard, _, _ = _guard(Clock(), breaker_stalls=100)
+    with caplog.at_level("WARNING"):
+        for i in range(3):
+            guard.stalled(P, D, f"r{i}")
+            guard.rescue_stalled(P, f"r{i}")
+            guard.prefill_stalled(P, D, f"r{i}")
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("serving it colocated (" in m for m in lines) == 1
+    assert sum("serving it colocated after a stall" in m for m in lines) == 1
+    assert sum("the prefill leg on" in m for m in lines) == 1
+
+
 def test_streams_are_guarded_whole_answers_only_to_decodes_that_cache_prompts():
     """A non-streamed split is guarded through its one-token first step, which pays only
     where the decode instance answers the second step from its prefix cache."""
