@@ -13,12 +13,14 @@ No colocated leg that follows waits unbounded on an instance that may be wedged 
 
 * after a stall, the stream's colocated leg on the instance ``stalled_on`` names (the prefill
   instance that just computed the prompt, or the decode that stalled) has a deadline too;
-* a stream routed colocated because the breakers of its decode instance are open
-  (``breaker_open``: that decode stalled again and again) has a deadline on that instance;
+* a stream routed colocated because the breakers of its decode instance are open for that
+  decode's own stalls (``breaker_open``, ``StallGuard.wedged``; not when only a prefill
+  stalled) has a deadline on that instance;
 
 past it the leg is closed, counted (``vllm_pd_fallbacks_total{reason="colocated_stall"}``) and
 the next instance tried. The instances tried after a suspect are the pool's others: the
-stalled prefill and decode, or the broken decode, come again only when no other is healthy.
+stalled prefill and decode, or the broken decode, come again only when no other is healthy
+(a stalled split whose prefill instance is down meanwhile goes to another decode first).
 """
 
 from __future__ import annotations
@@ -128,8 +130,10 @@ class DecodeLeg:
         through; 502 when every instance tried failed) or ``ClientGone``."""
         errors: list[str] = []
         guard = self.router.guard
-        broken = first is None and route.decision.reason == "breaker_open"
-        if broken:  # every prefill's breaker with this decode is open: it may be wedged itself
+        broken = (
+            first is None and route.decision.reason == "breaker_open" and guard.wedged(route.decode)
+        )
+        if broken:  # its breakers are open for its own stalls: it may be wedged itself
             suspects = (route.decode,)
         pool = [i for i in route.decode_pool if i not in suspects and i.healthy]
         if broken and stream is not None and pool:  # (the only decode healthy: waited for)
@@ -221,15 +225,19 @@ class DecodeLeg:
             raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
         # a stall: served colocated now, on the instance the guard's config names first,
         # within a deadline (a stream); both instances of the pair come last after it
+        pair = (inst,) if stalled is None else (stalled, inst)
         rescuer = inst
-        if stalled is not None and guard.config.stalled_on == "prefill" and stalled.healthy:
-            rescuer = stalled
+        if stalled is not None and guard.config.stalled_on == "prefill":
+            others = [i for i in route.decode_pool if i not in pair and i.healthy]
+            if stalled.healthy or not others:
+                rescuer = stalled if stalled.healthy else inst
+            else:  # the prefill is down: another decode before the one that stalled
+                rescuer = next(self.router.candidates(call.ctx, others, "decode"))
         rescue_s = (
             guard.rescue_budget_s(stalled_leg_s, call.ctx.est_prompt_tokens)
-            if stream is not None
+            if stream is not None and rescuer in pair
             else None
         )
-        pair = (inst,) if stalled is None else (stalled, inst)
         return await self.open(call, route, None, stream, rescuer, rescue_s, pair)
 
     def _suspect_budget_s(self, call: Call) -> float:

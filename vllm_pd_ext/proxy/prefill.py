@@ -133,7 +133,9 @@ class PrefillLeg:
         if ctx.tokens is not None:
             call.engines.append(inst)
         guard = self.router.guard
-        guard.probing(inst, decode)
+        guarded = guard.guards(ctx.stream, decode)
+        if guarded:
+            guard.probing(inst, decode)
         budget = guard.prefill_budget_s(ctx.est_prompt_tokens)
         headers = {"X-Request-Id": ctx.request_id}
         trace = call.trace
@@ -154,7 +156,7 @@ class PrefillLeg:
             except TimeoutError:  # the stall guard's deadline: the engine aborts it
                 if trace is not None:
                     trace.leg_done(span, error="stall_guard_deadline")
-                guard.prefill_stalled(inst, decode, ctx.request_id)
+                guard.prefill_stalled(inst, decode, ctx.request_id, guarded)
                 raise _AttemptFailed(f"{inst.label}: past the stall guard's deadline") from None
         if trace is not None:
             trace.leg_done(span, status)

@@ -71,6 +71,7 @@ class _Pair:
     open_s: float = 0.0  # how long it was last opened for
     probe_at: float = -1e18  # when the last probe was sent (monotonic)
     closed_at: float = -1e18  # when a probe last closed its breaker (monotonic)
+    decode_side: bool = False  # a decode leg's stall among those since it last closed
 
 
 class StallGuard:
@@ -151,12 +152,19 @@ class StallGuard:
         if prefill is None:
             return
         pair = self._pairs.get((prefill.label, decode.label))
-        if pair is not None and pair.open_until != 0.0:
-            pair.probe_at = self._clock()
+        if pair is None or pair.open_until == 0.0:
+            return
+        now = self._clock()
+        if now >= pair.open_until:  # (a split from before it opened is no probe)
+            pair.probe_at = now
 
-    def prefill_stalled(self, prefill: Instance, decode: Instance, request_id: str) -> None:
+    def prefill_stalled(
+        self, prefill: Instance, decode: Instance, request_id: str, guarded: bool
+    ) -> None:
         """A prefill leg for a split to ``decode`` missed its deadline (it is retried, then
-        served colocated); a stall of the pair, for its breaker."""
+        served colocated); a stall of the pair, for its breaker, when the split was
+        ``guarded`` (only a guarded split's first token in time closes a breaker, so only
+        guarded splits open one)."""
         self.metrics.fallbacks.labels("prefill_stall").inc()
         self.metrics.pair(self.metrics.split_failures, prefill, decode, "prefill_stall").inc()
         if self._log_prefill.ready():
@@ -166,7 +174,8 @@ class StallGuard:
                 request_id,
                 prefill.label,
             )
-        self._count_stall(prefill, decode)
+        if guarded:
+            self._count_stall(prefill, decode, decode_side=False)
 
     def rescue_stalled(self, inst: Instance, request_id: str) -> None:
         """A stalled split's colocated leg on ``inst`` missed its deadline too."""
@@ -194,9 +203,18 @@ class StallGuard:
                 prefill.label if prefill is not None else "?",
             )
         if prefill is not None:
-            self._count_stall(prefill, decode)
+            self._count_stall(prefill, decode, decode_side=True)
 
-    def _count_stall(self, prefill: Instance, decode: Instance) -> None:
+    def wedged(self, decode: Instance) -> bool:
+        """Is a breaker with ``decode`` open for that decode's own stalls (not only for a
+        prefill's)? Then it may be wedged itself."""
+        label = decode.label
+        return any(
+            d == label and pair.open_until != 0.0 and pair.decode_side
+            for (_, d), pair in self._pairs.items()
+        )
+
+    def _count_stall(self, prefill: Instance, decode: Instance, decode_side: bool) -> None:
         """One more stall in a row on this pair: its breaker opens at ``breaker_stalls``, or
         again (for twice as long) when the stall was a probe's or came soon after a probe
         closed it."""
@@ -209,6 +227,7 @@ class StallGuard:
                 self.metrics.breaker_open.remove(old_p, old_d)
         self._pairs.move_to_end(key)
         pair.stalls += 1
+        pair.decode_side = pair.decode_side or decode_side
         cfg = self.config
         now = self._clock()
         if pair.open_until != 0.0 and now < pair.open_until:
@@ -249,6 +268,7 @@ class StallGuard:
             pair.open_until = 0.0
             pair.closed_at = now
             pair.stalls = 0
+            pair.decode_side = False
             self.metrics.breaker_open.remove(prefill.label, decode.label)
             logger.warning("splits from %s to %s again", prefill.label, decode.label)
         elif now < pair.closed_at + self.config.breaker_max_open_s:

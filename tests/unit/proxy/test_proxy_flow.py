@@ -914,3 +914,30 @@ def test_once_a_breakers_open_time_is_over_one_split_probes_it_not_every_one_rou
             assert probe.result(timeout=60)[-1] == "data: [DONE]"
         assert len(engines["p1"].requests) == legs + 1  # one split across the pair: the probe
         assert metric(base, "vllm_pd_decisions_total", reason="breaker_open") == 1
+
+
+def test_a_stalled_split_whose_prefill_went_down_is_served_on_another_decode_first(engines):
+    """The decode stalls on the KV and the prefill instance fails its health checks
+    meanwhile: the colocated leg goes to the other decode first, not back to the decode
+    that just stalled (tried only when no other is healthy)."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
+    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
+        expected = _stream_events(base, 5, LONG)
+    for e in engines.values():
+        e.requests.clear()
+    engines["d1"].behavior.kv_stall_s = 600.0
+    engines["d1"].behavior.colocated_stall_s = 600.0
+    guard = {"floor_s": 3.0, "breaker_stalls": 5}
+    with _d1_looks_idle(engines, stall_guard=guard) as (base, svc), ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream_events, base, 5, LONG)
+        wait_until(lambda: len(engines["p1"].requests) == 1)  # the prefill leg: done
+        engines["p1"].behavior.health_status = 503
+        wait_until(lambda: not svc.fleet.healthy("prefill"))
+        assert stream.result(timeout=60) == expected
+        (stalled_leg,) = sent(engines["d1"])  # not tried again
+        assert stalled_leg["kv_transfer_params"]["do_remote_prefill"] is True
+        (served,) = sent(engines["d2"])
+        assert "kv_transfer_params" not in served and served["stream"] is True
+        assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="colocated_stall") == 0

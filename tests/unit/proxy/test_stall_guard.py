@@ -156,7 +156,7 @@ def test_each_kind_of_stall_line_has_its_own_rate_limit(caplog):
         for i in range(3):
             guard.stalled(P, D, f"r{i}")
             guard.rescue_stalled(P, f"r{i}")
-            guard.prefill_stalled(P, D, f"r{i}")
+            guard.prefill_stalled(P, D, f"r{i}", guarded=True)
     lines = [r.getMessage() for r in caplog.records]
     assert sum("serving it colocated (" in m for m in lines) == 1
     assert sum("serving it colocated after a stall" in m for m in lines) == 1
@@ -216,3 +216,33 @@ def test_slow_legs_do_not_drag_the_deadlines_up_the_typical_leg_sets_them():
     for _ in range(15):  # once slow is what it does, slow is what is expected
         decider.observe(1000, prefill_s=5.0, transfer_gap_s=3.0)
     assert guard.prefill_budget_s(1000) == pytest.approx(20.0)
+
+
+def test_prefill_stalls_of_unguarded_splits_open_no_breaker():
+    """Only a guarded split's first token in time closes a breaker, so an unguarded one's
+    prefill stall must not open one (it would never close)."""
+    guard, _, metrics = _guard(breaker_stalls=2)
+    for i in range(5):
+        guard.prefill_stalled(P, D, f"r{i}", guarded=False)
+    assert guard.allows(P, D, False) and _breaker(metrics) == 0
+    for i in range(2):
+        guard.prefill_stalled(P, D, f"g{i}", guarded=True)
+    assert not guard.allows(P, D, True) and _breaker(metrics) == 1
+
+
+def test_a_decode_is_wedged_only_when_its_own_stalls_opened_a_breaker():
+    guard, _, _ = _guard(breaker_stalls=1)
+    guard.prefill_stalled(P, D, "r1", guarded=True)  # the prefill stalled: D is not suspect
+    assert not guard.allows(P, D, True) and not guard.wedged(D)
+    guard.stalled(D, P, "r2")  # the pair the other way round: P's decode leg stalled
+    assert guard.wedged(P) and not guard.wedged(D)
+
+
+def test_a_split_from_before_the_breaker_opened_does_not_delay_its_probe():
+    clock = Clock()
+    guard, _, _ = _guard(clock, breaker_stalls=1, breaker_open_s=30)
+    guard.stalled(P, D, "r1")
+    clock.now += 25
+    guard.probing(P, D)  # a split routed before it opened starts its decode leg
+    clock.now += 5.1
+    assert guard.allows(P, D, True)  # the probe is due at the end of the open time
