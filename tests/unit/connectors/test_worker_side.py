@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 
 import pytest
@@ -1291,6 +1292,86 @@ def test_a_lease_that_runs_out_is_not_readable(pair):
     with pytest.raises(TransferError, match="read outside the spans granted"):
         d._read([d._peer(ref)], (((5, 1),),), time.monotonic() + 10)
     assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
+
+
+def hold_writes(w: TransferWorker, events: list[str]) -> threading.Event:
+    """Hold every WRITE into ``w`` (its tcp or cma data server) before it lands, until the
+    event returned is set; each appends "write ended" to ``events`` once it landed."""
+    from vllm_pd_ext.transport.cma import _CMA_WRITE
+    from vllm_pd_ext.transport.tcp import _WRITE
+
+    server = w.transport._server  # type: ignore[union-attr]
+    serve, gate = server._request, threading.Event()
+
+    def held(link, session, req) -> None:
+        if req.kind not in (_WRITE, _CMA_WRITE):
+            return serve(link, session, req)
+        gate.wait()
+        serve(link, session, req)
+        events.append("write ended")
+
+    server._request = held
+    return gate
+
+
+@pytest.mark.parametrize("backend", ["tcp", "cma"])
+@pytest.mark.parametrize("released", ["when the push times out", "when the decode cancels"])
+def test_a_failed_push_lets_the_decode_reuse_its_blocks_only_once_its_writes_ended(
+    backend, released
+):
+    """The prefill's push times out (its lease) while its writes are still landing in the
+    decode's blocks: the decode's data server holds them until the push timed out (then the
+    prefill tells the decode it failed), or until the decode gave up waiting and cancelled.
+    The decode fails its load (its blocks go back to vLLM), and the prefill's push ends,
+    only after every write ended."""
+    port = free_port()
+    p = worker(
+        "kv_producer",
+        port,
+        backend=backend,
+        lease_s=0.5,
+        handshake_timeout_s=1.0,
+        transfer_timeout_s=10.0,
+    )
+    d = worker("kv_consumer", free_port(), backend=backend, transfer_timeout_s=3.0)
+    events: list[str] = []
+    gate = threading.Event()
+    try:
+        pc = caches(True)
+        p.register_kv_caches(pc)
+        d.register_kv_caches(caches(False))
+        assert p.transport is not None
+        gate = hold_writes(d, events)
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-h", ((1, 2),), PROMPT_HASH)]))
+        write_offer(d, port, "t-h", ((4, 0), (8, 1)))
+        poll(lambda: "t-h" in p._targets, "the decode offer")
+        for layer in pc:
+            p.save_kv_layer(layer)
+        p.wait_for_save()
+
+        def ended() -> bool:
+            if released == "when the decode cancels":
+                if "t-h" in p._cancelled:
+                    gate.set()
+            elif p.transport.stats.totals().timeouts:  # type: ignore[union-attr]
+                gate.set()
+            p.get_finished(set())
+            if not p._push_futures and "push ended" not in events:
+                events.append("push ended")
+            if d.get_finished(set())[1]:
+                events.append("load failed")
+            return "push ended" in events and "load failed" in events
+
+        poll(ended, "the push's and the load's ends", timeout=20.0)
+        assert events.count("write ended") == LAYERS, events
+        last_write = len(events) - 1 - events[::-1].index("write ended")
+        assert last_write < events.index("push ended"), events
+        assert last_write < events.index("load failed"), events
+        assert d.get_block_ids_with_load_errors() == {4, 8}
+    finally:
+        gate.set()
+        d.shutdown()
+        p.shutdown()
 
 
 @pytest.mark.parametrize("backend", ["tcp"])
