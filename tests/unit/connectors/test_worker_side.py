@@ -1374,6 +1374,45 @@ def test_a_failed_push_lets_the_decode_reuse_its_blocks_only_once_its_writes_end
         p.shutdown()
 
 
+@pytest.mark.parametrize("backend", ["tcp", "cma"])
+def test_a_failed_push_tells_each_decode_rank_once_its_own_writes_ended(backend):
+    """Prefill TP 1 pushes into both ranks of a TP 2 decode engine and times out (its lease)
+    while rank 0's data server still holds the writes into its blocks: rank 1, whose writes
+    landed, is told at once that the push failed (not at its transfer timeout), while rank
+    0's writes are still held; rank 0 only once they ended."""
+    port = free_port()
+    slow = {"transfer_timeout_s": 60.0}  # beyond every poll below: only a notice ends it early
+    events: list[str] = []
+    with tp_engines(backend, port, 1, 2, heads=4, decode_cfg=slow) as ((p,), ds, (pc,), _):
+        p.cfg = p.cfg.model_copy(update={"lease_s": 0.5, "transfer_timeout_s": 10.0})
+        gate = hold_writes(ds[0], events)
+        try:
+            for d in ds:
+                write_offer(d, port, "t-r", ((5, 0), (9, 1)))
+            poll(lambda: len(p._offers("t-r")) == 2, "both offers")
+            p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-r", ((1, 2),), PROMPT_HASH)]))
+            for layer in pc:
+                p.save_kv_layer(layer)
+            p.wait_for_save()
+
+            def failed(rank: int) -> bool:
+                if ds[rank].get_finished(set())[1]:
+                    events.append(f"rank {rank} failed")
+                return f"rank {rank} failed" in events
+
+            poll(lambda: failed(1), "rank 1's load")
+            gate.set()
+            poll(lambda: failed(0), "rank 0's load")
+        finally:
+            gate.set()
+        assert events.count("write ended") == LAYERS, events
+        assert events.index("rank 1 failed") < events.index("write ended"), events
+        last_write = len(events) - 1 - events[::-1].index("write ended")
+        assert last_write < events.index("rank 0 failed"), events
+        for d in ds:
+            assert d.get_block_ids_with_load_errors() == {5, 9}
+
+
 @pytest.mark.parametrize("backend", ["tcp"])
 @pytest.mark.parametrize("pair", [{"key": KEY}], indirect=True, ids=["fleet key"])
 def test_the_prefill_writes_only_into_the_blocks_offered_to_it(pair):

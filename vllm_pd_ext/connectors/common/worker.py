@@ -86,6 +86,7 @@ from vllm_pd_ext.connectors.common.tracing import TransferSpans
 from vllm_pd_ext.transport import (
     TransferHandle,
     TransferOp,
+    TransferState,
     TransferTimeout,
     Transport,
     TransportClosed,
@@ -1088,9 +1089,10 @@ class TransferWorker:
         it fails its load at once, but only once no write of ours into its blocks can still
         land: it gives them back to vLLM (recompute, another request) as soon as it is told.
 
-        First every write submitted is waited for until it ended (done or failed), within
-        ``transfer_timeout_s`` in all (by then the decode rank gave up waiting for our notice
-        and cancels: its ``/cancel`` waits for the same writes, :meth:`_on_cancel`). What we
+        Each decode rank is told once every write submitted into its blocks ended (done or
+        failed), within ``transfer_timeout_s`` in all (by then the decode rank gave up waiting
+        for our notice and cancels: its ``/cancel`` waits for the same writes,
+        :meth:`_on_cancel`); the others are not kept waiting for it. What we
         rely on, per backend: a write handle that is no longer pending lands nothing more.
         tcp: done means the receiver answered once the bytes were in place; failed means it
         refused the write before receiving any of it (FAIL, payload drained), or that the
@@ -1106,37 +1108,44 @@ class TransferWorker:
         ``transfer_timeout_s``), and those writes are kept for its ``/cancel`` to wait for.
         Not told either when the decode side cancelled the transfer: it stopped listening,
         and ``_on_cancel`` told the others."""
-        if push.cancelled:
-            return
-        pending = self._settle(push.handles, self.cfg.transfer_timeout_s)
-        if pending:
+        tid = push.spec.transfer_id
+        notice = _written_notice(tid, False, str(error), push.spec.prompt_hash)
+        untold, pending = list(targets), list(push.handles)
+        deadline = time.monotonic() + self.cfg.transfer_timeout_s
+        while True:  # a cancel meanwhile ends the telling, not the wait (the push ends last)
+            try:
+                pending = [h for h in pending if h.poll() is TransferState.PENDING]
+            except TransportClosed:  # shutting down: nobody can be told anything
+                return
+            busy = {h.peer for h in pending}
+            ready = [] if push.cancelled else [t for t in untold if t.peer_id not in busy]
+            for target in ready:  # each once the writes into its own blocks ended
+                untold.remove(target)
+                try:
+                    self._notify(target.peer_id, notice)
+                except (TransportError, OSError) as e:
+                    logger.warning(
+                        "could not tell decode TP rank %d that transfer %s failed: %s",
+                        target.layout.tp_rank,
+                        tid,
+                        e,
+                    )
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(0.002)  # (not ``wait``: each of its timeouts would count in the stats)
+        if pending and not push.cancelled:  # (a cancel waited for them itself)
             with self._lock:
                 if len(self._unsettled) >= MAX_OFFERS:  # the oldest's decode gave up long ago
                     del self._unsettled[next(iter(self._unsettled))]
-                self._unsettled[push.spec.transfer_id] = (time.monotonic(), pending)
-        if push.cancelled:
-            return
-        unsure = {h.peer for h in pending}
-        notice = _written_notice(push.spec.transfer_id, False, str(error), push.spec.prompt_hash)
-        for target in targets:
-            if target.peer_id in unsure:
-                logger.error(
-                    "not telling decode TP rank %d that transfer %s failed: a write into its "
-                    "blocks is still pending after %.0fs (it fails at its own timeout)",
-                    target.layout.tp_rank,
-                    push.spec.transfer_id,
-                    self.cfg.transfer_timeout_s,
-                )
-                continue
-            try:
-                self._notify(target.peer_id, notice)
-            except (TransportError, OSError) as e:
-                logger.warning(
-                    "could not tell decode TP rank %d that transfer %s failed: %s",
-                    target.layout.tp_rank,
-                    push.spec.transfer_id,
-                    e,
-                )
+                self._unsettled[tid] = (time.monotonic(), pending)
+        for target in [] if push.cancelled else untold:
+            logger.error(
+                "not telling decode TP rank %d that transfer %s failed: a write into its "
+                "blocks is still pending after %.0fs (it fails at its own timeout)",
+                target.layout.tp_rank,
+                tid,
+                self.cfg.transfer_timeout_s,
+            )
 
     def _settle(self, handles: Sequence[TransferHandle], timeout: float) -> list[TransferHandle]:
         """Wait until none of ``handles`` is pending, within ``timeout`` in all (a failed one
