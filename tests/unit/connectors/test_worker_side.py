@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import threading
 import time
 
 import pytest
@@ -1291,6 +1292,125 @@ def test_a_lease_that_runs_out_is_not_readable(pair):
     with pytest.raises(TransferError, match="read outside the spans granted"):
         d._read([d._peer(ref)], (((5, 1),),), time.monotonic() + 10)
     assert torch.count_nonzero(block(dc, next(iter(dc)), 5)) == 0
+
+
+def hold_writes(w: TransferWorker, events: list[str]) -> threading.Event:
+    """Hold every WRITE into ``w`` (its tcp or cma data server) before it lands, until the
+    event returned is set; each appends "write ended" to ``events`` once it landed."""
+    from vllm_pd_ext.transport.cma import _CMA_WRITE
+    from vllm_pd_ext.transport.tcp import _WRITE
+
+    server = w.transport._server  # type: ignore[union-attr]
+    serve, gate = server._request, threading.Event()
+
+    def held(link, session, req) -> None:
+        if req.kind not in (_WRITE, _CMA_WRITE):
+            return serve(link, session, req)
+        gate.wait()
+        serve(link, session, req)
+        events.append("write ended")
+
+    server._request = held
+    return gate
+
+
+@pytest.mark.parametrize("backend", ["tcp", "cma"])
+@pytest.mark.parametrize("released", ["when the push times out", "when the decode cancels"])
+def test_a_failed_push_lets_the_decode_reuse_its_blocks_only_once_its_writes_ended(
+    backend, released
+):
+    """The prefill's push times out (its lease) while its writes are still landing in the
+    decode's blocks: the decode's data server holds them until the push timed out (then the
+    prefill tells the decode it failed), or until the decode gave up waiting and cancelled.
+    The decode fails its load (its blocks go back to vLLM), and the prefill's push ends,
+    only after every write ended."""
+    port = free_port()
+    p = worker(
+        "kv_producer",
+        port,
+        backend=backend,
+        lease_s=0.5,
+        handshake_timeout_s=1.0,
+        transfer_timeout_s=10.0,
+    )
+    d = worker("kv_consumer", free_port(), backend=backend, transfer_timeout_s=3.0)
+    events: list[str] = []
+    gate = threading.Event()
+    try:
+        pc = caches(True)
+        p.register_kv_caches(pc)
+        d.register_kv_caches(caches(False))
+        assert p.transport is not None
+        gate = hold_writes(d, events)
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-h", ((1, 2),), PROMPT_HASH)]))
+        write_offer(d, port, "t-h", ((4, 0), (8, 1)))
+        poll(lambda: "t-h" in p._targets, "the decode offer")
+        for layer in pc:
+            p.save_kv_layer(layer)
+        p.wait_for_save()
+
+        def ended() -> bool:
+            if released == "when the decode cancels":
+                if "t-h" in p._cancelled:
+                    gate.set()
+            elif p.transport.stats.totals().timeouts:  # type: ignore[union-attr]
+                gate.set()
+            p.get_finished(set())
+            if not p._push_futures and "push ended" not in events:
+                events.append("push ended")
+            if d.get_finished(set())[1]:
+                events.append("load failed")
+            return "push ended" in events and "load failed" in events
+
+        poll(ended, "the push's and the load's ends", timeout=20.0)
+        assert events.count("write ended") == LAYERS, events
+        last_write = len(events) - 1 - events[::-1].index("write ended")
+        assert last_write < events.index("push ended"), events
+        assert last_write < events.index("load failed"), events
+        assert d.get_block_ids_with_load_errors() == {4, 8}
+    finally:
+        gate.set()
+        d.shutdown()
+        p.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "cma"])
+def test_a_failed_push_tells_each_decode_rank_once_its_own_writes_ended(backend):
+    """Prefill TP 1 pushes into both ranks of a TP 2 decode engine and times out (its lease)
+    while rank 0's data server still holds the writes into its blocks: rank 1, whose writes
+    landed, is told at once that the push failed (not at its transfer timeout), while rank
+    0's writes are still held; rank 0 only once they ended."""
+    port = free_port()
+    slow = {"transfer_timeout_s": 60.0}  # beyond every poll below: only a notice ends it early
+    events: list[str] = []
+    with tp_engines(backend, port, 1, 2, heads=4, decode_cfg=slow) as ((p,), ds, (pc,), _):
+        p.cfg = p.cfg.model_copy(update={"lease_s": 0.5, "transfer_timeout_s": 10.0})
+        gate = hold_writes(ds[0], events)
+        try:
+            for d in ds:
+                write_offer(d, port, "t-r", ((5, 0), (9, 1)))
+            poll(lambda: len(p._offers("t-r")) == 2, "both offers")
+            p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-r", ((1, 2),), PROMPT_HASH)]))
+            for layer in pc:
+                p.save_kv_layer(layer)
+            p.wait_for_save()
+
+            def failed(rank: int) -> bool:
+                if ds[rank].get_finished(set())[1]:
+                    events.append(f"rank {rank} failed")
+                return f"rank {rank} failed" in events
+
+            poll(lambda: failed(1), "rank 1's load")
+            gate.set()
+            poll(lambda: failed(0), "rank 0's load")
+        finally:
+            gate.set()
+        assert events.count("write ended") == LAYERS, events
+        assert events.index("rank 1 failed") < events.index("write ended"), events
+        last_write = len(events) - 1 - events[::-1].index("write ended")
+        assert last_write < events.index("rank 0 failed"), events
+        for d in ds:
+            assert d.get_block_ids_with_load_errors() == {5, 9}
 
 
 @pytest.mark.parametrize("backend", ["tcp"])

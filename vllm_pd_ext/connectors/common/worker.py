@@ -23,7 +23,9 @@ the transfers:
   request's is refused (:class:`KVRefused`).
 * WRITE, prefill: in the step that computes the last prompt tokens, each layer is written
   into the decode blocks as it is saved (if the offer is already there), the rest after the
-  step; then "written" is sent, with the prompt's hash, and the blocks are freed. When the TP
+  step; then "written" is sent, with the prompt's hash, and the blocks are freed. A push
+  that fails says so ("written", not ok) only once every write it submitted ended, as the
+  decode rank then gives its blocks back to vLLM (``_fail_push``). When the TP
   sizes differ, each decode rank holding heads of ours offers its blocks, and gets our heads
   it holds, in their place (``parallel.head_slices``), and its own "written". When one of
   them cancels the transfer (it failed), the others that offered are told it failed ("written",
@@ -82,8 +84,12 @@ from vllm_pd_ext.connectors.common.side_channel import (
 from vllm_pd_ext.connectors.common.stats import StatsRecorder
 from vllm_pd_ext.connectors.common.tracing import TransferSpans
 from vllm_pd_ext.transport import (
+    TransferHandle,
     TransferOp,
+    TransferState,
+    TransferTimeout,
     Transport,
+    TransportClosed,
     TransportDescriptor,
     TransportError,
     backend_class,
@@ -232,6 +238,10 @@ class TransferWorker:
         #: WRITE transfers the decode side gave up on, with when (at most ``MAX_OFFERS``;
         #: forgotten with the offers, by ``_prune_offers``).
         self._cancelled: dict[str, float] = {}
+        #: transfer id -> (when, its writes): a failed push's writes still pending when it
+        #: gave up waiting for them; a later ``/cancel`` of the transfer waits for them too
+        #: (at most ``MAX_OFFERS``; forgotten with the offers, by ``_prune_offers``).
+        self._unsettled: dict[str, tuple[float, list[TransferHandle]]] = {}
         #: req id -> its blocks per group, held under a lease (read mode)
         self._held: dict[str, tuple[tuple[int, ...], ...]] = {}
         #: req id -> the read grants made for its lease's holders
@@ -907,12 +917,15 @@ class TransferWorker:
             self._cancelled[tid] = time.monotonic()
             offers = self._targets.pop(tid, {})
             pushes = [p for p in self._pushes.values() if p.spec.transfer_id == tid]
+            unsettled = self._unsettled.pop(tid, (0.0, []))[1]
+        handles = list(unsettled)
         for push in pushes:
             with push.lock:
                 push.cancelled = True
-                handles = list(push.handles)
-            assert self.transport is not None
-            self.transport.wait_all(handles, self.cfg.handshake_timeout_s)
+                handles += push.handles
+        # within the bound, every write into its blocks ended (see _fail_push); a failed one
+        # does not end the wait for the others
+        self._settle(handles, self.cfg.handshake_timeout_s)
         canceller = body.get("tp_rank")  # None from a decode that does not name it: tell all
         others = [o for r, o in offers.items() if r != canceller]
         if others:
@@ -1022,7 +1035,9 @@ class TransferWorker:
 
     def _run_push(self, push: _Push) -> Exception | None:
         """:meth:`_finish_push`'s work: None once "written" went out, else what failed it
-        (raised when no decode offer came within the lease)."""
+        (raised when no decode offer came within the lease, or on an error we did not
+        expect). However it fails, no decode rank is told so while a write into its blocks
+        may still land (:meth:`_fail_push`)."""
         assert self.transport is not None and self.layout is not None
         tid = push.spec.transfer_id
         deadline = push.started + self.cfg.lease_s
@@ -1036,9 +1051,11 @@ class TransferWorker:
             if tid in self._cancelled:  # the decode side gave up: no lease ran out
                 raise LoadFailed(f"the decode side cancelled transfer {tid}")
             self.stats.lease_expired()
-            raise LoadFailed(f"no decode offer for transfer {tid} within the lease")
+            failure = LoadFailed(f"no decode offer for transfer {tid} within the lease")
+            # decode ranks that did offer (TP sizes differ) may hold layer pushes already
+            self._fail_push(push, self._offers(tid), failure)
+            raise failure
         push.peer = targets[0].reply_to
-        ok, error, failure = True, "", None
         t0 = time.perf_counter()
         try:
             for target in targets:
@@ -1052,20 +1069,98 @@ class TransferWorker:
                 if push.spec.req_id in self._finished_reqs or time.monotonic() > deadline:
                     raise LoadFailed("the prefill request ended without keeping its blocks")
                 time.sleep(0.002)
-        except (TransportError, LayoutMismatch, LoadFailed) as e:
-            ok, error, failure = False, str(e), e
+        except Exception as e:
             self.stats.failure(push.peer)
-            if push.cancelled:
-                return failure  # the decode side stopped listening
-        else:
-            self.stats.transfer(time.perf_counter() - t0, push.nbytes, push.peer)
+            self._fail_push(push, targets, e)
+            if not isinstance(e, (TransportError, LayoutMismatch, LoadFailed)):
+                raise
+            return e
         finally:
             with self._lock:
                 self._targets.pop(tid, None)
-        notice = _written_notice(tid, ok, error, push.spec.prompt_hash)
+        self.stats.transfer(time.perf_counter() - t0, push.nbytes, push.peer)
+        notice = _written_notice(tid, True, "", push.spec.prompt_hash)
         for target in targets:
             self._notify(target.peer_id, notice)
-        return failure
+        return None
+
+    def _fail_push(self, push: _Push, targets: Sequence[_Target], error: BaseException) -> None:
+        """Tell each decode rank of ``targets`` that ``push`` failed ("written", not ok), so
+        it fails its load at once, but only once no write of ours into its blocks can still
+        land: it gives them back to vLLM (recompute, another request) as soon as it is told.
+
+        Each decode rank is told once every write submitted into its blocks ended (done or
+        failed), within ``transfer_timeout_s`` in all (by then the decode rank gave up waiting
+        for our notice and cancels: its ``/cancel`` waits for the same writes,
+        :meth:`_on_cancel`); the others are not kept waiting for it. What we
+        rely on, per backend: a write handle that is no longer pending lands nothing more.
+        tcp: done means the receiver answered once the bytes were in place; failed means it
+        refused the write before receiving any of it (FAIL, payload drained), or that the
+        connection died (peer gone, ``io_timeout_s`` without progress, transport closed): the
+        one exception, as the receiver still copies what its socket buffers already held
+        before it sees the end (moments, a few MiB at most). cma: as tcp, the copy being the
+        receiver's ``process_vm_readv`` before its answer (on a dead connection, the one
+        call in progress). mooncake: the handle ends (done or failed) only once the
+        engine's synchronous batch call of its last chunk returned, every chunk before it
+        posted and returned (``batching.py``). (mori: not checked.) None of them stops a
+        write whose *wait* timed out: it is still on its way. So a decode rank one of whose
+        writes is still pending at the bound is not told (it fails at its own
+        ``transfer_timeout_s``), and those writes are kept for its ``/cancel`` to wait for.
+        Not told either when the decode side cancelled the transfer: it stopped listening,
+        and ``_on_cancel`` told the others."""
+        tid = push.spec.transfer_id
+        notice = _written_notice(tid, False, str(error), push.spec.prompt_hash)
+        untold, pending = list(targets), list(push.handles)
+        deadline = time.monotonic() + self.cfg.transfer_timeout_s
+        while True:  # a cancel meanwhile ends the telling, not the wait (the push ends last)
+            try:
+                pending = [h for h in pending if h.poll() is TransferState.PENDING]
+            except TransportClosed:  # shutting down: nobody can be told anything
+                return
+            busy = {h.peer for h in pending}
+            ready = [] if push.cancelled else [t for t in untold if t.peer_id not in busy]
+            for target in ready:  # each once the writes into its own blocks ended
+                untold.remove(target)
+                try:
+                    self._notify(target.peer_id, notice)
+                except (TransportError, OSError) as e:
+                    logger.warning(
+                        "could not tell decode TP rank %d that transfer %s failed: %s",
+                        target.layout.tp_rank,
+                        tid,
+                        e,
+                    )
+            if not pending or time.monotonic() >= deadline:
+                break
+            time.sleep(0.002)  # (not ``wait``: each of its timeouts would count in the stats)
+        if pending and not push.cancelled:  # (a cancel waited for them itself)
+            with self._lock:
+                if len(self._unsettled) >= MAX_OFFERS:  # the oldest's decode gave up long ago
+                    del self._unsettled[next(iter(self._unsettled))]
+                self._unsettled[tid] = (time.monotonic(), pending)
+        for target in [] if push.cancelled else untold:
+            logger.error(
+                "not telling decode TP rank %d that transfer %s failed: a write into its "
+                "blocks is still pending after %.0fs (it fails at its own timeout)",
+                target.layout.tp_rank,
+                tid,
+                self.cfg.transfer_timeout_s,
+            )
+
+    def _settle(self, handles: Sequence[TransferHandle], timeout: float) -> list[TransferHandle]:
+        """Wait until none of ``handles`` is pending, within ``timeout`` in all (a failed one
+        is over too: unlike ``wait_all``, the first failure does not end the wait); the ones
+        still pending (or abandoned by a closed transport) then."""
+        deadline = time.monotonic() + timeout
+        pending = []
+        for h in handles:
+            try:
+                h.wait(max(0.0, deadline - time.monotonic()))
+            except (TransferTimeout, TransportClosed):
+                pending.append(h)
+            except TransportError:
+                pass  # failed: lands nothing more (see _fail_push)
+        return pending
 
     # ---- completions ----
     def _handle_notifications(self) -> None:
@@ -1214,6 +1309,8 @@ class TransferWorker:
                 self._cancelled.pop(tid, None)
             for tid in [t for t, at in self._cancelled.items() if at < horizon]:
                 del self._cancelled[tid]
+            for tid in [t for t, (at, _) in self._unsettled.items() if at < horizon]:
+                del self._unsettled[tid]
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """Blocks of loads reported finished that did not complete (then cleared); one KV
