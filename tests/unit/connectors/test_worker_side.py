@@ -687,11 +687,14 @@ def test_write_between_tp_sizes_puts_each_prefill_ranks_heads_in_place(
             assert sending == {"p-req"}
 
 
-@pytest.mark.parametrize("when", ["waiting for offers", "mid push", "before its offer"])
+@pytest.mark.parametrize(
+    "when", ["waiting for offers", "mid push", "before its offer", "after the push ended"]
+)
 def test_a_cancel_from_one_decode_rank_fails_the_others_loads_at_once(backend, when):
     """Prefill TP 1 writes into both ranks of a TP 2 decode engine; decode rank 0 cancels
     the transfer (its load failed: in the middle of the layer pushes, its own load timed out)
-    while the push waits for the offers (rank 1's is in), mid push, or before rank 1 offered.
+    while the push waits for the offers (rank 1's is in), mid push, before rank 1 offered,
+    or so that the push has ended (and been collected) before rank 1's offer comes.
     Rank 1 fails its load at once (told by the prefill, or its offer refused), not at its
     transfer timeout; nothing more is written into its blocks; the prefill counts no lease
     expiry."""
@@ -701,6 +704,11 @@ def test_a_cancel_from_one_decode_rank_fails_the_others_loads_at_once(backend, w
         p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-c", ((1, 2),), PROMPT_HASH)]))
         ref = RemoteRef(p.engine_id, "127.0.0.1", port, None)
         layers = list(pc)
+
+        def push_ended() -> bool:
+            p.get_finished(set())
+            return not p._push_futures
+
         if when == "waiting for offers":
             p.wait_for_save()  # the push waits for both ranks' offers
             write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
@@ -714,19 +722,19 @@ def test_a_cancel_from_one_decode_rank_fails_the_others_loads_at_once(backend, w
             p.save_kv_layer(layers[0])  # the first layer goes to both ranks
             assert poll(lambda: ds[0].get_finished(set())[1], "rank 0's timeout") == {"d-req"}
             assert ds[0].get_block_ids_with_load_errors() == {5, 9}  # it cancelled
-        else:
+        elif when == "before its offer":
             ds[0]._cancel_write(ref, 0, "t-c")
+            write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
+        else:
+            p.wait_for_save()
+            ds[0]._cancel_write(ref, 0, "t-c")
+            poll(push_ended, "the push's end")  # collected: get_finished forgot it
             write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
         assert poll(lambda: ds[1].get_finished(set())[1], "rank 1's load") == {"d-req"}
         assert ds[1].get_block_ids_with_load_errors() == {5, 9}
         for layer in layers[1:]:
             p.save_kv_layer(layer)
         p.wait_for_save()
-
-        def push_ended() -> bool:
-            p.get_finished(set())
-            return not p._push_futures
-
         poll(push_ended, "the push's end")
         assert p.stats.take().data["lease_expiries"] == 0
         for name in layers[1:]:  # written after the cancel: nothing

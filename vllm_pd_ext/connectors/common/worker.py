@@ -1266,10 +1266,9 @@ class TransferWorker:
                 if fut.exception() is not None:
                     logger.warning("KV push of %s failed: %s", req_id, fut.exception())
                 del self._push_futures[req_id]
-                push = self._pushes.pop(req_id, None)
-                if push is not None:
-                    with self._lock:
-                        self._cancelled.pop(push.spec.transfer_id, None)
+                # a cancelled transfer stays recorded (``_prune_offers`` ages it out), so an
+                # offer that comes after its push ended is refused too
+                self._pushes.pop(req_id, None)
                 if req_id in self._push_confirmed:
                     self._push_confirmed.discard(req_id)
                     self._finished_sending.add(req_id)
