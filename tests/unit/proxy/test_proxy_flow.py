@@ -295,6 +295,19 @@ def _stream_events(base: str, max_tokens: int, prompt: str = SHORT) -> list[str]
         return [line for line in r.iter_lines() if line.startswith("data: ")]
 
 
+COLOCATED = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}  # never split
+
+
+def _colocated_stream(engines, instances: list[dict]) -> list[str]:
+    """The events of a long prompt's stream served colocated over ``instances`` (what a
+    split's stream must equal); every engine's request record cleared after it."""
+    with proxy(engines, instances=instances, decision=COLOCATED) as (base, _):
+        expected = _stream_events(base, 5, LONG)
+    for e in engines.values():
+        e.requests.clear()
+    return expected
+
+
 def test_decode_dying_mid_stream_ends_with_one_error_event_when_migration_is_off(engines):
     for d in ("d1", "d2"):
         engines[d].behavior.die_after_tokens = 2
@@ -601,10 +614,7 @@ def test_a_stalled_split_stream_is_served_colocated_before_the_client_sees_a_byt
     ``stalled_on`` names (the prefill instance by default: its cache holds the prompt);
     counted."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
-    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
-    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
-        expected = _stream_events(base, 5, LONG)
-    engines["d1"].requests.clear()
+    expected = _colocated_stream(engines, one_pair)
     engines["d1"].behavior.kv_stall_s = 600.0  # far past any client timeout here
     guard = {"floor_s": 0.5, "breaker_stalls": 5, "stalled_on": stalled_on}
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
@@ -631,10 +641,7 @@ def test_a_stalled_split_stream_whose_prefill_froze_too_is_served_on_the_decode(
     deadline (the guard's floor here) and the request served colocated on the decode
     instance, whole, long before the 120 s first-byte timeout; both counted."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
-    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
-    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
-        expected = _stream_events(base, 5, LONG)
-    engines["d1"].requests.clear()
+    expected = _colocated_stream(engines, one_pair)
     engines["d1"].behavior.kv_stall_s = 600.0
     engines["p1"].behavior.colocated_stall_s = 600.0
     guard = {"floor_s": 0.5, "breaker_stalls": 5}
@@ -676,11 +683,7 @@ def test_a_stalled_split_whose_pair_froze_is_served_on_another_decode(engines):
     deadline, and the request is served on the other decode instance, not left waiting on
     the decode that just stalled (which then has no deadline); counted."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
-    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
-    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
-        expected = _stream_events(base, 5, LONG)
-    for e in engines.values():
-        e.requests.clear()
+    expected = _colocated_stream(engines, one_pair)
     engines["d1"].behavior.kv_stall_s = 600.0
     engines["d1"].behavior.colocated_stall_s = 600.0
     engines["p1"].behavior.colocated_stall_s = 600.0
@@ -703,11 +706,7 @@ def test_a_stream_routed_colocated_to_a_broken_decode_that_froze_moves_on(engine
     colocated on it (``breaker_open``). It is frozen: past the guard's floor (the cost model
     has no prefill measured) the leg is closed and the request served on the other decode
     instance, instead of waiting on the frozen one; counted."""
-    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
-    with proxy(engines, instances=fleet(engines), decision=colocated) as (base, _):
-        expected = _stream_events(base, 5, LONG)
-    for e in engines.values():
-        e.requests.clear()
+    expected = _colocated_stream(engines, fleet(engines))
     engines["d1"].behavior.kv_stall_s = 600.0
     engines["d1"].behavior.colocated_stall_s = 600.0
     guard = {"floor_s": 0.5, "breaker_stalls": 1, "breaker_open_s": 600.0}
@@ -738,8 +737,7 @@ def test_a_non_streamed_split_loads_its_kv_under_the_guard_then_answers_from_the
     instance's prefix cache now). The answer is the colocated one; the transfer is measured."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
     body = {"model": "m", "prompt": LONG, "max_tokens": 5, "min_tokens": 3}
-    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
-    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
+    with proxy(engines, instances=one_pair, decision=COLOCATED) as (base, _):
         expected = _whole(base, body)["choices"]
     engines["d1"].requests.clear()
     with proxy(engines, instances=one_pair) as (base, _):
@@ -777,8 +775,7 @@ def test_a_stalled_non_streamed_split_is_served_colocated_on_its_prefill_instanc
     served colocated on the prefill instance, with the colocated answer; counted."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
     body = {"model": "m", "prompt": LONG, "max_tokens": 5}
-    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
-    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
+    with proxy(engines, instances=one_pair, decision=COLOCATED) as (base, _):
         expected = _whole(base, body)["choices"]
     engines["d1"].requests.clear()
     engines["d1"].behavior.kv_stall_s = 600.0
@@ -921,11 +918,7 @@ def test_a_stalled_split_whose_prefill_went_down_is_served_on_another_decode_fir
     meanwhile: the colocated leg goes to the other decode first, not back to the decode
     that just stalled (tried only when no other is healthy)."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
-    colocated = {"min_split_prompt_tokens": 1 << 30, "cost_model": False}
-    with proxy(engines, instances=one_pair, decision=colocated) as (base, _):
-        expected = _stream_events(base, 5, LONG)
-    for e in engines.values():
-        e.requests.clear()
+    expected = _colocated_stream(engines, one_pair)
     engines["d1"].behavior.kv_stall_s = 600.0
     engines["d1"].behavior.colocated_stall_s = 600.0
     guard = {"floor_s": 3.0, "breaker_stalls": 5}
