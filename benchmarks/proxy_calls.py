@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from proxy_overhead import request_body, spawn, wait_ready
+from proxy_overhead import request_body, spawn_fake_upstream, wait_ready
 
 from vllm_pd_ext.proxy import cli
 from vllm_pd_ext.util.logs import setup_logging, uvicorn_log_config
@@ -291,23 +291,8 @@ def main() -> int:
     args = p.parse_args()
 
     log_dir = Path(tempfile.mkdtemp(prefix="proxy_calls."))
-    upstream_port = free_port()
-    fake = spawn(
-        "fake-upstream",
-        [
-            sys.executable,
-            "-m",
-            "vllm_pd_ext.testing.fake_engine",
-            "--port",
-            str(upstream_port),
-            "--token-interval-ms",
-            str(args.token_interval_ms),
-        ],
-        log_dir,
-        None,
-    )
+    fake, upstream = spawn_fake_upstream(log_dir, args.token_interval_ms, None)
     try:
-        upstream = f"http://127.0.0.1:{upstream_port}"
         wait_ready(fake, upstream + "/health", 30)
         port = free_port()
         server, _ = _proxy_server(upstream, port)

@@ -170,6 +170,17 @@ def spawn(
     return Child(name, proc, log_path)
 
 
+def spawn_fake_upstream(
+    log_dir: Path, token_interval_ms: float, cpus: set[int] | None
+) -> tuple[Child, str]:
+    """Start the fake engine (``vllm_pd_ext.testing.fake_engine``) on a free port; it and
+    its URL (not yet waited for: :func:`wait_ready`)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "vllm_pd_ext.testing.fake_engine", "--port", str(port)]
+    argv += ["--token-interval-ms", str(token_interval_ms)]
+    return spawn("fake-upstream", argv, log_dir, cpus), f"http://127.0.0.1:{port}"
+
+
 def wait_ready(child: Child, url: str, timeout: float) -> None:
     """Poll ``url`` until it answers 200; fail fast if the process dies."""
     deadline = time.monotonic() + timeout
@@ -202,23 +213,8 @@ class Fleet:
         if args.upstream == "vllm":
             upstream_url = self._start_vllm(up_cpus)
         else:
-            port = free_port()
-            fake = spawn(
-                "fake-upstream",
-                [
-                    sys.executable,
-                    "-m",
-                    "vllm_pd_ext.testing.fake_engine",
-                    "--port",
-                    str(port),
-                    "--token-interval-ms",
-                    str(args.token_interval_ms),
-                ],
-                self.log_dir,
-                up_cpus,
-            )
+            fake, upstream_url = spawn_fake_upstream(self.log_dir, args.token_interval_ms, up_cpus)
             self.children.append(fake)
-            upstream_url = f"http://127.0.0.1:{port}"
             wait_ready(fake, upstream_url + "/health", 30)
             self.pids["upstream"] = fake.proc.pid
         self.urls["direct"] = upstream_url
