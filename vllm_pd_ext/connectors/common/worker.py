@@ -930,12 +930,12 @@ class TransferWorker:
         others = [o for r, o in offers.items() if r != canceller]
         if others:
             error = f"decode TP rank {canceller} cancelled transfer {tid}"
-            self._pool.submit(self._tell_failed, tid, others, error)
+            self._pool.submit(self._tell_failed, others, _written_notice(tid, False, error, None))
 
-    def _tell_failed(self, tid: str, targets: Sequence[_Target], error: str) -> None:
-        """Transfer thread: tell each decode rank of ``targets`` that transfer ``tid`` failed
-        (nothing more is written into its blocks); log the ones we cannot reach."""
-        notice = _written_notice(tid, False, error, None)
+    def _tell_failed(self, targets: Sequence[_Target], notice: dict[str, Any]) -> None:
+        """Transfer thread: send each decode rank of ``targets`` the failed transfer's
+        "written" ``notice`` (nothing more is written into its blocks); log the ones we
+        cannot reach."""
         for target in targets:
             try:
                 self._notify(target.peer_id, notice)
@@ -943,7 +943,7 @@ class TransferWorker:
                 logger.warning(
                     "could not tell decode TP rank %d that transfer %s failed: %s",
                     target.layout.tp_rank,
-                    tid,
+                    notice["transfer_id"],
                     e,
                 )
 
@@ -1121,15 +1121,7 @@ class TransferWorker:
             ready = [] if push.cancelled else [t for t in untold if t.peer_id not in busy]
             for target in ready:  # each once the writes into its own blocks ended
                 untold.remove(target)
-                try:
-                    self._notify(target.peer_id, notice)
-                except (TransportError, OSError) as e:
-                    logger.warning(
-                        "could not tell decode TP rank %d that transfer %s failed: %s",
-                        target.layout.tp_rank,
-                        tid,
-                        e,
-                    )
+            self._tell_failed(ready, notice)
             if not pending or time.monotonic() >= deadline:
                 break
             time.sleep(0.002)  # (not ``wait``: each of its timeouts would count in the stats)
