@@ -229,9 +229,9 @@ class DecodeLeg:
         rescuer = inst
         if stalled is not None and guard.config.stalled_on == "prefill":
             others = [i for i in route.decode_pool if i not in pair and i.healthy]
-            if stalled.healthy or not others:
-                rescuer = stalled if stalled.healthy else inst
-            else:  # the prefill is down: another decode before the one that stalled
+            if stalled.healthy:
+                rescuer = stalled
+            elif others:  # the prefill is down: another decode before the one that stalled
                 rescuer = next(self.router.candidates(call.ctx, others, "decode"))
         rescue_s = (
             guard.rescue_budget_s(stalled_leg_s, call.ctx.est_prompt_tokens)
