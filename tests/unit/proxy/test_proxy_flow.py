@@ -932,13 +932,15 @@ def test_once_a_breakers_open_time_is_over_one_split_probes_it_not_every_one_rou
     """The probe is marked when its prefill leg starts: a request routed while that (slow)
     prefill leg runs is served colocated (``breaker_open``), not split across the pair too."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
-    guard = {"floor_s": 0.3, "breaker_stalls": 1, "breaker_open_s": 1.0}
+    # the second request must be routed while the probe's prefill leg runs and within
+    # breaker_open_s of its start (else it probes too): both long enough for a loaded host
+    guard = {"floor_s": 0.3, "breaker_stalls": 1, "breaker_open_s": 6.0}
     engines["d1"].behavior.kv_stall_s = 600.0
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, svc):
         assert _stream_events(base, 5, LONG)[-1] == "data: [DONE]"  # the stall: breaker open
         assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
         engines["d1"].behavior.kv_stall_s = 0.0
-        engines["p1"].behavior.delay_s = 3.0  # the probe's prefill leg takes a while
+        engines["p1"].behavior.delay_s = 6.0  # the probe's prefill leg takes a while
         (p1,) = svc.fleet.healthy("prefill")
         (d1,) = svc.fleet.healthy("decode")
         wait_until(lambda: svc.router.guard.allows(p1, d1, True))  # the open time is over
