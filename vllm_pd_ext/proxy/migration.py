@@ -59,6 +59,7 @@ from vllm_pd_ext.proxy.legs import decode_body
 from vllm_pd_ext.proxy.relay import Opened
 from vllm_pd_ext.proxy.request import GENERATE_PATH, PATHS, RequestContext
 from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError
+from vllm_pd_ext.util import jsonb
 
 if TYPE_CHECKING:
     from vllm_pd_ext.proxy.call import Call
@@ -314,10 +315,44 @@ class Migration(_Record):
         (may be empty). Runs inside the engine connection's ``data_received``: never
         raises.
 
-        One event of the first leg (the rule) is recorded here, in this one call: scanned,
-        not parsed (one choice per event: ``n`` > 1 is not continued). vLLM writes compact
-        JSON with the ids last: they are found from the end without a regex; JSON with
-        spaces takes the regexes."""
+        The rule, one later event of the first leg as vLLM writes it (compact JSON, its
+        ``id`` first, the ids last), is recorded here in this one call: scanned, not
+        parsed (one choice per event: ``n`` > 1 is not continued), its ids kept as they
+        came, the client's copy with ``null`` in their place; anything else takes
+        ``_feed_one`` (one event) or ``_feed_each``."""
+        start = ready.rfind(b'"token_ids":[')
+        end = ready.find(b"]", start)
+        if (
+            end < 0
+            or start < 0
+            or self._first_event is None
+            or self.moves
+            or self.error is not None
+            or not ready.startswith(b'data: {"id"')
+            or ready.find(b"\n\n") != len(ready) - 2
+        ):
+            return self._feed_one(ready)
+        self._unparsed.append(ready[start + 13 : end])
+        if self.finish is None and (_FINISH in ready or _FINISH_SPACED in ready):
+            self.finish = "sent"
+        if b'"usage"' in ready and _USAGE.search(ready) and _FINAL_USAGE.search(ready):
+            self.usage_sent = True
+        if b'"reasoning' in ready:
+            self.why_not = "reasoning content"
+        if self.client_ids:
+            return ready
+        if (
+            self.chat
+            and b"{}" in ready
+            and _EMPTY_DELTA.search(ready)
+            and _UNFINISHED.search(ready)
+        ):
+            return b""  # sent only for its ids
+        return ready[:start] + b'"token_ids":null' + ready[end + 1 :]
+
+    def _feed_one(self, ready: bytes) -> bytes:
+        """``feed`` for anything but its rule: the first event, an event without compact
+        ids, several events, a continuation's."""
         if self.moves or self.error is not None or ready.find(b"\n\n") != len(ready) - 2:
             return self._feed_each(ready)
         if not ready.startswith(b"data: {"):
@@ -364,7 +399,7 @@ class Migration(_Record):
             if self.error is not None:
                 continue  # after an engine's error event: its [DONE]
             if self.moves == 0:
-                out.append(self.feed(event + b"\n\n"))
+                out.append(self._feed_one(event + b"\n\n"))
             elif event.startswith(b"data: {"):
                 kept = self._rewrite(event)
                 if kept is not None:
@@ -787,7 +822,7 @@ class Migrator:
 
 def _loads(event: bytes) -> dict[str, Any] | None:
     try:
-        data = json.loads(event[6:])
+        data = jsonb.loads(event[6:])
     except ValueError:
         return None
     return data if isinstance(data, dict) else None

@@ -36,6 +36,7 @@ from vllm_pd_ext.proxy.front_protocol import DirectWriter
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.token_mode import DerenderStream, RenderTier
 from vllm_pd_ext.proxy.upstream import UpstreamError, UpstreamResponse, json_object
+from vllm_pd_ext.util import jsonb
 
 if TYPE_CHECKING:
     from vllm_pd_ext.proxy.migration import Migrator
@@ -368,9 +369,24 @@ class StreamRelay:
             return True
         if chunk.endswith(STREAM_END):
             return False
-        ready = self.shown(chunk, now)  # complete events, nothing held back
-        if ready is not None:
-            writer.write(ready)
+        # complete events, nothing held back: ``shown``, without its call (this runs for
+        # every event)
+        migration = self.migration
+        if migration is not None:  # its record, and the token ids it asked for hidden
+            chunk = migration.feed(chunk)
+            if not chunk:
+                return True
+        cached = self.call.cached
+        if b'"kv_transfer_params"' in chunk or (
+            cached is not None and b'"prompt_tokens_details"' in chunk
+        ):
+            chunk = _patch_events(chunk, cached)
+        if self.first is None:
+            self.observe(chunk, now)
+        else:
+            self.itl.observe(now - self.last)
+            self.last = now
+        writer.write(chunk)
         return True
 
 
@@ -405,7 +421,7 @@ def _patch_event(event: bytes, cached: int | None) -> bytes:
     if not event.startswith(b"data: {"):
         return event
     try:
-        data = json.loads(event[6:])
+        data = jsonb.loads(event[6:])
     except ValueError:
         return event
     if not isinstance(data, dict):

@@ -22,6 +22,7 @@ from vllm_pd_ext.proxy.config import ProxyConfig
 from vllm_pd_ext.proxy.errors import ProxyError, schema_error
 from vllm_pd_ext.proxy.front_protocol import FastCycle
 from vllm_pd_ext.transfer_params import STEERING_FIELDS, without_steering
+from vllm_pd_ext.util import jsonb
 
 if TYPE_CHECKING:
     from vllm_pd_ext.proxy.kv_events import Lookup
@@ -116,7 +117,7 @@ def parse_body(raw: bytes, limit: int) -> dict[str, Any]:
 
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = jsonb.loads(raw)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise schema_error(f"request body is not valid JSON: {exc}", "body") from None
     if not isinstance(body, dict):

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from vllm_pd_ext.util import jsonb
 from vllm_pd_ext.util.aio import within
 
 #: Error kinds. ``connect``: refused or unresolvable (the engine is not there);
@@ -129,8 +130,17 @@ class _Conn(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
 
+    def _leave(self, piece: bytes) -> None:
+        """A read's payload the sink did not take (nothing was left before it): left to
+        whoever reads the response, reading paused when it is large."""
+        self.chunks.append(piece)
+        self.buffered = len(piece)
+        transport = self.transport
+        if len(piece) > _HIGH_WATER and transport is not None:
+            self.paused = True
+            transport.pause_reading()
+
     def data_received(self, data: bytes) -> None:
-        self.got_bytes = True
         sink = self.sink
         if (
             sink is not None
@@ -139,9 +149,24 @@ class _Conn(asyncio.Protocol):
             and not self.chunks
             and self.error is None
         ):
-            # A streamed read as a rule: whole chunks only (the body's end among them, or
-            # not), their payload offered to the sink in one piece, without the general
-            # parse below (which takes anything else, nothing read here)
+            # A streamed read as a rule: one whole chunk, its payload offered to the sink
+            end = data.find(b"\r\n")
+            if end > 0 and data.endswith(b"\r\n"):
+                try:
+                    size = int(data[:end], 16)
+                except ValueError:  # chunk extensions, or not a chunk
+                    size = 0
+                if size > 0 and end + size + 4 == len(data):
+                    self.rx_at = self.loop.time()
+                    piece = data[end + 2 : -2]
+                    if sink(piece):
+                        return  # taken, the body goes on: nobody to wake
+                    self._leave(piece)
+                    self._wake()
+                    return
+            # Else whole chunks only (the body's end among them, or not), their payload
+            # offered to the sink in one piece, without the general parse below (which
+            # takes anything else, nothing read here)
             pieces: list[bytes] = []
             pos, n, done = 0, len(data), False
             while pos < n:
@@ -170,14 +195,10 @@ class _Conn(asyncio.Protocol):
                         if not done:
                             return  # taken, the body goes on: nobody to wake
                     else:
-                        self.chunks.append(piece)  # left to whoever reads the response
-                        self.buffered = len(piece)
-                        transport = self.transport
-                        if len(piece) > _HIGH_WATER and transport is not None:
-                            self.paused = True
-                            transport.pause_reading()
+                        self._leave(piece)
                 self._wake()
                 return
+        self.got_bytes = True  # (a sink is set after a head: bytes were read before)
         if self.state == _DONE or self.error is not None:
             self.keep_alive = False  # bytes nobody asked for: never reuse this connection
             return
@@ -432,7 +453,7 @@ class _Conn(asyncio.Protocol):
 def json_object(raw: bytes) -> dict[str, Any] | None:
     """An answer's body as the JSON object it should be; None when it is not one."""
     try:
-        data = json.loads(raw)
+        data = jsonb.loads(raw)
     except ValueError:
         return None
     return data if isinstance(data, dict) else None

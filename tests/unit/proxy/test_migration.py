@@ -352,3 +352,37 @@ def test_an_engine_that_sends_no_ids_leaves_a_stream_that_cannot_be_continued():
     events = _vllm_stream(None)
     assert b"".join(m.feed(e) for e in events) == b"".join(events)
     assert m.why_not == "text without token ids" and m.generated == [] and m.finish == "sent"
+
+
+@pytest.mark.parametrize("client_ids", [False, True])
+def test_a_chat_read_event_by_event_or_in_one_piece_gives_the_same_record_and_bytes(client_ids):
+    # one event at a time takes ``feed``'s rule for compact events; in one piece, each event
+    # is read on its own: the same bytes for the client and the same record either way
+    ctx = _ctx(
+        "chat",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        stream_options={"include_usage": True},
+    )
+    head = b'data: {"id":"chatcmpl-1","object":"chat.completion.chunk","created":7,"model":"m",'
+    events = [
+        _CHAT_EVENTS.partition(b"\n\n")[0] + b"\n\n",  # the role, with the prompt's ids
+        head + b'"choices":[{"index":0,"delta":{},"logprobs":null,"finish_reason":null,'
+        b'"token_ids":[7]}]}\n\n',  # sent only for its ids
+        _CHAT_EVENTS.partition(b"\n\n")[2],  # " a", ids 9 and 8
+        head.replace(b'":', b'": ') + b'"choices": [{"index": 0, "delta": {"content": " b"}, '
+        b'"finish_reason": null, "token_ids": [6]}]}\n\n',  # JSON with spaces
+        head + b'"choices":[{"index":0,"delta":{"content":""},"logprobs":null,'
+        b'"finish_reason":"length","token_ids":[]}]}\n\n',
+        head + b'"choices":[],"usage":{"prompt_tokens":3,"total_tokens":7,"completion_tokens":4}}'
+        b"\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    one, whole = Migration(ctx, client_ids), Migration(ctx, client_ids)
+    shown = b"".join(one.feed(e) for e in events)
+    assert shown == whole.feed(b"".join(events))
+    assert (b"[9,8]" in shown) is client_ids and (b'"delta":{}' in shown) is client_ids
+    for m in (one, whole):
+        assert m.generated == [7, 9, 8, 6] and m.prompt_ids == [1, 2, 3]
+        assert m.finish == "sent" and m.usage_sent and m.done and m.why_not is None
+        assert m.head == {"id": "chatcmpl-1", "created": 7, "model": "m"}
