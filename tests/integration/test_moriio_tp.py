@@ -41,6 +41,8 @@ PAIR_SETTINGS: dict = {
     "transfer_timeout_s": 2 * LEASE_S,
     # a starved client thread may send its request head seconds after connecting
     "side_channel_limits": {"head_timeout_s": 30.0, "idle_timeout_s": 30.0},
+    # and its data connection's HELLO (a WRITE push connects to each decode rank)
+    "backend_settings": {"host": "127.0.0.1", "hello_timeout_s": 30.0},
 }
 
 
