@@ -3,7 +3,9 @@
 One run of :mod:`vllm_pd_ext.tools.bench` with the stack of ``--config`` (default
 ``examples/up-cpu.yaml``: tiny-llama, one prefill and one decode ``vllm serve`` on CPU, the
 proxy with its defaults, stall guard included; the bench turns the cost model off so every
-prompt above ``min_split_prompt_tokens`` is split), once per connector in ``--connectors``
+prompt above ``min_split_prompt_tokens`` is split, unless ``--cost-model``: then the proxy
+decides as the main job's does, colocated where the measured transfer costs more than the
+stall it would spare), once per connector in ``--connectors``
 (default ``pdext,nixl``: our connector over its ``tcp`` backend, then vLLM's NixlConnector).
 On each stack, colocated (its decode instance alone) and P/D (its proxy) take the same
 workload:
@@ -244,6 +246,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000.0)
     ap.add_argument("--slo-itl-ms", type=float, default=100.0)
     ap.add_argument(
+        "--cost-model",
+        action="store_true",
+        help="keep the proxy's cost model on, as the main job has it (default: off, every "
+        "long prompt split)",
+    )
+    ap.add_argument(
         "--out", type=Path, default=REPO / "benchmarks" / "results" / "pd_never_worse.json"
     )
     return ap.parse_args(argv)
@@ -257,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         print("vllm serve is already running; measure on a quiet host:", *strays, sep="\n  ")
         return 1
     connectors = args.connectors.split(",")
-    configs = stack_configs(args.config, connectors, None)
+    configs = stack_configs(args.config, connectors, None, cost_model=args.cost_model)
     limit = (configs[0].max_model_len or 4096) - args.output_tokens
     if not configs[0].min_split_prompt_tokens < args.long_tokens <= limit:
         print(f"--long-tokens must be above min_split_prompt_tokens and at most {limit}")
@@ -316,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
             args.config.relative_to(REPO) if args.config.is_relative_to(REPO) else args.config
         ),
         "connectors": labels,
+        "cost_model": args.cost_model,
         "model": model,
         "workload": meta["workload"],
         "slo": {"ttft_ms": args.slo_ttft_ms, "itl_ms": args.slo_itl_ms},

@@ -190,6 +190,11 @@ def test_bench_up_builds_one_stack_per_connector_from_the_config(tmp_path):
     assert pdext.proxy_port == nixl.proxy_port == 8000  # picked when each stack starts
 
 
+def test_bench_up_keeps_the_cost_model_on_only_when_asked():
+    pdext, nixl = stack_configs(EXAMPLES / "up-cpu.yaml", ["pdext", "nixl"], None, cost_model=True)
+    assert pdext.cost_model is nixl.cost_model is True  # the proxy decides as the main job's
+
+
 def test_bench_up_without_connector_keeps_its_one_default_stack():
     (config,) = bench_stack_configs(_bench_args("--up"))
     assert (config.connector, config.pdext_backend) == ("pdext", "tcp")

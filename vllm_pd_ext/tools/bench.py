@@ -562,14 +562,18 @@ def up_stack(config: UpConfig) -> Iterator[tuple[str, str, str]]:
 
 
 def stack_configs(
-    config_file: Path | None, connectors: Sequence[str] | None, pdext_backend: str | None
+    config_file: Path | None,
+    connectors: Sequence[str] | None,
+    pdext_backend: str | None,
+    cost_model: bool = False,
 ) -> list[UpConfig]:
     """The stacks ``--up`` brings up: one per name in ``connectors`` (or only the one of
     ``config_file``, else the default 1P1D stack with every prompt split), each from
     ``config_file`` when given (a ``vllm-pd up`` file), with ``pdext_backend`` when given.
-    Every stack has the proxy's cost model off (the split path is what is measured) and
-    logs under ``logs/bench`` (``logs/bench/<connector>`` with ``connectors``); the proxy's
-    port is picked when the stack starts. Raises ValueError on a bad name or file, OSError
+    Every stack has the proxy's cost model off (the split path is what is measured) unless
+    ``cost_model`` (the proxy decides as a deployment's would) and logs under
+    ``logs/bench`` (``logs/bench/<connector>`` with ``connectors``); the proxy's port is
+    picked when the stack starts. Raises ValueError on a bad name or file, OSError
     on an unreadable one."""
     from vllm_pd_ext.tools.launcher import UpConfig
     from vllm_pd_ext.util.config_file import read_mapping
@@ -577,7 +581,7 @@ def stack_configs(
     data: dict[str, Any] = (
         read_mapping(config_file) if config_file else {"min_split_prompt_tokens": 0}
     )
-    data["cost_model"] = False
+    data["cost_model"] = cost_model
     if pdext_backend:
         data["pdext_backend"] = pdext_backend
     if connectors is None:
