@@ -114,6 +114,9 @@ MAX_TP_SIZE = 1024
 MAX_OFFERS = 4096
 #: The least time a repeated ``/cancel`` is given to answer (its bound nearly over).
 _MIN_ASK_S = 0.1
+#: A decode asks a prefill rank whose writes into its blocks are in flight again at least
+#: this often (at first every 10 ms, backing off).
+_MAX_ASK_EVERY_S = 0.2
 #: Refused loads are logged at most this often (a replay of params is at anyone's will).
 _REFUSAL_LOG_EVERY_S = 10.0
 
@@ -787,12 +790,13 @@ class TransferWorker:
         (asking again while one is), or could not be asked, or ``handshake_timeout_s`` after
         the first ask: our blocks go back to vLLM then."""
         deadline = time.monotonic() + self.cfg.handshake_timeout_s
-        asking = list(ranks)
+        asking, delay = list(ranks), 0.01
         while True:
             asking = [r for r in asking if not self._cancel_write(remote, r, transfer_id, deadline)]
             if not asking or time.monotonic() >= deadline:
                 break
-            time.sleep(0.01)
+            time.sleep(delay)
+            delay = min(2 * delay, _MAX_ASK_EVERY_S)
         if asking:
             logger.error(
                 "transfer %s: prefill TP rank(s) %s still writing into our blocks %.0fs after "
