@@ -1341,7 +1341,14 @@ def test_a_failed_push_lets_the_decode_reuse_its_blocks_only_once_its_writes_end
         handshake_timeout_s=1.0,
         transfer_timeout_s=10.0,
     )
-    d = worker("kv_consumer", free_port(), backend=backend, transfer_timeout_s=3.0)
+    # (a decode's bound on its cancel, not what is tested here: beyond the polls below)
+    d = worker(
+        "kv_consumer",
+        free_port(),
+        backend=backend,
+        transfer_timeout_s=3.0,
+        handshake_timeout_s=30.0,
+    )
     events: list[str] = []
     gate = threading.Event()
     try:
@@ -1398,7 +1405,14 @@ def test_a_cancel_is_answered_at_once_and_the_decode_keeps_its_blocks_until_writ
         handshake_timeout_s=60.0,
         transfer_timeout_s=60.0,
     )
-    d = worker("kv_consumer", free_port(), backend=backend, transfer_timeout_s=1.0)
+    # (a decode's bound on its cancel, not what is tested here: beyond the polls below)
+    d = worker(
+        "kv_consumer",
+        free_port(),
+        backend=backend,
+        transfer_timeout_s=1.0,
+        handshake_timeout_s=30.0,
+    )
     events: list[str] = []
     asks: list[dict | None] = []
     gate = threading.Event()
