@@ -18,6 +18,16 @@ How the API is used:
   returned ``TransferStatus`` is polled (``InProgress`` / ``Succeeded`` / ``Failed``,
   ``Code``, ``Message``). A post refused with "SQ full" (send queue back-pressure) is retried
   with backoff for up to ``sq_full_retry_s``;
+* what a finished handle means (the WRITE mode's decode reuses its blocks once told): MoRI
+  marks a status ``Succeeded`` once every work request of its batch completed (RDMA: the
+  signalled CQEs of a reliable connection, i.e. the peer acknowledged the bytes; XGMI: the
+  copy's HIP event), so a write reported done has landed. A transfer of several chunks is
+  reported failed only once every chunk's status is final (:class:`_StatusJob`). Within one
+  status MoRI reports the first failed CQE at once: with ``qp_per_transfer`` > 1 work
+  requests of that batch on other queue pairs may still land after it (with one queue pair
+  those after the failure are flushed). Hence ``qp_per_transfer`` 1 (the default) where a
+  failed WRITE must not be followed by late bytes (checked against ROCm/mori's
+  ``src/io/rdma/backend_impl.cpp``, ``xgmi/backend_impl.cpp``; its TCP backend not);
 * MoRI's own notification path is off (``enable_notification=False``, as vLLM does: with it on,
   a post failure under load can poison a status); messages go over
   :mod:`vllm_pd_ext.transport.notify` instead.
@@ -96,19 +106,21 @@ def _unb64(text: str) -> bytes:
 
 
 class _StatusJob:
-    """The MoRI statuses of one transfer (one per posted chunk)."""
+    """The MoRI statuses of one transfer (one per posted chunk). It is pending while any
+    chunk is, failed if one failed: a chunk's failure does not stop the others, so it is
+    reported only once none of them can land anything more."""
 
     def __init__(self, statuses: list[Any]) -> None:
         self.statuses = statuses
 
     def state(self) -> tuple[TransferState, str | None]:
-        pending = False
+        failure = None
         for st in self.statuses:
             if st.Failed():
-                return TransferState.FAILED, f"{st.Message()} (code={st.Code()})"
-            if not st.Succeeded():
-                pending = True
-        return (TransferState.PENDING, None) if pending else (TransferState.DONE, None)
+                failure = failure or f"{st.Message()} (code={st.Code()})"
+            elif not st.Succeeded():
+                return TransferState.PENDING, None
+        return (TransferState.DONE, None) if failure is None else (TransferState.FAILED, failure)
 
     def wait(self, timeout: float) -> bool:
         return poll_until_done(self, timeout)

@@ -401,11 +401,14 @@ def test_prom_metrics_under_several_api_servers_keep_their_peers(monkeypatch, tm
 def test_side_channel_routes_and_errors(monkeypatch):
     monkeypatch.setenv("http_proxy", "http://127.0.0.1:9")  # must be ignored
     offers: list[Any] = []
-    server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, {"/write_target": offers.append})
+    routes = {"/write_target": offers.append, "/cancel": lambda body: {"settled": False}}
+    server = SideChannelServer("127.0.0.1", 0, lambda: {"v": 1}, routes)
     try:
         assert fetch_handshake("127.0.0.1", server.port, 2.0) == {"v": 1}
-        post_json("127.0.0.1", server.port, "/write_target", {"transfer_id": "t"}, 2.0)
-        assert offers == [{"transfer_id": "t"}]
+        answer = post_json("127.0.0.1", server.port, "/write_target", {"transfer_id": "t"}, 2.0)
+        assert offers == [{"transfer_id": "t"}] and answer == {"ok": True}
+        answer = post_json("127.0.0.1", server.port, "/cancel", {"transfer_id": "t"}, 2.0)
+        assert answer == {"ok": True, "settled": False}  # what the route returned, too
         with pytest.raises(SideChannelError, match="404"):
             post_json("127.0.0.1", server.port, "/nope", {}, 2.0)
         req = urllib.request.Request(

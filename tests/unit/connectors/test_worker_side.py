@@ -713,7 +713,7 @@ def test_a_cancel_from_one_decode_rank_fails_the_others_loads_at_once(backend, w
             p.wait_for_save()  # the push waits for both ranks' offers
             write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
             poll(lambda: p._offers("t-c"), "rank 1's offer")
-            ds[0]._cancel_write(ref, 0, "t-c")
+            ds[0]._cancel_writes(ref, [0], "t-c")
         elif when == "mid push":
             ds[0].cfg = ds[0].cfg.model_copy(update={"transfer_timeout_s": 0.5})
             for d in ds:
@@ -723,11 +723,11 @@ def test_a_cancel_from_one_decode_rank_fails_the_others_loads_at_once(backend, w
             assert poll(lambda: ds[0].get_finished(set())[1], "rank 0's timeout") == {"d-req"}
             assert ds[0].get_block_ids_with_load_errors() == {5, 9}  # it cancelled
         elif when == "before its offer":
-            ds[0]._cancel_write(ref, 0, "t-c")
+            ds[0]._cancel_writes(ref, [0], "t-c")
             write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
         else:
             p.wait_for_save()
-            ds[0]._cancel_write(ref, 0, "t-c")
+            ds[0]._cancel_writes(ref, [0], "t-c")
             poll(push_ended, "the push's end")  # collected: get_finished forgot it
             write_offer(ds[1], port, "t-c", ((5, 0), (9, 1)))
         assert poll(lambda: ds[1].get_finished(set())[1], "rank 1's load") == {"d-req"}
@@ -1341,7 +1341,14 @@ def test_a_failed_push_lets_the_decode_reuse_its_blocks_only_once_its_writes_end
         handshake_timeout_s=1.0,
         transfer_timeout_s=10.0,
     )
-    d = worker("kv_consumer", free_port(), backend=backend, transfer_timeout_s=3.0)
+    # (a decode's bound on its cancel, not what is tested here: beyond the polls below)
+    d = worker(
+        "kv_consumer",
+        free_port(),
+        backend=backend,
+        transfer_timeout_s=3.0,
+        handshake_timeout_s=30.0,
+    )
     events: list[str] = []
     gate = threading.Event()
     try:
@@ -1380,6 +1387,107 @@ def test_a_failed_push_lets_the_decode_reuse_its_blocks_only_once_its_writes_end
         gate.set()
         d.shutdown()
         p.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "cma"])
+def test_a_cancel_is_answered_at_once_and_the_decode_keeps_its_blocks_until_writes_end(backend):
+    """The decode times out waiting for "written" while the prefill's writes into its blocks
+    are held by its data server, and cancels. The prefill answers at once that they are not
+    settled (the decode asks again while none has landed: the prefill's side channel is not
+    kept waiting for them), and the decode fails its load, giving its blocks back to vLLM,
+    only once every write ended and the prefill said so."""
+    port = free_port()
+    p = worker(
+        "kv_producer",
+        port,
+        backend=backend,
+        lease_s=60.0,
+        handshake_timeout_s=60.0,
+        transfer_timeout_s=60.0,
+    )
+    # (a decode's bound on its cancel, not what is tested here: beyond the polls below)
+    d = worker(
+        "kv_consumer",
+        free_port(),
+        backend=backend,
+        transfer_timeout_s=1.0,
+        handshake_timeout_s=30.0,
+    )
+    events: list[str] = []
+    asks: list[dict | None] = []
+    gate = threading.Event()
+    try:
+        pc = caches(True)
+        p.register_kv_caches(pc)
+        d.register_kv_caches(caches(False))
+        gate = hold_writes(d, events)
+        assert p._server is not None
+        cancel = p._server._post_routes["/cancel"]
+
+        def counted(body: dict) -> dict | None:
+            answer = cancel(body)
+            asks.append(answer)
+            return answer
+
+        p._server._post_routes["/cancel"] = counted
+        p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-a", ((1, 2),), PROMPT_HASH)]))
+        write_offer(d, port, "t-a", ((4, 0), (8, 1)))
+        poll(lambda: "t-a" in p._targets, "the decode offer")
+        for layer in pc:
+            p.save_kv_layer(layer)
+        p.wait_for_save()
+
+        def load_failed() -> bool:
+            if len(asks) >= 2:  # asked again: the first answer came while writes were held
+                gate.set()
+            if d.get_finished(set())[1]:
+                events.append("load failed")
+            return "load failed" in events
+
+        poll(load_failed, "the decode's failed load", timeout=30.0)
+        assert asks[0] == {"settled": False} and asks[-1] == {"settled": True}, asks
+        assert events == ["write ended"] * LAYERS + ["load failed"], events
+        assert d.get_block_ids_with_load_errors() == {4, 8}
+        poll(lambda: p.get_finished(set()) and not p._push_futures, "the push's end")
+    finally:
+        gate.set()
+        d.shutdown()
+        p.shutdown()
+
+
+@pytest.mark.parametrize("backend", ["tcp", "cma"])
+def test_after_a_cancel_each_other_decode_rank_is_told_once_its_own_writes_ended(backend):
+    """Prefill TP 1 writes into both ranks of a TP 2 decode engine; rank 1's data server
+    holds the writes into its blocks. Rank 0 cancels: its own writes ended, so its cancel is
+    settled at once; rank 1 is told that the transfer failed only after its writes ended."""
+    port = free_port()
+    slow = {"transfer_timeout_s": 60.0}  # beyond every poll below: only a notice ends it early
+    events: list[str] = []
+    with tp_engines(backend, port, 1, 2, heads=4, decode_cfg=slow) as ((p,), ds, (pc,), _):
+        gate = hold_writes(ds[1], events)
+        try:
+            for d in ds:
+                write_offer(d, port, "t-o", ((5, 0), (9, 1)))
+            poll(lambda: len(p._offers("t-o")) == 2, "both offers")
+            p.bind(PdTransferMetadata(push=[PushSpec("p-req", "t-o", ((1, 2),), PROMPT_HASH)]))
+            for layer in pc:
+                p.save_kv_layer(layer)
+            ref = RemoteRef(p.engine_id, "127.0.0.1", port, None)
+            ds[0]._cancel_writes(ref, [0], "t-o")
+            assert "t-o" in p._unsettled  # rank 1's writes, still held
+            events.append("cancelled")
+            gate.set()
+
+            def failed() -> bool:
+                if ds[1].get_finished(set())[1]:
+                    events.append("rank 1 failed")
+                return "rank 1 failed" in events
+
+            poll(failed, "rank 1's load")
+        finally:
+            gate.set()
+        assert events == ["cancelled"] + ["write ended"] * LAYERS + ["rank 1 failed"], events
+        assert ds[1].get_block_ids_with_load_errors() == {5, 9}
 
 
 @pytest.mark.parametrize("backend", ["tcp", "cma"])

@@ -12,6 +12,7 @@ from tests.unit.transport import fake_mori
 from vllm_pd_ext.transport import (
     PeerMismatch,
     TransferError,
+    TransferState,
     TransferTimeout,
     TransportClosed,
     TransportDescriptor,
@@ -71,6 +72,34 @@ def test_sq_full_past_the_retry_window_fails_the_transfer() -> None:
             h.wait(5)
         assert a.stats.totals().failures == 1
     finally:
+        a.close()
+        b.close()
+
+
+def test_a_transfer_with_a_failed_chunk_fails_only_once_every_chunk_ended() -> None:
+    """A write posted in two chunks, the first refused ("SQ full" past the retry window)
+    while the second is still in flight: the handle stays pending until the second ended,
+    and its bytes have landed when the failure is reported. A handle that is no longer
+    pending lands nothing more (what a WRITE's prefill relies on before it tells the
+    decode that it may reuse its blocks)."""
+    a, b = _mori(max_batch_entries=1, sq_full_retry_s=0.0), _mori()
+    try:
+        src = np.arange(256, dtype=np.uint8)
+        dst = np.zeros_like(src)
+        a.register_buffer("kv", src.ctypes.data, src.nbytes, owner=src)
+        b.register_buffer("kv", dst.ctypes.data, dst.nbytes, owner=dst)
+        a.connect(b.descriptor())
+        a._engine.sq_full_budget = 1  # the first chunk's post
+        a._engine.gate.clear()  # the second chunk is accepted, and held
+        h = a.write(b.engine_id, "kv", "kv", [(0, 0, 8), (64, 64, 8)])
+        assert a._engine.posts == [1, 1]
+        assert h.poll() is TransferState.PENDING
+        a._engine.gate.set()
+        with pytest.raises(TransferError, match="SQ full"):
+            h.wait(30)
+        assert np.array_equal(dst[64:72], src[64:72]) and not dst[:8].any()
+    finally:
+        a._engine.gate.set()
         a.close()
         b.close()
 

@@ -61,7 +61,12 @@ class TransferConfig(BaseModel):
     transfer_timeout_s: float = Field(
         60.0, gt=0, description="D gives up on one transfer (then kv_load_failure_policy applies)."
     )
-    handshake_timeout_s: float = Field(10.0, gt=0, description="Timeout of one handshake call.")
+    handshake_timeout_s: float = Field(
+        10.0,
+        gt=0,
+        description="Timeout of one handshake call; also how long a WRITE's decode that gave "
+        "up keeps its blocks while the prefill says its writes into them are in flight.",
+    )
     max_concurrent_transfers: int = Field(
         4, ge=1, le=64, description="Transfers a decode worker runs at once."
     )

@@ -3,7 +3,8 @@
 ``GET /handshake`` answers the worker's handshake document (engine id, transport descriptor,
 KV layout and its fingerprint). POST routes hand their body to a callback: ``/write_target``
 takes a decode worker's offer of where a WRITE-mode transfer should land, ``/cancel`` withdraws
-one (answered only once no write into it is in flight). Bodies are JSON, capped at
+one (answered at once, saying whether a write into it is still in flight). A route answers 200
+``{"ok": true}`` plus the fields it returns. Bodies are JSON, capped at
 :attr:`SideChannelLimits.max_body_bytes`. Clients: :func:`fetch_handshake` and
 :func:`post_json`.
 
@@ -172,7 +173,7 @@ class SideChannelServer:
         host: str,
         port: int,
         handshake: Callable[[], dict[str, Any]],
-        post_routes: Mapping[str, Callable[[dict[str, Any]], None]] | None = None,
+        post_routes: Mapping[str, Callable[[dict[str, Any]], dict[str, Any] | None]] | None = None,
         *,
         key: bytes | None = None,
         on_refused: Callable[[], None] | None = None,
@@ -278,7 +279,7 @@ class SideChannelServer:
                     body = json.loads(raw)
                     if not isinstance(body, dict):
                         raise ValueError("body is not a JSON object")
-                    route(body)
+                    answer = route(body) or {}
                 except (ValueError, KeyError, TypeError) as e:
                     self._reply(400, {"error": str(e)}, nonce)
                     return
@@ -287,7 +288,7 @@ class SideChannelServer:
                         logger.warning("side channel: %s failed: %r", self.path, e)
                     self._reply(500, {"error": f"{type(e).__name__}: {e}"}, nonce)
                     return
-                self._reply(200, {"ok": True}, nonce)
+                self._reply(200, {"ok": True, **answer}, nonce)
 
         self._handshake = handshake
         self._post_routes = dict(post_routes or {})
@@ -453,9 +454,17 @@ def post_json(
     body: dict[str, Any],
     timeout: float,
     key: bytes | None = None,
-) -> None:
-    """POST ``body`` to a peer; :class:`SideChannelError` unless it answers 200."""
-    _exchange(host, port, "POST", path, json.dumps(body).encode(), timeout, key)
+) -> dict[str, Any]:
+    """POST ``body`` to a peer; its answer (a JSON object); :class:`SideChannelError` unless it
+    answers 200 with one."""
+    raw = _exchange(host, port, "POST", path, json.dumps(body).encode(), timeout, key)
+    try:
+        answer = json.loads(raw)
+    except ValueError as e:
+        raise SideChannelError(f"POST {path} to {host}:{port}: not JSON ({e})") from e
+    if not isinstance(answer, dict):
+        raise SideChannelError(f"POST {path} to {host}:{port}: answer is not a JSON object")
+    return answer
 
 
 def warn_if_exposed(host: str, what: str) -> None:

@@ -87,7 +87,6 @@ from vllm_pd_ext.transport import (
     TransferHandle,
     TransferOp,
     TransferState,
-    TransferTimeout,
     Transport,
     TransportClosed,
     TransportDescriptor,
@@ -101,16 +100,23 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-#: Handshake document format version. 3: layouts carry TP size and rank and each view's
+#: Handshake document format version. 4: ``/cancel`` answers at once, ``settled`` saying
+#: whether a write into the decode's blocks is still in flight (the decode asks again until
+#: it is not; 3 answered only once none was). 3: layouts carry TP size and rank and each view's
 #: heads, ``/renew`` claims carry the decode rank (READ between engines of different TP sizes);
 #: 2: ``/write_target`` offers carry the decode worker's ``tp_rank``, and both sides refuse a
 #: peer of another TP rank (1: TP size checked only).
-HANDSHAKE_VERSION = 3
+HANDSHAKE_VERSION = 4
 #: The largest decode TP size a ``/renew`` may name (a bound on the slots it makes us track).
 MAX_TP_SIZE = 1024
 #: WRITE offers a prefill worker keeps at once (each waits for its prefill request, or for
 #: ``_prune_offers``); more are refused.
 MAX_OFFERS = 4096
+#: The least time a repeated ``/cancel`` is given to answer (its bound nearly over).
+_MIN_ASK_S = 0.1
+#: A decode asks a prefill rank whose writes into its blocks are in flight again at least
+#: this often (at first every 10 ms, backing off).
+_MAX_ASK_EVERY_S = 0.2
 #: Refused loads are logged at most this often (a replay of params is at anyone's will).
 _REFUSAL_LOG_EVERY_S = 10.0
 
@@ -665,8 +671,7 @@ class TransferWorker:
                         raise
             except Exception:
                 # the load fails and our blocks go back to vLLM: withdraw every offer made
-                for peer in posted:
-                    self._cancel_write(spec.remote, peer.rank, tid)
+                self._cancel_writes(spec.remote, [p.rank for p in posted], tid)
                 raise
             return self._await_written(spec, peers, deadline)
         finally:
@@ -775,24 +780,55 @@ class TransferWorker:
         except LoadFailed:
             # Our blocks are freed once we report this load: first make sure no prefill rank
             # writes anything more into them.
-            for peer in pending.values():
-                self._cancel_write(spec.remote, peer.rank, transfer_id)
+            self._cancel_writes(spec.remote, [p.rank for p in pending.values()], transfer_id)
             raise
 
-    def _cancel_write(self, remote: RemoteRef, rank: int, transfer_id: str) -> None:
-        """Withdraw our offer for ``transfer_id`` from prefill rank ``rank`` (naming our TP
-        rank, so that it tells only the other decode ranks that the transfer failed)."""
+    def _cancel_writes(self, remote: RemoteRef, ranks: Sequence[int], transfer_id: str) -> None:
+        """Withdraw our offer for ``transfer_id`` from each prefill rank of ``ranks`` (naming
+        our TP rank, so that it tells only the other decode ranks that the transfer failed);
+        return once each answered that no write of its into our blocks is in flight any more
+        (asking again while one is), or could not be asked, or ``handshake_timeout_s`` after
+        the first ask: our blocks go back to vLLM then."""
+        deadline = time.monotonic() + self.cfg.handshake_timeout_s
+        asking, delay = list(ranks), 0.01
+        while True:
+            asking = [r for r in asking if not self._cancel_write(remote, r, transfer_id, deadline)]
+            if not asking or time.monotonic() >= deadline:
+                break
+            time.sleep(delay)
+            delay = min(2 * delay, _MAX_ASK_EVERY_S)
+        if asking:
+            logger.error(
+                "transfer %s: prefill TP rank(s) %s still writing into our blocks %.0fs after "
+                "the cancel; giving them back anyway",
+                transfer_id,
+                asking,
+                self.cfg.handshake_timeout_s,
+            )
+
+    def _cancel_write(
+        self, remote: RemoteRef, rank: int, transfer_id: str, deadline: float
+    ) -> bool:
+        """Post one ``/cancel`` of ``transfer_id`` to prefill rank ``rank``: False while it
+        answers that a write of its into our blocks is still in flight."""
+        assert self.transport is not None
         try:
-            post_json(
+            answer = post_json(
                 remote.host,
                 remote.port + rank,
                 "/cancel",
-                {"transfer_id": transfer_id, "tp_rank": self.tp_rank},
-                self.cfg.handshake_timeout_s,
+                {
+                    "transfer_id": transfer_id,
+                    "tp_rank": self.tp_rank,
+                    "engine_id": self.transport.engine_id,
+                },
+                max(deadline - time.monotonic(), _MIN_ASK_S),
                 self.key,
             )
         except SideChannelError as e:
             logger.warning("could not cancel transfer %s on the prefill side: %s", transfer_id, e)
+            return True
+        return answer.get("settled") is not False
 
     # ---- prefill side, WRITE mode ----
     def _on_write_target(self, body: dict[str, Any]) -> None:
@@ -904,11 +940,15 @@ class TransferWorker:
                 push.nbytes += int(spans[:, 2].sum())
             push.views_done.add((rank, i))
 
-    def _on_cancel(self, body: dict[str, Any]) -> None:
-        """Side-channel thread: the decode side (its TP rank ``tp_rank``) gave up on a WRITE
-        transfer. Answer only once nothing more can be written into its blocks; then every
-        other decode rank that offered blocks for it is told it failed (on a transfer
-        thread), and later offers for it are refused."""
+    def _on_cancel(self, body: dict[str, Any]) -> dict[str, Any]:
+        """Side-channel thread: the decode side (its TP rank ``tp_rank``, transport
+        ``engine_id``) gave up on a WRITE transfer. Answers at once: ``settled``, whether
+        every write of ours into its blocks (without ``engine_id``: the transfer's) already
+        ended (:meth:`_fail_push` says when one can land no more); until it says so
+        the decode rank keeps its blocks and asks again (a repeated ``/cancel`` answers the
+        same way). From the first one on nothing more is written for the transfer and later
+        offers for it are refused; every other decode rank that offered blocks for it is
+        told it failed (on a transfer thread), each once the writes into its blocks ended."""
         tid = str(body["transfer_id"])
         with self._lock:
             self._cancelled.pop(tid, None)
@@ -917,20 +957,40 @@ class TransferWorker:
             self._cancelled[tid] = time.monotonic()
             offers = self._targets.pop(tid, {})
             pushes = [p for p in self._pushes.values() if p.spec.transfer_id == tid]
-            unsettled = self._unsettled.pop(tid, (0.0, []))[1]
-        handles = list(unsettled)
+            handles = list(self._unsettled.get(tid, (0.0, []))[1])
         for push in pushes:
-            with push.lock:
+            with push.lock:  # no write of it is submitted after this
                 push.cancelled = True
                 handles += push.handles
-        # within the bound, every write into its blocks ended (see _fail_push); a failed one
-        # does not end the wait for the others
-        self._settle(handles, self.cfg.handshake_timeout_s)
+        pending = [h for h in handles if h.poll() is TransferState.PENDING]
+        if pending:
+            self._keep_unsettled(tid, pending)
+        else:
+            with self._lock:
+                self._unsettled.pop(tid, None)
         canceller = body.get("tp_rank")  # None from a decode that does not name it: tell all
         others = [o for r, o in offers.items() if r != canceller]
         if others:
             error = f"decode TP rank {canceller} cancelled transfer {tid}"
-            self._pool.submit(self._tell_failed, others, _written_notice(tid, False, error, None))
+            notice = _written_notice(tid, False, error, None)
+            self._pool.submit(self._tell_others, tid, others, pending, notice)
+        writer = body.get("engine_id")
+        return {"settled": not [h for h in pending if writer is None or h.peer == writer]}
+
+    def _tell_others(
+        self,
+        tid: str,
+        targets: Sequence[_Target],
+        handles: Sequence[TransferHandle],
+        notice: dict[str, Any],
+    ) -> None:
+        """Transfer thread: after a cancel of ``tid``, tell each decode rank of ``targets``
+        that it failed once none of ``handles`` into its blocks is pending."""
+        try:
+            untold, _ = self._tell_once_settled(targets, handles, notice)
+        except TransportClosed:
+            return
+        self._log_untold(untold, tid)
 
     def _tell_failed(self, targets: Sequence[_Target], notice: dict[str, Any]) -> None:
         """Transfer thread: send each decode rank of ``targets`` the failed transfer's
@@ -1066,6 +1126,8 @@ class TransferWorker:
             self.transport.wait_all(push.handles, max(0.0, deadline - time.monotonic()))
             # Only vouch for the bytes once the scheduler confirmed it kept the blocks.
             while push.spec.req_id not in self._push_confirmed:
+                if push.cancelled:  # nobody waits for our word any more
+                    raise LoadFailed(f"the decode side cancelled transfer {tid}")
                 if push.spec.req_id in self._finished_reqs or time.monotonic() > deadline:
                     raise LoadFailed("the prefill request ended without keeping its blocks")
                 time.sleep(0.002)
@@ -1091,8 +1153,8 @@ class TransferWorker:
 
         Each decode rank is told once every write submitted into its blocks ended (done or
         failed), within ``transfer_timeout_s`` in all (by then the decode rank gave up waiting
-        for our notice and cancels: its ``/cancel`` waits for the same writes,
-        :meth:`_on_cancel`); the others are not kept waiting for it. What we
+        for our notice and cancels: its ``/cancel`` is answered "not settled" while the same
+        writes are pending, :meth:`_on_cancel`); the others are not kept waiting for it. What we
         rely on, per backend: a write handle that is no longer pending lands nothing more.
         tcp: done means the receiver answered once the bytes were in place; failed means it
         refused the write before receiving any of it (FAIL, payload drained), or that the
@@ -1102,35 +1164,64 @@ class TransferWorker:
         receiver's ``process_vm_readv`` before its answer (on a dead connection, the one
         call in progress). mooncake: the handle ends (done or failed) only once the
         engine's synchronous batch call of its last chunk returned, every chunk before it
-        posted and returned (``batching.py``). (mori: not checked.) None of them stops a
+        posted and returned (``batching.py``). mori: done once every work request was
+        acknowledged; failed once every chunk's status is final, and with one queue pair
+        per transfer (``qp_per_transfer``, see ``transport/mori.py``). None of them stops a
         write whose *wait* timed out: it is still on its way. So a decode rank one of whose
         writes is still pending at the bound is not told (it fails at its own
-        ``transfer_timeout_s``), and those writes are kept for its ``/cancel`` to wait for.
+        ``transfer_timeout_s``), and those writes are kept for its ``/cancel`` to ask after.
         Not told either when the decode side cancelled the transfer: it stopped listening,
-        and ``_on_cancel`` told the others."""
+        and ``_on_cancel`` took the writes and the other ranks over."""
         tid = push.spec.transfer_id
         notice = _written_notice(tid, False, str(error), push.spec.prompt_hash)
-        untold, pending = list(targets), list(push.handles)
+        # a cancel meanwhile ends the telling, not the wait (the push ends last)
+        try:
+            untold, pending = self._tell_once_settled(
+                targets, push.handles, notice, quiet=lambda: push.cancelled
+            )
+        except TransportClosed:  # shutting down: nobody can be told anything
+            return
+        if push.cancelled:  # the cancel took its writes over (``_on_cancel``)
+            return
+        if pending:
+            self._keep_unsettled(tid, pending)
+        self._log_untold(untold, tid)
+
+    def _tell_once_settled(
+        self,
+        targets: Sequence[_Target],
+        handles: Sequence[TransferHandle],
+        notice: dict[str, Any],
+        quiet: Callable[[], bool] = lambda: False,
+    ) -> tuple[list[_Target], list[TransferHandle]]:
+        """Tell each decode rank of ``targets`` the failed transfer's "written" ``notice``
+        once none of ``handles`` into its blocks is pending (done or failed), within
+        ``transfer_timeout_s`` in all; none once ``quiet()`` (the wait goes on). Returns the
+        ranks not told and the handles still pending then; :class:`TransportClosed` when the
+        transport closed meanwhile."""
+        untold, pending = list(targets), list(handles)
         deadline = time.monotonic() + self.cfg.transfer_timeout_s
-        while True:  # a cancel meanwhile ends the telling, not the wait (the push ends last)
-            try:
-                pending = [h for h in pending if h.poll() is TransferState.PENDING]
-            except TransportClosed:  # shutting down: nobody can be told anything
-                return
+        while True:
+            pending = [h for h in pending if h.poll() is TransferState.PENDING]
             busy = {h.peer for h in pending}
-            ready = [] if push.cancelled else [t for t in untold if t.peer_id not in busy]
+            ready = [] if quiet() else [t for t in untold if t.peer_id not in busy]
             for target in ready:  # each once the writes into its own blocks ended
                 untold.remove(target)
             self._tell_failed(ready, notice)
             if not pending or time.monotonic() >= deadline:
-                break
+                return untold, pending
             time.sleep(0.002)  # (not ``wait``: each of its timeouts would count in the stats)
-        if pending and not push.cancelled:  # (a cancel waited for them itself)
-            with self._lock:
-                if len(self._unsettled) >= MAX_OFFERS:  # the oldest's decode gave up long ago
-                    del self._unsettled[next(iter(self._unsettled))]
-                self._unsettled[tid] = (time.monotonic(), pending)
-        for target in [] if push.cancelled else untold:
+
+    def _keep_unsettled(self, tid: str, pending: list[TransferHandle]) -> None:
+        """Keep transfer ``tid``'s writes still ``pending`` for its ``/cancel`` to ask after."""
+        with self._lock:
+            self._unsettled.pop(tid, None)
+            if len(self._unsettled) >= MAX_OFFERS:  # the oldest's decode gave up long ago
+                del self._unsettled[next(iter(self._unsettled))]
+            self._unsettled[tid] = (time.monotonic(), pending)
+
+    def _log_untold(self, untold: Sequence[_Target], tid: str) -> None:
+        for target in untold:
             logger.error(
                 "not telling decode TP rank %d that transfer %s failed: a write into its "
                 "blocks is still pending after %.0fs (it fails at its own timeout)",
@@ -1138,21 +1229,6 @@ class TransferWorker:
                 tid,
                 self.cfg.transfer_timeout_s,
             )
-
-    def _settle(self, handles: Sequence[TransferHandle], timeout: float) -> list[TransferHandle]:
-        """Wait until none of ``handles`` is pending, within ``timeout`` in all (a failed one
-        is over too: unlike ``wait_all``, the first failure does not end the wait); the ones
-        still pending (or abandoned by a closed transport) then."""
-        deadline = time.monotonic() + timeout
-        pending = []
-        for h in handles:
-            try:
-                h.wait(max(0.0, deadline - time.monotonic()))
-            except (TransferTimeout, TransportClosed):
-                pending.append(h)
-            except TransportError:
-                pass  # failed: lands nothing more (see _fail_push)
-        return pending
 
     # ---- completions ----
     def _handle_notifications(self) -> None:
