@@ -167,6 +167,7 @@ SCHEMA, OWN = "Bad Request", "BadRequestError"
     ("content", "status", "fragment", "type_", "param"),
     [
         (b"{not json", 400, "not valid JSON", SCHEMA, "body"),
+        (b'{"prompt": ' + b"[" * 3000, 400, "not valid JSON", SCHEMA, "body"),  # too deep
         (b"[1, 2]", 400, "JSON object", SCHEMA, "body"),
         (b'{"prompt": "x", "max_tokens": "ten"}', 400, "'max_tokens'", SCHEMA, "body.max_tokens"),
         (b'{"prompt": "x", "stream": "yes"}', 400, "'stream'", SCHEMA, "body.stream"),
