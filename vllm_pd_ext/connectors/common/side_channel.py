@@ -438,13 +438,7 @@ def fetch_handshake(
 ) -> dict[str, Any]:
     """``GET /handshake`` from a peer; :class:`SideChannelError` on any failure."""
     raw = _exchange(host, port, "GET", "/handshake", None, timeout, key)
-    try:
-        body = json.loads(raw)
-    except ValueError as e:
-        raise SideChannelError(f"handshake with {host}:{port}: not JSON ({e})") from e
-    if not isinstance(body, dict):
-        raise SideChannelError(f"handshake with {host}:{port}: answer is not a JSON object")
-    return body
+    return _json_object(raw, f"handshake with {host}:{port}")
 
 
 def post_json(
@@ -458,12 +452,18 @@ def post_json(
     """POST ``body`` to a peer; its answer (a JSON object); :class:`SideChannelError` unless it
     answers 200 with one."""
     raw = _exchange(host, port, "POST", path, json.dumps(body).encode(), timeout, key)
+    return _json_object(raw, f"POST {path} to {host}:{port}")
+
+
+def _json_object(raw: bytes, what: str) -> dict[str, Any]:
+    """A peer's answer ``raw`` as the JSON object it must be; :class:`SideChannelError`
+    (its message led by ``what``) when it is not."""
     try:
         answer = json.loads(raw)
     except ValueError as e:
-        raise SideChannelError(f"POST {path} to {host}:{port}: not JSON ({e})") from e
+        raise SideChannelError(f"{what}: not JSON ({e})") from e
     if not isinstance(answer, dict):
-        raise SideChannelError(f"POST {path} to {host}:{port}: answer is not a JSON object")
+        raise SideChannelError(f"{what}: answer is not a JSON object")
     return answer
 
 
