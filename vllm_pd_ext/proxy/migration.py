@@ -333,6 +333,8 @@ class Migration(_Record):
         ):
             return self._feed_one(ready)
         self._unparsed.append(ready[start + 13 : end])
+        # from here as ``_feed_one``'s scans, without its call (this runs for every event):
+        # a change to one is a change to both
         if self.finish is None and (_FINISH in ready or _FINISH_SPACED in ready):
             self.finish = "sent"
         if b'"usage"' in ready and _USAGE.search(ready) and _FINAL_USAGE.search(ready):
