@@ -114,6 +114,15 @@ class ProxyMetrics:
             ["reason"],
             registry=r,
         )
+        self.hedges = Counter(
+            "vllm_pd_hedges",
+            "Late split streams hedged with a colocated leg, by the leg that was late (prefill, "
+            "decode) and outcome: split or colocated (the leg that answered first; the other "
+            "was closed), failed (the colocated leg missed its own deadline or failed), bound "
+            "(not hedged: hedge_max_in_flight reached)",
+            ["leg", "outcome"],
+            registry=r,
+        )
         self.migrations = Counter(
             "vllm_pd_migrations",
             "Answers whose engine failed part-way, by what the proxy did: continued "

@@ -107,6 +107,8 @@ class StallGuard:
         self._log_prefill = Throttle(LOG_EVERY_S, clock)
         self._log_rescue = Throttle(LOG_EVERY_S, clock)
         self._log_stall = Throttle(LOG_EVERY_S, clock)
+        #: Hedged requests whose two legs are both running (``hedge_begin``, ``hedge_end``).
+        self.hedging = 0
 
     @property
     def stalls(self) -> bool:
@@ -119,6 +121,38 @@ class StallGuard:
         second step is answered from there)."""
         cfg = self.config
         return cfg.enabled and (stream or (cfg.non_streamed and decode.prefix_caching is True))
+
+    def hedges(self, stream: bool, decode: Instance) -> bool:
+        """Is a split of this kind to ``decode`` hedged when late? A guarded stream, with
+        ``hedge`` on."""
+        return self.config.hedge and stream and self.guards(stream, decode)
+
+    def hedge_s(self, prompt_tokens: int) -> float:
+        """Seconds from a split's start (its prefill leg sent) after which it is late and
+        hedged: ``hedge_factor`` times its typical split (the measured prefill leg and
+        transfer gap for a prompt this long) plus ``hedge_margin_s``; ``hedge_unmeasured_s``
+        until measured."""
+        cfg = self.config
+        prefill = self.decider.expected_prefill_s(prompt_tokens)
+        transfer = self.decider.expected_transfer_s(prompt_tokens)
+        if prefill is None or transfer is None:
+            return cfg.hedge_unmeasured_s
+        return cfg.hedge_factor * (prefill + transfer) + cfg.hedge_margin_s
+
+    def hedge_begin(self, leg: str) -> bool:
+        """May a hedge start beside a late ``leg`` (prefill, decode)? Taken when True (give it
+        back with ``hedge_end``); False, counted, with ``hedge_max_in_flight`` running."""
+        if self.hedging >= self.config.hedge_max_in_flight:
+            self.metrics.hedges.labels(leg, "bound").inc()
+            return False
+        self.hedging += 1
+        return True
+
+    def hedge_end(self, leg: str, outcome: str) -> None:
+        """A hedge begun beside a late ``leg`` is over: ``outcome`` says which leg answered
+        first (split, colocated), or that it failed or the client left."""
+        self.hedging -= 1
+        self.metrics.hedges.labels(leg, outcome).inc()
 
     def budget_s(self, prompt_tokens: int) -> float:
         """Seconds from the prefill leg's end to the decode leg's first token: ``factor``
