@@ -132,7 +132,8 @@ class DecodeLeg:
         assert call.prefill_done is not None
         where = self._rescuer(call, route, inst, call.prefill_instance)
         budget = guard.rescue_budget_s(call.prefill_done - call.start, call.ctx.est_prompt_tokens)
-        return Hedge(guard, where, "decode", self.send_hedge(call, where), budget)
+        opening = self.send_hedge(call, where)
+        return Hedge(guard, where, "decode", (call.prefill_instance, inst), opening, budget)
 
     async def _adopt(self, call: Call, hedge: Hedge) -> Opened | None:
         """The hedge's colocated leg serves the request once its first bytes are in (the

@@ -33,20 +33,23 @@ class HedgeWon(Exception):
 class Hedge:
     """One colocated leg started beside a late split leg, with its instance's lease."""
 
-    __slots__ = ("_ended", "adopted", "guard", "inst", "lease", "leg", "task")
+    __slots__ = ("_ended", "adopted", "guard", "inst", "lease", "leg", "pair", "task")
 
     def __init__(
         self,
         guard: StallGuard,
         inst: Instance,
         leg: str,
+        pair: tuple[Instance | None, Instance],
         opening: Awaitable[UpstreamResponse],
         timeout_s: float,
     ):
         self.guard = guard
         self.inst = inst
-        #: The split's leg that was late when it started (prefill, decode).
+        #: The split's leg that was late when it started (prefill, decode), and its
+        #: prefill -> decode pair.
         self.leg = leg
+        self.pair = pair
         self.lease = Lease(inst)
         #: Its response once its first body bytes came within ``timeout_s``; None past that.
         self.task: asyncio.Task[UpstreamResponse | None] = asyncio.ensure_future(
@@ -94,7 +97,7 @@ class Hedge:
 
     def _end(self, outcome: str) -> None:
         self._ended = True
-        self.guard.hedge_end(self.leg, outcome)
+        self.guard.hedge_end(self.leg, outcome, *self.pair)
 
 
 async def _colocated(

@@ -103,7 +103,8 @@ class ProxyMetrics:
             "Split requests that failed on their pair, by prefill -> decode pair and reason: "
             "stall (no first token by the stall guard's deadline), prefill_stall (the prefill "
             "leg past its deadline), decode_error (the decode instance failed the leg after "
-            "the prefill leg); each was served another way",
+            "the prefill leg), hedge (its hedge's colocated leg answered first); each was served "
+            "another way",
             ["prefill", "decode", "reason"],
             registry=r,
         )

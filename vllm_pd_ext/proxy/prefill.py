@@ -156,7 +156,7 @@ class PrefillLeg:
             try:
                 if ctx.tokens is None and guard.hedges(ctx.stream, decode):
                     at = call.start + guard.hedge_s(ctx.est_prompt_tokens)
-                    got = await race(call, fetch, at, lambda: self._hedge(call, decode))
+                    got = await race(call, fetch, at, lambda: self._hedge(call, inst, decode))
                     if isinstance(got, Hedge):  # its colocated leg answered first
                         if trace is not None:
                             trace.leg_done(span, error="hedge_won")
@@ -186,16 +186,17 @@ class PrefillLeg:
         answer = data.get("kv_transfer_params")
         return (answer if isinstance(answer, dict) else None), data.get("usage")
 
-    def _hedge(self, call: Call, decode: Instance) -> Hedge | None:
-        """A hedge beside a late prefill leg: the request colocated on ``decode``, with the
-        prefill leg's deadline for its first token. None at the in-flight bound."""
+    def _hedge(self, call: Call, inst: Instance, decode: Instance) -> Hedge | None:
+        """A hedge beside a late prefill leg on ``inst``: the request colocated on ``decode``,
+        with the prefill leg's deadline for its first token. None at the in-flight bound."""
         guard = self.router.guard
         if not guard.hedge_begin("prefill"):
             return None
         budget = guard.prefill_budget_s(call.ctx.est_prompt_tokens)
         if budget is None:
             budget = self.timeout.total or guard.config.floor_s
-        return Hedge(guard, decode, "prefill", self.send_hedge(call, decode), budget)
+        opening = self.send_hedge(call, decode)
+        return Hedge(guard, decode, "prefill", (inst, decode), opening, budget)
 
 
 def cached_tokens(params: dict[str, Any] | None, usage: dict[str, Any] | None) -> int | None:

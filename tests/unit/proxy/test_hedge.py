@@ -43,7 +43,10 @@ def test_a_late_decode_leg_is_hedged_on_the_prefill_instance_which_answers_first
         assert "kv_transfer_params" not in hedge_leg["body"]
         assert hedge_leg["body"]["stream"] is True
         assert metric(base, "vllm_pd_hedges_total", leg="decode", outcome="colocated") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="hedge") == 1
         assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 0
+        pair = {"prefill": engines["p1"].url, "decode": engines["d1"].url}
+        assert metric(base, "vllm_pd_split_failures_total", reason="hedge", **pair) == 1
         assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
         assert metric(base, "vllm_pd_in_flight") == 0
         assert svc.router.guard.hedging == 0
@@ -66,6 +69,7 @@ def test_a_late_prefill_leg_is_hedged_on_the_decode_instance_which_answers_first
         assert _hedge_legs(engines["d1"]) == [hedge_leg]
         assert "kv_transfer_params" not in hedge_leg["body"]
         assert metric(base, "vllm_pd_hedges_total", leg="prefill", outcome="colocated") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="hedge") == 1
         assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_stall") == 0
         assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_failed") == 0
         assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
@@ -87,6 +91,7 @@ def test_a_late_split_that_answers_first_serves_and_its_hedge_leg_is_closed(engi
         assert len(_hedge_legs(engines["p1"])) == 1
         assert engines["d1"].disconnects == 0
         assert metric(base, "vllm_pd_hedges_total", leg="decode", outcome="split") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="hedge") == 0
         assert metric(base, "vllm_pd_requests_total", decision="split", outcome="ok") == 1
         assert metric(base, "vllm_pd_in_flight") == 0
         assert svc.router.guard.hedging == 0
