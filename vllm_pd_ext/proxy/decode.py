@@ -140,11 +140,13 @@ class DecodeLeg:
         call's split given up, when it had one); None when that leg failed."""
         if await call.watch.race(hedge.wait(), "decode_wait") is None:
             return None
-        resp, lease = hedge.adopt()
+        decision = call.decision
+        beat = decision is None or decision.split or decision.reason == "hedge"
+        resp, lease = hedge.adopt("colocated" if beat else "rescue")
         call.hold(lease)
         if call.params is not None:
             call.colocate()
-        if call.decision is not None and call.decision.split:
+        if decision is not None and decision.split:
             call.decide(Decision(False, "hedge"))
         call.decode_instance = hedge.inst
         return Opened(resp, hedge.inst)

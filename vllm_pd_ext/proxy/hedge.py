@@ -78,12 +78,14 @@ class Hedge:
         self.cancel("failed")
         return None
 
-    def adopt(self) -> tuple[UpstreamResponse, Lease]:
-        """Take the won leg's response and lease: it serves the request now."""
+    def adopt(self, outcome: str) -> tuple[UpstreamResponse, Lease]:
+        """Take the won leg's response and lease: it serves the request now. ``outcome``:
+        colocated (it beat the split), rescue (the split had failed or missed its deadline
+        first)."""
         resp = self.task.result()
         assert resp is not None
         self.adopted = True
-        self._end("colocated")
+        self._end(outcome)
         return resp, self.lease
 
     def cancel(self, outcome: str) -> None:

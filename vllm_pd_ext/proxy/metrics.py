@@ -119,8 +119,10 @@ class ProxyMetrics:
             "vllm_pd_hedges",
             "Late split streams hedged with a colocated leg, by the leg that was late (prefill, "
             "decode) and outcome: split or colocated (the leg that answered first; the other "
-            "was closed), failed (the colocated leg missed its own deadline or failed), bound "
-            "(not hedged: hedge_max_in_flight reached)",
+            "was closed), rescue (the colocated leg served after the split leg failed or "
+            "missed its deadline), failed (the colocated leg missed its own deadline or "
+            "failed), bound (not hedged: hedge_max_in_flight reached), abandoned (the client "
+            "left)",
             ["leg", "outcome"],
             registry=r,
         )

@@ -63,8 +63,9 @@ else goes on to the stall's colocated leg; the hedge's leg has a stall's colocat
 (the prefill leg's deadline when it began beside the prefill leg). At most
 ``hedge_max_in_flight`` hedges run at once (a late split beyond that waits alone, counted
 ``bound``), so a loaded fleet does not double its work. ``vllm_pd_hedges_total{leg,outcome}``
-counts each by the leg that was late and which leg won (split, colocated), or failed, bound,
-abandoned (the client left); a colocated win is also a fallback
+counts each by the leg that was late and which leg won (split, colocated), or rescue (the split
+leg failed or missed its deadline first, counted as that, and the hedge's leg served), failed,
+bound, abandoned (the client left); a colocated win is also a fallback
 (``vllm_pd_fallbacks_total{reason="hedge"}``) and a stall of the pair for its breaker (the
 split was slower than colocated started after it). Not hedged: non-streamed answers (their
 decode leg is two steps), token mode, and several prompts at once.
@@ -175,9 +176,10 @@ class StallGuard:
 
     def hedge_end(self, leg: str, outcome: str, prefill: Instance | None, decode: Instance) -> None:
         """A hedge begun beside a split's late ``leg`` across this pair is over: ``outcome``
-        says which leg answered first (split, colocated), or that it failed or the client
-        left. A colocated leg that answered first is a fallback, and a stall of the pair for
-        its breaker (the split was slower than colocated started after it)."""
+        says which leg answered first (split, colocated), that its leg served after the split
+        had failed or missed its deadline (rescue: counted as that), or that it failed or the
+        client left. A colocated leg that answered first is a fallback, and a stall of the
+        pair for its breaker (the split was slower than colocated started after it)."""
         self.hedging -= 1
         self.metrics.hedges.labels(leg, outcome).inc()
         if outcome != "colocated":

@@ -118,3 +118,25 @@ def test_hedged_requests_in_flight_are_bounded(engines):
         assert metric(base, "vllm_pd_hedges_total", outcome="split") == 1
         assert metric(base, "vllm_pd_requests_total", decision="split", outcome="ok") == 2
         assert svc.router.guard.hedging == 0
+
+
+def test_a_split_past_its_deadline_while_hedged_is_served_by_the_hedges_leg(engines):
+    """The deadline stays the hard stop behind the hedge: the stalled decode leg is closed
+    at it and counted as a stall, and the request is served by the hedge's colocated leg
+    already under way (slow, but within its own deadline), not by a third leg."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    expected = _colocated_stream(engines, one_pair)
+    engines["d1"].behavior.kv_stall_s = 600.0
+    engines["p1"].behavior.colocated_stall_s = 3.0
+    with proxy(engines, instances=one_pair, stall_guard={**HEDGE, "floor_s": 4.0}) as (base, svc):
+        assert _stream_events(base, 5, LONG) == expected
+        wait_until(lambda: engines["d1"].disconnects == 1)  # the split leg, closed
+        prefill_leg, hedge_leg = engines["p1"].requests
+        assert prefill_leg["body"]["kv_transfer_params"]["do_remote_decode"] is True
+        assert _hedge_legs(engines["p1"]) == [hedge_leg]
+        assert len(engines["d1"].requests) == 1
+        assert metric(base, "vllm_pd_hedges_total", leg="decode", outcome="rescue") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="hedge") == 0
+        assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
+        assert svc.router.guard.hedging == 0
