@@ -138,10 +138,12 @@ class DecodeLeg:
     async def _adopt(self, call: Call, hedge: Hedge) -> Opened | None:
         """The hedge's colocated leg serves the request once its first bytes are in (the
         call's split given up, when it had one); None when that leg failed."""
-        if await call.watch.race(hedge.wait(), "decode_wait") is None:
-            return None
         decision = call.decision
         beat = decision is None or decision.split or decision.reason == "hedge"
+        if await call.watch.race(hedge.wait(), "decode_wait") is None:
+            if not beat:  # the split failed first: its leg was the colocated one, and missed
+                self.router.guard.rescue_stalled(hedge.inst, call.ctx.request_id)
+            return None
         resp, lease = hedge.adopt("colocated" if beat else "rescue")
         call.hold(lease)
         if call.params is not None:
@@ -189,6 +191,14 @@ class DecodeLeg:
             adopted = await self._adopt(call, hedge)
             if adopted is not None:
                 return adopted
+            if first is hedge.inst:  # its leg there just failed: another instance first
+                suspects = (*suspects, first)
+                rest = [i for i in route.decode_pool if i not in suspects and i.healthy] or [
+                    i for i in route.decode_pool if i is not hedge.inst and i.healthy
+                ]
+                first = next(self.router.candidates(call.ctx, rest, "decode")) if rest else None
+                if first not in suspects:
+                    rescue_s = None
         broken = (
             first is None and route.decision.reason == "breaker_open" and guard.wedged(route.decode)
         )

@@ -140,3 +140,27 @@ def test_a_split_past_its_deadline_while_hedged_is_served_by_the_hedges_leg(engi
         assert metric(base, "vllm_pd_fallbacks_total", reason="hedge") == 0
         assert metric(base, "vllm_pd_requests_total", decision="colocated", outcome="ok") == 1
         assert svc.router.guard.hedging == 0
+
+
+def test_a_hedge_whose_leg_failed_is_not_where_the_stalled_split_is_served_next(engines):
+    """The split's decode leg stalls and the hedge's leg, on the prefill instance, froze too:
+    once the split is past its deadline and the hedge's leg past its own, the request is
+    served on the decode instance, not sent to the frozen prefill instance a third time."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    expected = _colocated_stream(engines, one_pair)
+    engines["d1"].behavior.kv_stall_s = 600.0
+    engines["p1"].behavior.colocated_stall_s = 600.0
+    with proxy(engines, instances=one_pair, stall_guard={**HEDGE, "floor_s": 3.0}) as (base, svc):
+        assert _stream_events(base, 5, LONG) == expected
+        wait_until(lambda: engines["d1"].disconnects == 1 and engines["p1"].disconnects == 1)
+        prefill_leg, hedge_leg = engines["p1"].requests
+        assert prefill_leg["body"]["kv_transfer_params"]["do_remote_decode"] is True
+        assert _hedge_legs(engines["p1"]) == [hedge_leg]
+        split_leg, served = sent(engines["d1"])
+        assert split_leg["kv_transfer_params"]["do_remote_prefill"] is True
+        assert "kv_transfer_params" not in served
+        assert metric(base, "vllm_pd_hedges_total", leg="decode", outcome="failed") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
+        # the hedge's leg was the stall's colocated leg once the split missed its deadline
+        assert metric(base, "vllm_pd_fallbacks_total", reason="colocated_stall") == 1
+        assert svc.router.guard.hedging == 0
