@@ -3,7 +3,11 @@ colocated beside it, and whichever leg answers first serves the request."""
 
 from __future__ import annotations
 
+import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
+
+import httpx
 
 from tests.unit.proxy.helpers import LONG, fleet, metric, proxy, sent, wait_until
 from tests.unit.proxy.test_proxy_flow import _colocated_stream, _stream_events
@@ -163,4 +167,33 @@ def test_a_hedge_whose_leg_failed_is_not_where_the_stalled_split_is_served_next(
         assert metric(base, "vllm_pd_fallbacks_total", reason="stall") == 1
         # the hedge's leg was the stall's colocated leg once the split missed its deadline
         assert metric(base, "vllm_pd_fallbacks_total", reason="colocated_stall") == 1
+        assert svc.router.guard.hedging == 0
+
+
+def test_a_client_that_leaves_while_hedged_has_both_legs_closed(engines):
+    """The client leaves while the split's decode leg and the hedge's leg both wait for their
+    first token: both are closed (each engine sees its leg go) and the hedge is given back."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    engines["d1"].behavior.kv_stall_s = 600.0
+    engines["p1"].behavior.colocated_stall_s = 600.0
+    with proxy(engines, instances=one_pair, stall_guard=HEDGE) as (base, svc):
+
+        async def leave_once_hedged():
+            body = {"model": "m", "prompt": LONG, "max_tokens": 5, "stream": True}
+            async with httpx.AsyncClient(timeout=60) as client:
+                stream = asyncio.ensure_future(client.post(f"{base}/v1/completions", json=body))
+                deadline = time.monotonic() + 30
+                while svc.router.guard.hedging == 0 and not stream.done():
+                    assert time.monotonic() < deadline, "no hedge started"
+                    await asyncio.sleep(0.02)
+                assert not stream.done()
+                stream.cancel()  # the client leaves
+                await asyncio.wait((stream,))
+
+        asyncio.run(leave_once_hedged())
+        wait_until(lambda: engines["d1"].disconnects == 1 and engines["p1"].disconnects == 1)
+        wait_until(lambda: svc.admission.in_flight == 0)
+        assert len(_hedge_legs(engines["p1"])) == 1
+        assert metric(base, "vllm_pd_hedges_total", outcome="abandoned") == 1
+        assert metric(base, "vllm_pd_aborts_total", phase="decode_wait") == 1
         assert svc.router.guard.hedging == 0
