@@ -164,32 +164,15 @@ class StallGuardConfig(_Strict):
     floor_s: float = Field(
         2.0,
         gt=0,
-        description="the decode leg's deadline (prefill leg's end to first token, the decode's "
-        "queueing included) until the cost model has measured cost_min_samples splits (set it "
-        "above the transfer time of your longest prompts); also the least time a colocated "
-        "leg after a stall has",
+        description="least time from the prefill leg's end to the decode leg's first token, "
+        "the decode's queueing included (set it above the transfer time of your longest "
+        "prompts)",
     )
     factor: float = Field(
-        2.0,
+        4.0,
         ge=1,
-        description="once cost_min_samples splits are measured, a leg's deadline is this many "
-        "times the typical measured leg for the prompt's length (the transfer gap for the "
-        "decode leg, the prefill leg for the prefill leg), plus margin_s",
-    )
-    margin_s: float = Field(
-        0.25,
-        ge=0,
-        description="seconds added to a measured deadline (factor x the typical leg), so legs "
-        "of a few milliseconds are not cut by scheduling noise; a stalled split is served "
-        "colocated on the prefill instance whose cache holds its prompt, so a tight deadline "
-        "costs little and a loose one costs the client seconds",
-    )
-    unmeasured_prefill_s: float | None = Field(
-        10.0,
-        gt=0,
-        description="the prefill leg's deadline until the cost model has measured "
-        "cost_min_samples splits (set it above the prefill time of your longest prompts); "
-        "None: no deadline until then",
+        description="the deadline is this many times the transfer the cost model expects for "
+        "the prompt (once it has measured cost_min_samples splits), if more than floor_s",
     )
     hedge: bool = Field(
         False,

@@ -327,7 +327,7 @@ class DecodeLeg:
         for its first token: what the guard gives a prefill leg of its prompt, once the cost
         model measured prefill legs; until then the guard's floor."""
         guard = self.router.guard
-        budget = guard.measured_prefill_budget_s(call.ctx.est_prompt_tokens)
+        budget = guard.prefill_budget_s(call.ctx.est_prompt_tokens)
         return guard.config.floor_s if budget is None else budget
 
     def _split_failed(self, call: Call, inst: Instance) -> None:

@@ -118,7 +118,8 @@ def parse_body(raw: bytes, limit: int) -> dict[str, Any]:
 def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         body = jsonb.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        # (RecursionError: nested deeper than the decoder goes, e.g. thousands of "[")
         raise schema_error(f"request body is not valid JSON: {exc}", "body") from None
     if not isinstance(body, dict):
         raise schema_error("request body must be a JSON object", "body")

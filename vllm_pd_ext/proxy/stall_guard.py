@@ -3,27 +3,17 @@
 A split pays the KV transfer before its first token. When the transfer stalls (a connector
 waiting for blocks whose lease expired, a peer that stopped answering), the decode engine
 waits, and the client with it, far longer than a colocated prefill would have taken. So a
-guarded decode leg (a split) gets a deadline from the prefill leg's end. Once enough splits
-are measured (``cost_min_samples``) it is ``factor`` times the typical transfer gap for its
-prompt (the recent median, ``Decider.expected_transfer_s``) plus ``margin_s``; until then
-``floor_s``. If the leg's first body bytes (its first token) have not arrived by then, and
-so the client has seen nothing yet, the leg is closed (the engine aborts the request and
-frees its blocks) and the request is served colocated, on the prefill instance that just
-computed its prompt (``stalled_on``); counted in ``vllm_pd_fallbacks_total{reason="stall"}``
-and logged. That instance may itself have frozen since its leg, so a stream's colocated leg
-there has a deadline too: ``factor`` times its prefill leg for this request (it computes no
-more than that leg did; the measured leg for its length when shorter), at least
-``floor_s``; past it the leg is closed and the next instance tried
-(``reason="colocated_stall"``).
-
-Why a measured deadline has no floor: a rescue is cheap (the prefill instance's prefix cache
-holds the prompt, so it computes one partial block), so a deadline that is too tight costs
-the client little, while one that is too loose costs it the whole wait; a fixed floor of
-seconds over a transfer of milliseconds was the longest part of each stall. Why the median
-and not a high quantile: a connector that stalls one split in ten has its stalls as its high
-quantile, which would let the next stalls pass. ``margin_s`` keeps legs of a few
-milliseconds from being cut by scheduling noise, and a false stall or two opens no breaker
-(only ``breaker_stalls`` in a row do, and any leg in time resets the count).
+guarded decode leg (a split) gets a deadline from the prefill leg's end: ``factor`` times the
+typical transfer for its prompt (the recent median, ``Decider.expected_transfer_s``) once
+enough splits are measured, and never less than ``floor_s``. If the leg's first body bytes
+(its first token) have not arrived by then, and so the client has seen nothing yet, the leg
+is closed (the engine aborts the request and frees its blocks) and the request is served
+colocated, on the prefill instance that just computed its prompt (``stalled_on``); counted
+in ``vllm_pd_fallbacks_total{reason="stall"}`` and logged. That instance may itself have
+frozen since its leg, so a stream's colocated leg there has a deadline too: ``factor``
+times its prefill leg for this request (it computes no more than that leg did; the
+measured leg for its length when shorter), at least ``floor_s``; past it the leg is closed
+and the next instance tried (``reason="colocated_stall"``).
 
 A non-streamed answer shows nothing until it is whole, so with ``non_streamed`` on (default) a
 non-streamed split's decode leg is sent in two steps: first the one-token leg with the KV
@@ -37,12 +27,8 @@ client has seen nothing yet: served colocated). The deadline counts the decode's
 so ``floor_s`` is set with room for it; once splits are measured the expected transfer gap
 (prefill done -> first token) includes that queueing.
 
-The prefill leg has a deadline too (``prefill_budget_s``): ``factor`` times the typical
-measured prefill leg for its prompt plus ``margin_s``, and ``unmeasured_prefill_s`` until
-splits are measured, so no prefill leg waits unbounded on a starved engine. One that misses
-it is closed, retried elsewhere, then served colocated (``reason="prefill_stall"``), and is
-a stall of its pair: a prefill instance that keeps stalling trips the breaker just as a
-stalled transfer does.
+A prefill leg that misses its own deadline (``prefill_budget_s``) is a stall of its pair
+too: a prefill instance that keeps stalling trips the breaker just as a stalled transfer does.
 
 The hedge (``hedge``, off by default; ``hedge.py``). A deadline alone makes a stall cost the
 deadline plus the colocated answer after it, so a short deadline cuts healthy legs (their work
@@ -190,29 +176,21 @@ class StallGuard:
             self._count_stall(prefill, decode, decode_side=leg == "decode")
 
     def budget_s(self, prompt_tokens: int) -> float:
-        """Seconds from the prefill leg's end to the decode leg's first token: ``factor``
-        times the typical measured transfer gap for a prompt this long plus ``margin_s``;
-        ``floor_s`` until measured."""
-        budget = self._measured(self.decider.expected_transfer_s(prompt_tokens))
-        return self.config.floor_s if budget is None else budget
+        """Seconds from the prefill leg's end to the decode leg's first token."""
+        cfg = self.config
+        expected = self.decider.expected_transfer_s(prompt_tokens)
+        if expected is None:
+            return cfg.floor_s
+        return max(cfg.floor_s, cfg.factor * expected)
 
     def prefill_budget_s(self, prompt_tokens: int) -> float | None:
-        """Seconds the prefill leg may take: ``factor`` times the typical measured leg for a
-        prompt this long plus ``margin_s``; ``unmeasured_prefill_s`` until measured. None:
-        no deadline (the guard is off, or nothing measured and no bound configured)."""
+        """Seconds the prefill leg may take: ``factor`` times what the cost model measured
+        for a prompt this long, at least ``floor_s``; None (no deadline) until measured."""
         cfg = self.config
-        if not cfg.enabled:
+        expected = self.decider.expected_prefill_s(prompt_tokens)
+        if not cfg.enabled or expected is None:
             return None
-        budget = self.measured_prefill_budget_s(prompt_tokens)
-        return cfg.unmeasured_prefill_s if budget is None else budget
-
-    def measured_prefill_budget_s(self, prompt_tokens: int) -> float | None:
-        """The prefill leg's deadline once measured (``prefill_budget_s``); None until then."""
-        return self._measured(self.decider.expected_prefill_s(prompt_tokens))
-
-    def _measured(self, expected: float | None) -> float | None:
-        cfg = self.config
-        return None if expected is None else cfg.factor * expected + cfg.margin_s
+        return max(cfg.floor_s, cfg.factor * expected)
 
     def rescue_budget_s(self, prefill_leg_s: float, prompt_tokens: int) -> float:
         """Seconds a stalled split's colocated leg has for its first token, its prefill leg
