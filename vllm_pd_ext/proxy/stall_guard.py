@@ -32,29 +32,29 @@ too: a prefill instance that keeps stalling trips the breaker just as a stalled 
 
 The hedge (``hedge``, off by default; ``hedge.py``). A deadline alone makes a stall cost the
 deadline plus the colocated answer after it, so a short deadline cuts healthy legs (their work
-wasted) and a long one leaves the stall in the tail (a pair not yet measured has only the
-unmeasured deadlines). So a guarded split stream that is late gets its colocated leg started
-beside it instead of after it: late is ``hedge_factor`` times its typical split (the measured
-prefill leg plus transfer gap for its prompt) plus ``hedge_margin_s`` from the split's start,
-``hedge_unmeasured_s`` until measured (about a colocated answer's time), one clock for both
-legs. Then the request runs colocated too, once, with its own engine request id (``-hedge``
-appended): on the split's decode instance while the prefill leg is late (it has computed
-nothing yet), on the instance a stall is served on (``stalled_on``) while the decode leg waits
-for its first token. Whichever leg has its first body bytes first serves the request and the
-other is closed (the engine aborts it and frees its blocks); a hedge started beside the prefill
-leg races the decode leg too. Only before the client has seen a byte (the guarded legs' first
-bytes wait for the guard). The deadlines stay as the hard stop behind it: a split leg past its
-deadline is closed and counted as before, and the request takes the hedge's leg if it answers,
-else goes on to the stall's colocated leg; the hedge's leg has a stall's colocated deadline
-(the prefill leg's deadline when it began beside the prefill leg). At most
-``hedge_max_in_flight`` hedges run at once (a late split beyond that waits alone, counted
-``bound``), so a loaded fleet does not double its work. ``vllm_pd_hedges_total{leg,outcome}``
-counts each by the leg that was late and which leg won (split, colocated), or rescue (the split
-leg failed or missed its deadline first, counted as that, and the hedge's leg served), failed,
-bound, abandoned (the client left); a colocated win is also a fallback
-(``vllm_pd_fallbacks_total{reason="hedge"}``) and a stall of the pair for its breaker (the
-split was slower than colocated started after it). Not hedged: non-streamed answers (their
-decode leg is two steps), token mode, and several prompts at once.
+wasted) and a long one leaves the stall in the tail (here at least ``floor_s``, and a prefill
+leg has no deadline until measured). So a guarded split stream that is late gets its colocated
+leg started beside it instead of after it: late is ``hedge_factor`` times its typical split
+(the measured prefill leg plus transfer gap for its prompt) plus ``hedge_margin_s`` from the
+split's start, ``hedge_unmeasured_s`` until measured (about a colocated answer's time), one
+clock for both legs. Then the request runs colocated too, once, with its own engine request id
+(``-hedge`` appended): on the split's decode instance while the prefill leg is late (it has
+computed nothing yet), on the instance a stall is served on (``stalled_on``) while the decode
+leg waits for its first token. Whichever leg has its first body bytes first serves the request
+and the other is closed (the engine aborts it and frees its blocks); a hedge started beside the
+prefill leg races the decode leg too. Only before the client has seen a byte (the guarded legs'
+first bytes wait for the guard). The deadlines stay as the hard stop behind it: a split leg
+past its deadline is closed and counted as before, and the request takes the hedge's leg if it
+answers, else goes on to the stall's colocated leg; the hedge's leg has a stall's colocated
+deadline (when it began beside the prefill leg, the prefill leg's deadline, or the prefill
+timeout until measured). At most ``hedge_max_in_flight`` hedges run at once (a late split
+beyond that waits alone, counted ``bound``), so a loaded fleet does not double its work.
+``vllm_pd_hedges_total{leg,outcome}`` counts each by the leg that was late and which leg won
+(split, colocated), or rescue (the split leg failed or missed its deadline first, counted as
+that, and the hedge's leg served), failed, bound, abandoned (the client left); a colocated win
+is also a fallback (``vllm_pd_fallbacks_total{reason="hedge"}``) and a stall of the pair for
+its breaker (the split was slower than colocated started after it). Not hedged: non-streamed
+answers (their decode leg is two steps), token mode, and several prompts at once.
 
 A prefill-decode pair that stalls ``breaker_stalls`` times in a row gets no splits for
 ``breaker_open_s`` (decision reason ``breaker_open``; ``vllm_pd_breaker_open{prefill,decode}``

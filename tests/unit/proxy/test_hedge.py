@@ -12,15 +12,10 @@ import httpx
 from tests.unit.proxy.helpers import LONG, fleet, metric, proxy, sent, wait_until
 from tests.unit.proxy.test_proxy_flow import _colocated_stream, _stream_events
 
-#: Hedging on; no deadline a test could reach (the hedge alone must serve), and a hedge delay
-#: beyond a prefill leg of the fake engines on a loaded host.
-HEDGE = {
-    "hedge": True,
-    "hedge_unmeasured_s": 1.5,
-    "floor_s": 600.0,
-    "unmeasured_prefill_s": 600.0,
-    "breaker_stalls": 5,
-}
+#: Hedging on; no deadline a test could reach (the hedge alone must serve; a prefill leg has
+#: none until measured), and a hedge delay beyond a prefill leg of the fake engines on a
+#: loaded host.
+HEDGE = {"hedge": True, "hedge_unmeasured_s": 1.5, "floor_s": 600.0, "breaker_stalls": 5}
 
 
 def _hedge_legs(engine) -> list[dict]:
