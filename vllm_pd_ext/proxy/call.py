@@ -6,8 +6,8 @@ owns:
 * what the stages decided and measured: the decision, the decode leg's
   ``kv_transfer_params`` and the prefill side's cache hits, the leg timings;
 * what the request holds: its admission slot, the in-flight leases of the instances serving
-  it, the KV room it reserved on its decode instance, the disconnect watch, the proxy's
-  in-flight gauge. ``close()`` gives all of it back,
+  it, the KV room it reserved on its decode instance, a hedge's colocated leg, the
+  disconnect watch, the proxy's in-flight gauge. ``close()`` gives all of it back,
   once, whoever ends the request (the orchestrator, or the relay of a streamed answer);
 * its outcome: ``finish()`` counts it and writes the request's one INFO line, once.
 
@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from vllm_pd_ext.proxy.client_channel import DisconnectWatch
     from vllm_pd_ext.proxy.decision import Decision
     from vllm_pd_ext.proxy.fleet import Instance, Lease
+    from vllm_pd_ext.proxy.hedge import Hedge
     from vllm_pd_ext.proxy.metrics import ProxyMetrics
     from vllm_pd_ext.proxy.migration import Migration, TokenMigration
     from vllm_pd_ext.proxy.request import RequestContext
@@ -49,6 +50,7 @@ class Call:
         "decision",
         "decode_instance",
         "engines",
+        "hedge",
         "kv_first",
         "label",
         "migration",
@@ -92,6 +94,8 @@ class Call:
         #: The decode leg's first step only loads the KV and answers one token (a guarded
         #: non-streamed split; the answer comes in a second step).
         self.kv_first = False
+        #: The colocated leg started beside a late split (``hedge.py``), once started.
+        self.hedge: Hedge | None = None
         #: Token mode: every engine the request was sent to (aborted if the client leaves).
         self.engines: list[Instance] = []
         #: A stream that can be continued elsewhere should its engine fail (migration.py).
@@ -167,6 +171,8 @@ class Call:
         if self._closed:
             return
         self._closed = True
+        if self.hedge is not None:  # (one the request left running: closed)
+            self.hedge.cancel("abandoned")
         self.unreserve()
         self.watch.stop()
         for lease in self._leases:

@@ -174,6 +174,29 @@ class StallGuardConfig(_Strict):
         description="the deadline is this many times the transfer the cost model expects for "
         "the prompt (once it has measured cost_min_samples splits), if more than floor_s",
     )
+    hedge: bool = Field(
+        False,
+        description="streams: once a guarded split has run hedge_factor x its typical split "
+        "(measured prefill leg + transfer gap) plus hedge_margin_s (hedge_unmeasured_s until "
+        "measured) without a first token, start the request colocated beside it and keep "
+        "whichever answers first; the deadlines stay as the hard stop behind it",
+    )
+    hedge_factor: float = Field(
+        1.5, ge=1, description="a split is late, and hedged, past this many times its typical"
+    )
+    hedge_margin_s: float = Field(0.05, ge=0, description="seconds added to the hedge's delay")
+    hedge_unmeasured_s: float = Field(
+        0.5,
+        gt=0,
+        description="the hedge's delay until the cost model has measured cost_min_samples "
+        "splits (about a colocated answer's time)",
+    )
+    hedge_max_in_flight: int = Field(
+        4,
+        ge=1,
+        description="hedged requests (two legs running) at most; a late split beyond this "
+        "waits for its deadline alone, so a loaded fleet does not double its work",
+    )
     breaker_stalls: int = Field(
         3, ge=1, description="stalls in a row on one prefill-decode pair that stop its splits"
     )

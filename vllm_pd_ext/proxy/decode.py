@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 from vllm_pd_ext.proxy.call import Call
@@ -35,12 +36,13 @@ from vllm_pd_ext.proxy.client_channel import ClientGone
 from vllm_pd_ext.proxy.decision import Decision
 from vllm_pd_ext.proxy.errors import ProxyError, passthrough
 from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
+from vllm_pd_ext.proxy.hedge import Hedge, first_bytes, race
 from vllm_pd_ext.proxy.legs import decode_body, one_token_body
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.protocols import PDProtocol
 from vllm_pd_ext.proxy.relay import Opened, StreamRelay, record_transfer
 from vllm_pd_ext.proxy.routing import Route, Router
-from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse, discard
+from vllm_pd_ext.proxy.upstream import Timeouts, UpstreamError, UpstreamResponse
 
 
 class DecodeLeg:
@@ -113,6 +115,58 @@ class DecodeLeg:
             sink_on_ok=sink,
         )
 
+    async def send_hedge(self, call: Call, inst: Instance) -> UpstreamResponse:
+        """A hedge's colocated leg on ``inst``, under its own engine request id (the split's
+        legs may be in flight on the same engine); the body unread."""
+        headers = {"X-Request-Id": call.ctx.request_id + "-hedge"}
+        body = decode_body(call.ctx, None)
+        return await inst.client.send("POST", call.ctx.path, self.timeout, body, headers)
+
+    def _hedge(self, call: Call, route: Route, inst: Instance) -> Hedge | None:
+        """A hedge beside a split's late decode leg on ``inst``: the request colocated
+        where a stall would be served (``_rescuer``), with a stall's colocated deadline.
+        None at the in-flight bound."""
+        guard = self.router.guard
+        if not guard.hedge_begin("decode"):
+            return None
+        assert call.prefill_done is not None
+        where = self._rescuer(call, route, inst, call.prefill_instance)
+        budget = guard.rescue_budget_s(call.prefill_done - call.start, call.ctx.est_prompt_tokens)
+        opening = self.send_hedge(call, where)
+        return Hedge(guard, where, "decode", (call.prefill_instance, inst), opening, budget)
+
+    async def _adopt(self, call: Call, hedge: Hedge) -> Opened | None:
+        """The hedge's colocated leg serves the request once its first bytes are in (the
+        call's split given up, when it had one); None when that leg failed."""
+        decision = call.decision
+        beat = decision is None or decision.split or decision.reason == "hedge"
+        if await call.watch.race(hedge.wait(), "decode_wait") is None:
+            if not beat:  # the split failed first: its leg was the colocated one, and missed
+                self.router.guard.rescue_stalled(hedge.inst, call.ctx.request_id)
+            return None
+        resp, lease = hedge.adopt("colocated" if beat else "rescue")
+        call.hold(lease)
+        if call.params is not None:
+            call.colocate()
+        if decision is not None and decision.split:
+            call.decide(Decision(False, "hedge"))
+        call.decode_instance = hedge.inst
+        return Opened(resp, hedge.inst)
+
+    def _rescuer(
+        self, call: Call, route: Route, inst: Instance, stalled: Instance | None
+    ) -> Instance:
+        """Where a split that stalled on decode instance ``inst`` after its prefill leg on
+        ``stalled`` is served colocated: ``stalled`` (its cache holds the prompt) with
+        ``stalled_on: prefill``, else ``inst``; when ``stalled`` is down, another decode
+        before ``inst``."""
+        if stalled is None or self.router.guard.config.stalled_on != "prefill":
+            return inst
+        if stalled.healthy:
+            return stalled
+        others = [i for i in route.decode_pool if i not in (stalled, inst) and i.healthy]
+        return next(self.router.candidates(call.ctx, others, "decode")) if others else inst
+
     async def open(
         self,
         call: Call,
@@ -130,6 +184,21 @@ class DecodeLeg:
         through; 502 when every instance tried failed) or ``ClientGone``."""
         errors: list[str] = []
         guard = self.router.guard
+        hedge = call.hedge
+        if hedge is not None and hedge.live and call.params is None:
+            # colocated now (the hedge beat the prefill leg, the prefill failed, or the split
+            # stalled): the hedge's colocated leg serves it, if it answers
+            adopted = await self._adopt(call, hedge)
+            if adopted is not None:
+                return adopted
+            if first is hedge.inst:  # its leg there just failed: another instance first
+                suspects = (*suspects, first)
+                rest = [i for i in route.decode_pool if i not in suspects and i.healthy] or [
+                    i for i in route.decode_pool if i is not hedge.inst and i.healthy
+                ]
+                first = next(self.router.candidates(call.ctx, rest, "decode")) if rest else None
+                if first not in suspects:
+                    rescue_s = None
         broken = (
             first is None and route.decision.reason == "breaker_open" and guard.wedged(route.decode)
         )
@@ -144,6 +213,11 @@ class DecodeLeg:
         stalled: Instance | None = None  # the prefill instance of a stalled split
         stalled_leg_s = 0.0  # and how long its prefill leg took
         for attempt, inst in enumerate(candidates):
+            hedge = call.hedge
+            if attempt and hedge is not None and hedge.live:  # the split failed: it serves
+                adopted = await self._adopt(call, hedge)
+                if adopted is not None:
+                    return adopted
             if attempt and call.params is not None and self.protocol.binds_decode:
                 call.colocate()
                 self.metrics.fallbacks.labels("decode_retry").inc()
@@ -170,16 +244,23 @@ class DecodeLeg:
                     opening = self.send_body(call, inst, body, call.ctx.request_id, sink)
                 if rescue:
                     assert rescue_s is not None
-                    opening = _first_bytes(opening, rescue_s)
+                    opening = first_bytes(opening, rescue_s)
                 elif guarded:
                     assert call.prefill_done is not None
                     guard.probing(call.prefill_instance, inst)
                     left = guard.budget_s(call.ctx.est_prompt_tokens) - (
                         time.perf_counter() - call.prefill_done
                     )
-                    opening = _first_bytes(opening, left)
+                    opening = first_bytes(opening, left)
+                    if stream is not None and self._hedges(call, inst):
+                        at = call.start + guard.hedge_s(call.ctx.est_prompt_tokens)
+                        opening = race(call, opening, at, partial(self._hedge, call, route, inst))
                 try:
                     resp = await call.watch.race(opening, "decode_wait")
+                    if isinstance(resp, Hedge):  # its colocated leg answered first
+                        adopted = await self._adopt(call, resp)
+                        assert adopted is not None
+                        return adopted
                     if resp is not None and call.kv_first and resp.status == 200:
                         # the first step's one token is in: the rest comes from D's cache
                         resp = await call.watch.race(self._rest(call, inst, resp), "decode")
@@ -219,6 +300,8 @@ class DecodeLeg:
                     raise passthrough(resp.status, raw)
                 if guarded and stream is not None:
                     guard.served(call.prefill_instance, inst)
+                    if call.hedge is not None:  # the split answered first: the hedge closed
+                        call.hedge.cancel("split")
                 call.hold(lease)
                 return Opened(resp, inst)
         else:
@@ -226,19 +309,18 @@ class DecodeLeg:
         # a stall: served colocated now, on the instance the guard's config names first,
         # within a deadline (a stream); both instances of the pair come last after it
         pair = (inst,) if stalled is None else (stalled, inst)
-        rescuer = inst
-        if stalled is not None and guard.config.stalled_on == "prefill":
-            others = [i for i in route.decode_pool if i not in pair and i.healthy]
-            if stalled.healthy:
-                rescuer = stalled
-            elif others:  # the prefill is down: another decode before the one that stalled
-                rescuer = next(self.router.candidates(call.ctx, others, "decode"))
+        rescuer = self._rescuer(call, route, inst, stalled)
         rescue_s = (
             guard.rescue_budget_s(stalled_leg_s, call.ctx.est_prompt_tokens)
             if stream is not None and rescuer in pair
             else None
         )
         return await self.open(call, route, None, stream, rescuer, rescue_s, pair)
+
+    def _hedges(self, call: Call, inst: Instance) -> bool:
+        """Is this split to ``inst`` hedged when late? A guarded text-mode stream, with the
+        guard's ``hedge`` on."""
+        return call.ctx.tokens is None and self.router.guard.hedges(call.ctx.stream, inst)
 
     def _suspect_budget_s(self, call: Call) -> float:
         """Seconds a colocated stream on a decode instance whose breakers are all open has
@@ -269,34 +351,3 @@ class DecodeLeg:
         record_transfer(self.metrics, self.router.decider, call, time.perf_counter())
         call.params = None  # the KV is in: what follows is colocated there
         return await self.send_body(call, inst, decode_body(call.ctx, None), call.ctx.request_id)
-
-
-async def _first_bytes(
-    opening: Awaitable[UpstreamResponse], timeout: float
-) -> UpstreamResponse | None:
-    """``opening``'s response once it has answered and, if 200, its body's first bytes have
-    come, all within ``timeout`` seconds; None past that, or when a 200 body ended or broke
-    before any byte (what was opened is closed, so the engine aborts the request)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    task = asyncio.ensure_future(opening)
-    try:
-        done, _ = await asyncio.wait((task,), timeout=max(0.0, timeout))
-    except BaseException:
-        await discard(task)
-        raise
-    if not done:
-        await discard(task)
-        return None
-    resp = task.result()  # its UpstreamError, as an unguarded leg's
-    if resp.status != 200:
-        return resp
-    try:
-        arrived = await resp.arrived(deadline - loop.time())
-    except BaseException:
-        resp.close()
-        raise
-    if not arrived or not resp.has_body_bytes:
-        resp.close()
-        return None
-    return resp

@@ -103,7 +103,8 @@ class ProxyMetrics:
             "Split requests that failed on their pair, by prefill -> decode pair and reason: "
             "stall (no first token by the stall guard's deadline), prefill_stall (the prefill "
             "leg past its deadline), decode_error (the decode instance failed the leg after "
-            "the prefill leg); each was served another way",
+            "the prefill leg), hedge (its hedge's colocated leg answered first); each was served "
+            "another way",
             ["prefill", "decode", "reason"],
             registry=r,
         )
@@ -112,6 +113,17 @@ class ProxyMetrics:
             "vllm_pd_fallbacks",
             "Split requests served colocated after a failure",
             ["reason"],
+            registry=r,
+        )
+        self.hedges = Counter(
+            "vllm_pd_hedges",
+            "Late split streams hedged with a colocated leg, by the leg that was late (prefill, "
+            "decode) and outcome: split or colocated (the leg that answered first; the other "
+            "was closed), rescue (the colocated leg served after the split leg failed or "
+            "missed its deadline), failed (the colocated leg missed its own deadline or "
+            "failed), bound (not hedged: hedge_max_in_flight reached), abandoned (the client "
+            "left)",
+            ["leg", "outcome"],
             registry=r,
         )
         self.migrations = Counter(

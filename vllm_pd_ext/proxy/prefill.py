@@ -7,7 +7,8 @@ the prefill leg beside it; the decode leg's pending response goes on to the deco
 
 A failed attempt (unreachable, 5xx, timeout, no ``kv_transfer_params``) is retried on another
 prefill instance, up to ``prefill_retries``; then ``LegFailed``. A 4xx is the client's mistake:
-``ProxyError``, passed through.
+``ProxyError``, passed through. A hedged split (``stall_guard.py``) whose colocated leg answers
+before its prefill leg raises ``HedgeWon`` (the prefill leg closed).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from typing import Any
 from vllm_pd_ext.proxy.call import Call
 from vllm_pd_ext.proxy.errors import passthrough
 from vllm_pd_ext.proxy.fleet import Fleet, Instance, Lease
+from vllm_pd_ext.proxy.hedge import Hedge, HedgeWon, race
 from vllm_pd_ext.proxy.legs import one_token_body
 from vllm_pd_ext.proxy.protocols import MissingCoordinates, PDProtocol
 from vllm_pd_ext.proxy.routing import Route, Router
@@ -34,6 +36,8 @@ from vllm_pd_ext.transfer_params import prefill_cached_tokens
 
 #: Sends the decode leg to an instance with the given params; the opened response.
 SendDecode = Callable[[Call, Instance, dict[str, Any]], Awaitable[UpstreamResponse]]
+#: Sends a hedge's colocated leg to an instance; the opened response.
+SendHedge = Callable[[Call, Instance], Awaitable[UpstreamResponse]]
 
 
 class LegFailed(Exception):
@@ -66,12 +70,14 @@ class PrefillLeg:
         fleet: Fleet,
         timeout: Timeouts,
         send_decode: SendDecode,
+        send_hedge: SendHedge,
     ):
         self.protocol = protocol
         self.router = router
         self.fleet = fleet
         self.timeout = timeout
         self.send_decode = send_decode
+        self.send_hedge = send_hedge
 
     async def run(self, call: Call, route: Route) -> Prefilled:
         """Run the leg, retried on other prefill instances. Raises ``LegFailed``,
@@ -141,13 +147,23 @@ class PrefillLeg:
         trace = call.trace
         span = trace.leg("prefill", inst, headers) if trace is not None else None
         with Lease(inst):
+            fetch = asyncio.wait_for(
+                inst.client.fetch(
+                    "POST", ctx.path, self.timeout, one_token_body(ctx, params), headers
+                ),
+                budget,
+            )
             try:
-                status, raw = await asyncio.wait_for(
-                    inst.client.fetch(
-                        "POST", ctx.path, self.timeout, one_token_body(ctx, params), headers
-                    ),
-                    budget,
-                )
+                if ctx.tokens is None and guard.hedges(ctx.stream, decode):
+                    at = call.start + guard.hedge_s(ctx.est_prompt_tokens)
+                    got = await race(call, fetch, at, lambda: self._hedge(call, inst, decode))
+                    if isinstance(got, Hedge):  # its colocated leg answered first
+                        if trace is not None:
+                            trace.leg_done(span, error="hedge_won")
+                        raise HedgeWon
+                    status, raw = got
+                else:
+                    status, raw = await fetch
             except UpstreamError as exc:
                 if trace is not None:
                     trace.leg_done(span, error=exc.kind)
@@ -169,6 +185,18 @@ class PrefillLeg:
             raise _AttemptFailed(f"{inst.label}: the answer is not a JSON object")
         answer = data.get("kv_transfer_params")
         return (answer if isinstance(answer, dict) else None), data.get("usage")
+
+    def _hedge(self, call: Call, inst: Instance, decode: Instance) -> Hedge | None:
+        """A hedge beside a late prefill leg on ``inst``: the request colocated on ``decode``,
+        with the prefill leg's deadline for its first token. None at the in-flight bound."""
+        guard = self.router.guard
+        if not guard.hedge_begin("prefill"):
+            return None
+        budget = guard.prefill_budget_s(call.ctx.est_prompt_tokens)
+        if budget is None:
+            budget = self.timeout.total or guard.config.floor_s
+        opening = self.send_hedge(call, decode)
+        return Hedge(guard, decode, "prefill", (inst, decode), opening, budget)
 
 
 def cached_tokens(params: dict[str, Any] | None, usage: dict[str, Any] | None) -> int | None:

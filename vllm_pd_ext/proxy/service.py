@@ -27,6 +27,8 @@ Failure semantics (all timeouts come from ``TimeoutConfig``):
   (colocated there when the protocol pushed the KV to the first one: ``binds_decode``).
 * a split stream's first token misses the stall guard's deadline (``stall_guard.py``): the
   decode leg is closed and the request served colocated, before the client saw a byte.
+* a split stream that is late (``hedge`` on): the request is started colocated beside it
+  (``hedge.py``) and the first of the two to answer serves it; the other is closed.
 * decode fails mid-stream: the stream is continued on another instance where it broke
   (``migration.py``, up to ``max_migrations``); when none can, one SSE error event, then
   the stream closes. A whole answer that breaks after its head is asked again elsewhere.
@@ -57,6 +59,7 @@ from vllm_pd_ext.proxy.decision import Decision
 from vllm_pd_ext.proxy.decode import DecodeLeg
 from vllm_pd_ext.proxy.errors import ProxyError
 from vllm_pd_ext.proxy.fleet import Fleet
+from vllm_pd_ext.proxy.hedge import HedgeWon
 from vllm_pd_ext.proxy.metrics import ProxyMetrics
 from vllm_pd_ext.proxy.migration import Migrator
 from vllm_pd_ext.proxy.prefill import LegFailed, PrefillLeg
@@ -125,6 +128,7 @@ class ProxyService:
             self.fleet,
             Timeouts(total=t.prefill_s, connect=t.connect_s),
             send_decode=self.decode.send,
+            send_hedge=self.decode.send_hedge,
         )
         self.relay = Relay(
             self.fleet,
@@ -245,6 +249,8 @@ class ProxyService:
         if route.decision.split:
             try:
                 prefilled = await self.prefill.run(call, route)
+            except HedgeWon:  # served by its colocated leg (decode.open takes it)
+                call.decide(Decision(False, "hedge"))
             except LegFailed as exc:
                 if self.config.on_prefill_failure == "retry-then-fail":
                     raise ProxyError(502, f"prefill failed: {exc}", code="prefill_failed") from None

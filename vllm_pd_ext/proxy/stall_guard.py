@@ -30,6 +30,32 @@ so ``floor_s`` is set with room for it; once splits are measured the expected tr
 A prefill leg that misses its own deadline (``prefill_budget_s``) is a stall of its pair
 too: a prefill instance that keeps stalling trips the breaker just as a stalled transfer does.
 
+The hedge (``hedge``, off by default; ``hedge.py``). A deadline alone makes a stall cost the
+deadline plus the colocated answer after it, so a short deadline cuts healthy legs (their work
+wasted) and a long one leaves the stall in the tail (here at least ``floor_s``, and a prefill
+leg has no deadline until measured). So a guarded split stream that is late gets its colocated
+leg started beside it instead of after it: late is ``hedge_factor`` times its typical split
+(the measured prefill leg plus transfer gap for its prompt) plus ``hedge_margin_s`` from the
+split's start, ``hedge_unmeasured_s`` until measured (about a colocated answer's time), one
+clock for both legs. Then the request runs colocated too, once, with its own engine request id
+(``-hedge`` appended): on the split's decode instance while the prefill leg is late (it has
+computed nothing yet), on the instance a stall is served on (``stalled_on``) while the decode
+leg waits for its first token. Whichever leg has its first body bytes first serves the request
+and the other is closed (the engine aborts it and frees its blocks); a hedge started beside the
+prefill leg races the decode leg too. Only before the client has seen a byte (the guarded legs'
+first bytes wait for the guard). The deadlines stay as the hard stop behind it: a split leg
+past its deadline is closed and counted as before, and the request takes the hedge's leg if it
+answers, else goes on to the stall's colocated leg; the hedge's leg has a stall's colocated
+deadline (when it began beside the prefill leg, the prefill leg's deadline, or the prefill
+timeout until measured). At most ``hedge_max_in_flight`` hedges run at once (a late split
+beyond that waits alone, counted ``bound``), so a loaded fleet does not double its work.
+``vllm_pd_hedges_total{leg,outcome}`` counts each by the leg that was late and which leg won
+(split, colocated), or rescue (the split leg failed or missed its deadline first, counted as
+that, and the hedge's leg served), failed, bound, abandoned (the client left); a colocated win
+is also a fallback (``vllm_pd_fallbacks_total{reason="hedge"}``) and a stall of the pair for
+its breaker (the split was slower than colocated started after it). Not hedged: non-streamed
+answers (their decode leg is two steps), token mode, and several prompts at once.
+
 A prefill-decode pair that stalls ``breaker_stalls`` times in a row gets no splits for
 ``breaker_open_s`` (decision reason ``breaker_open``; ``vllm_pd_breaker_open{prefill,decode}``
 is 1 meanwhile, and one WARNING line says so). Then one guarded split probes it: a
@@ -93,6 +119,8 @@ class StallGuard:
         self._log_prefill = Throttle(LOG_EVERY_S, clock)
         self._log_rescue = Throttle(LOG_EVERY_S, clock)
         self._log_stall = Throttle(LOG_EVERY_S, clock)
+        #: Hedged requests whose two legs are both running (``hedge_begin``, ``hedge_end``).
+        self.hedging = 0
 
     @property
     def stalls(self) -> bool:
@@ -105,6 +133,47 @@ class StallGuard:
         second step is answered from there)."""
         cfg = self.config
         return cfg.enabled and (stream or (cfg.non_streamed and decode.prefix_caching is True))
+
+    def hedges(self, stream: bool, decode: Instance) -> bool:
+        """Is a split of this kind to ``decode`` hedged when late? A guarded stream, with
+        ``hedge`` on."""
+        return self.config.hedge and stream and self.guards(stream, decode)
+
+    def hedge_s(self, prompt_tokens: int) -> float:
+        """Seconds from a split's start (its prefill leg sent) after which it is late and
+        hedged: ``hedge_factor`` times its typical split (the measured prefill leg and
+        transfer gap for a prompt this long) plus ``hedge_margin_s``; ``hedge_unmeasured_s``
+        until measured."""
+        cfg = self.config
+        prefill = self.decider.expected_prefill_s(prompt_tokens)
+        transfer = self.decider.expected_transfer_s(prompt_tokens)
+        if prefill is None or transfer is None:
+            return cfg.hedge_unmeasured_s
+        return cfg.hedge_factor * (prefill + transfer) + cfg.hedge_margin_s
+
+    def hedge_begin(self, leg: str) -> bool:
+        """May a hedge start beside a late ``leg`` (prefill, decode)? Taken when True (give it
+        back with ``hedge_end``); False, counted, with ``hedge_max_in_flight`` running."""
+        if self.hedging >= self.config.hedge_max_in_flight:
+            self.metrics.hedges.labels(leg, "bound").inc()
+            return False
+        self.hedging += 1
+        return True
+
+    def hedge_end(self, leg: str, outcome: str, prefill: Instance | None, decode: Instance) -> None:
+        """A hedge begun beside a split's late ``leg`` across this pair is over: ``outcome``
+        says which leg answered first (split, colocated), that its leg served after the split
+        had failed or missed its deadline (rescue: counted as that), or that it failed or the
+        client left. A colocated leg that answered first is a fallback, and a stall of the
+        pair for its breaker (the split was slower than colocated started after it)."""
+        self.hedging -= 1
+        self.metrics.hedges.labels(leg, outcome).inc()
+        if outcome != "colocated":
+            return
+        self.metrics.fallbacks.labels("hedge").inc()
+        if prefill is not None:
+            self.metrics.pair(self.metrics.split_failures, prefill, decode, "hedge").inc()
+            self._count_stall(prefill, decode, decode_side=leg == "decode")
 
     def budget_s(self, prompt_tokens: int) -> float:
         """Seconds from the prefill leg's end to the decode leg's first token."""

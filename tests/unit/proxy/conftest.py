@@ -20,6 +20,7 @@ from vllm_pd_ext.testing.fake_engine import Behavior, FakeEngine, start_engine
 
 #: The modules whose tests drive a whole proxy (``helpers.proxy``) over the fake engines.
 _FLOW_MODULES = (
+    "test_hedge",
     "test_kubernetes_source",
     "test_migration",
     "test_mooncake_protocol",

@@ -246,3 +246,30 @@ def test_a_split_from_before_the_breaker_opened_does_not_delay_its_probe():
     guard.probing(P, D)  # a split routed before it opened starts its decode leg
     clock.now += 5.1
     assert guard.allows(P, D, True)  # the probe is due at the end of the open time
+
+
+def test_a_split_is_late_for_its_hedge_at_a_multiple_of_its_typical_split():
+    guard, decider, _ = _guard(hedge_factor=1.5, hedge_margin_s=0.05, hedge_unmeasured_s=0.4)
+    assert guard.hedge_s(1000) == 0.4  # nothing measured: the configured delay
+    for _ in range(2):
+        decider.observe(1000, prefill_s=0.2, transfer_gap_s=0.1)
+    assert guard.hedge_s(1000) == pytest.approx(0.5)  # 1.5 x (0.2 s + 0.1 s) + 0.05 s
+
+
+def test_hedges_in_flight_are_bounded_and_a_colocated_win_is_a_stall_of_the_pair():
+    guard, _, metrics = _guard(hedge_max_in_flight=2, breaker_stalls=2)
+    assert guard.hedge_begin("decode") and guard.hedge_begin("prefill")
+    assert not guard.hedge_begin("decode")  # the bound: not hedged, counted
+    guard.hedge_end("prefill", "split", P, D)
+    assert guard.hedge_begin("decode")
+    guard.hedge_end("decode", "colocated", P, D)
+    guard.hedge_end("decode", "colocated", P, D)  # two in a row: the pair's breaker opens
+    assert guard.hedging == 0
+    assert not guard.allows(P, D, True) and _breaker(metrics) == 1
+    got = parse_metrics(generate_latest(metrics.registry).decode())
+    assert got.by_label("vllm_pd_hedges_total", "leg", "outcome") == {
+        "decode/bound": 1.0,
+        "prefill/split": 1.0,
+        "decode/colocated": 2.0,
+    }
+    assert got.total("vllm_pd_fallbacks_total", reason="hedge") == 2
