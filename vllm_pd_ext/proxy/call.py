@@ -112,6 +112,12 @@ class Call:
         if self.trace is not None:
             self.trace.decided(decision)
 
+    def split_failed(self) -> None:
+        """A leg of the split failed or missed its deadline (counted as that): a hedge beside
+        it now serves as its rescue."""
+        if self.hedge is not None:
+            self.hedge.rescue = True
+
     def colocate(self) -> None:
         """From now on the decode leg runs without KV from a prefill."""
         self.unreserve()

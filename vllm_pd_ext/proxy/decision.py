@@ -101,6 +101,36 @@ class RecentMedian:
         return self._median
 
 
+class TypicalByLength:
+    """The typical seconds per prompt token of a leg, per prompt length: the recent median of
+    prompts of about this length (the same power of two) once it has ``min_samples``, else
+    of all lengths. A leg has fixed costs besides its per-token ones, so a per-token figure
+    learnt on long prompts alone would give a short one too little time, and the reverse."""
+
+    def __init__(self, min_samples: int):
+        self.min_samples = min_samples
+        self._all = RecentMedian()
+        #: One median per ``int.bit_length`` of the prompt's tokens: at most 64.
+        self._by_length: dict[int, RecentMedian] = {}
+
+    def add(self, prompt_tokens: int, seconds: float) -> None:
+        per_token = seconds / prompt_tokens
+        self._all.add(per_token)
+        bucket = self._by_length.get(prompt_tokens.bit_length())
+        if bucket is None:
+            bucket = self._by_length[prompt_tokens.bit_length()] = RecentMedian()
+        bucket.add(per_token)
+
+    def expected(self, prompt_tokens: int) -> float | None:
+        """Seconds for a prompt this long (None: fewer than ``min_samples`` measured)."""
+        bucket = self._by_length.get(prompt_tokens.bit_length())
+        median = bucket if bucket is not None and bucket.samples >= self.min_samples else self._all
+        value = median.value
+        if value is None or median.samples < self.min_samples:
+            return None
+        return value * prompt_tokens
+
+
 class Decider:
     """Makes decisions and learns per-token prefill and transfer costs from measured splits:
     a moving mean for the cost model, the recent median for the stall guard's deadlines (a
@@ -110,32 +140,39 @@ class Decider:
         self.config = config
         self.prefill_s_per_token = Ewma()
         self.transfer_s_per_token = Ewma()
-        self._typical_prefill = RecentMedian()
-        self._typical_transfer = RecentMedian()
+        self._typical_prefill = TypicalByLength(config.cost_min_samples)
+        self._typical_transfer = TypicalByLength(config.cost_min_samples)
 
     def observe(self, prompt_tokens: int, prefill_s: float, transfer_gap_s: float) -> None:
         """Record one completed split (called after the first decode token arrives)."""
         if prompt_tokens > 0:
             self.prefill_s_per_token.add(prefill_s / prompt_tokens)
             self.transfer_s_per_token.add(transfer_gap_s / prompt_tokens)
-            self._typical_prefill.add(prefill_s / prompt_tokens)
-            self._typical_transfer.add(transfer_gap_s / prompt_tokens)
+            self._typical_prefill.add(prompt_tokens, prefill_s)
+            self._typical_transfer.add(prompt_tokens, transfer_gap_s)
+
+    def observe_late(
+        self, prompt_tokens: int, prefill_s: float, transfer_gap_s: float | None
+    ) -> None:
+        """Record a split given up while under way (its hedge answered first): it took at
+        least ``prefill_s`` in its prefill leg and, once that ended, ``transfer_gap_s``
+        waiting for its first token (None: the prefill leg had not ended). Only the typical
+        legs the stall guard times against learn it, as a sample of what it took so far: so
+        they follow a lasting slow-down instead of hedging every split at the old times."""
+        if prompt_tokens > 0:
+            self._typical_prefill.add(prompt_tokens, prefill_s)
+            if transfer_gap_s is not None:
+                self._typical_transfer.add(prompt_tokens, transfer_gap_s)
 
     def expected_prefill_s(self, prompt_tokens: int) -> float | None:
         """The typical measured prefill leg for a prompt this long (None: not measured
         enough)."""
-        return self._expected(self._typical_prefill, prompt_tokens)
+        return self._typical_prefill.expected(prompt_tokens)
 
     def expected_transfer_s(self, prompt_tokens: int) -> float | None:
         """The typical measured transfer gap for a prompt this long (None: not measured
         enough)."""
-        return self._expected(self._typical_transfer, prompt_tokens)
-
-    def _expected(self, per_token: RecentMedian, prompt_tokens: int) -> float | None:
-        value = per_token.value
-        if value is None or per_token.samples < self.config.cost_min_samples:
-            return None
-        return value * prompt_tokens
+        return self._typical_transfer.expected(prompt_tokens)
 
     def decide(
         self,

@@ -139,12 +139,19 @@ class DecodeLeg:
         """The hedge's colocated leg serves the request once its first bytes are in (the
         call's split given up, when it had one); None when that leg failed."""
         decision = call.decision
-        beat = decision is None or decision.split or decision.reason == "hedge"
         if await call.watch.race(hedge.wait(), "decode_wait") is None:
-            if not beat:  # the split failed first: its leg was the colocated one, and missed
+            if hedge.rescue:  # the split failed first: its leg was the colocated one, and missed
                 self.router.guard.rescue_stalled(hedge.inst, call.ctx.request_id)
             return None
-        resp, lease = hedge.adopt("colocated" if beat else "rescue")
+        if not hedge.rescue:  # it beat the split: what the split took so far, for the guard
+            now = time.perf_counter()
+            done = call.prefill_done
+            self.router.decider.observe_late(
+                call.ctx.est_prompt_tokens,
+                (now if done is None else done) - call.start,
+                None if done is None else now - done,
+            )
+        resp, lease = hedge.adopt("rescue" if hedge.rescue else "colocated")
         call.hold(lease)
         if call.params is not None:
             call.colocate()
@@ -282,6 +289,7 @@ class DecodeLeg:
                     assert call.prefill_done is not None
                     stalled, stalled_leg_s = call.prefill_instance, call.prefill_done - call.start
                     guard.stalled(stalled, inst, call.ctx.request_id)
+                    call.split_failed()
                     call.colocate()
                     call.decide(Decision(False, "stall"))
                     break
@@ -305,6 +313,11 @@ class DecodeLeg:
                 call.hold(lease)
                 return Opened(resp, inst)
         else:
+            hedge = call.hedge
+            if hedge is not None and hedge.live:  # the split failed: its hedge may serve
+                adopted = await self._adopt(call, hedge)
+                if adopted is not None:
+                    return adopted
             raise ProxyError(502, "decode failed: " + "; ".join(errors), code="decode_failed")
         # a stall: served colocated now, on the instance the guard's config names first,
         # within a deadline (a stream); both instances of the pair come last after it
@@ -333,6 +346,7 @@ class DecodeLeg:
     def _split_failed(self, call: Call, inst: Instance) -> None:
         """A decode attempt on ``inst`` failed; counted per pair when it was to load a
         prefill's KV."""
+        call.split_failed()
         if call.params is not None and call.prefill_instance is not None:
             m = self.metrics
             m.pair(m.split_failures, call.prefill_instance, inst, "decode_error").inc()

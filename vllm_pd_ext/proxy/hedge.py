@@ -33,7 +33,7 @@ class HedgeWon(Exception):
 class Hedge:
     """One colocated leg started beside a late split leg, with its instance's lease."""
 
-    __slots__ = ("_ended", "adopted", "guard", "inst", "lease", "leg", "pair", "task")
+    __slots__ = ("_ended", "adopted", "guard", "inst", "lease", "leg", "pair", "rescue", "task")
 
     def __init__(
         self,
@@ -56,6 +56,9 @@ class Hedge:
             _colocated(opening, timeout_s)
         )
         self.adopted = False
+        #: The split failed or missed a deadline after it began (counted as that): its leg
+        #: serving is then a rescue, not a win over the split.
+        self.rescue = False
         self._ended = False
 
     @property

@@ -71,6 +71,7 @@ class PrefillLeg:
         timeout: Timeouts,
         send_decode: SendDecode,
         send_hedge: SendHedge,
+        hedge: bool = True,
     ):
         self.protocol = protocol
         self.router = router
@@ -78,6 +79,8 @@ class PrefillLeg:
         self.timeout = timeout
         self.send_decode = send_decode
         self.send_hedge = send_hedge
+        #: Are late prefill legs hedged (as the stall guard says)?
+        self.hedge = hedge
 
     async def run(self, call: Call, route: Route) -> Prefilled:
         """Run the leg, retried on other prefill instances. Raises ``LegFailed``,
@@ -93,9 +96,11 @@ class PrefillLeg:
                 plan = self.protocol.plan(call.ctx.request_id, inst.config, route.decode.config)
                 answer, usage = await self._once(call, inst, route.decode, plan.prefill_params)
             except (MissingCoordinates, _AttemptFailed) as exc:
+                call.split_failed()
                 errors.append(str(exc))
                 continue
             if answer is None:
+                call.split_failed()
                 errors.append(f"{inst.label}: no kv_transfer_params (is a KV connector set?)")
                 continue
             return Prefilled(answer, cached_tokens(answer, usage), inst)
@@ -121,6 +126,7 @@ class PrefillLeg:
                     self._once(call, inst, route.decode, plan.prefill_params), "prefill"
                 )
             except _AttemptFailed as exc:
+                call.split_failed()
                 await discard(pending)
                 errors.append(str(exc))
                 continue
@@ -154,7 +160,7 @@ class PrefillLeg:
                 budget,
             )
             try:
-                if ctx.tokens is None and guard.hedges(ctx.stream, decode):
+                if self.hedge and ctx.tokens is None and guard.hedges(ctx.stream, decode):
                     at = call.start + guard.hedge_s(ctx.est_prompt_tokens)
                     got = await race(call, fetch, at, lambda: self._hedge(call, inst, decode))
                     if isinstance(got, Hedge):  # its colocated leg answered first

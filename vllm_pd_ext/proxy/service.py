@@ -129,6 +129,8 @@ class ProxyService:
             Timeouts(total=t.prefill_s, connect=t.connect_s),
             send_decode=self.decode.send,
             send_hedge=self.decode.send_hedge,
+            # a late prefill leg's hedge serves colocated: not where a failed one must fail
+            hedge=config.on_prefill_failure == "retry-then-colocated",
         )
         self.relay = Relay(
             self.fleet,

@@ -53,7 +53,10 @@ beyond that waits alone, counted ``bound``), so a loaded fleet does not double i
 (split, colocated), or rescue (the split leg failed or missed its deadline first, counted as
 that, and the hedge's leg served), failed, bound, abandoned (the client left); a colocated win
 is also a fallback (``vllm_pd_fallbacks_total{reason="hedge"}``) and a stall of the pair for
-its breaker (the split was slower than colocated started after it). Not hedged: non-streamed
+its breaker (the split was slower than colocated started after it), and what the split took
+until then a sample of the typical legs (``Decider.observe_late``: splits that all lose still
+measure the pair). A split leg that fails while hedged (``Call.split_failed``) is counted as
+that once; the hedge's leg then serves as its rescue. Not hedged: non-streamed
 answers (their decode leg is two steps), token mode, and several prompts at once.
 
 A prefill-decode pair that stalls ``breaker_stalls`` times in a row gets no splits for

@@ -8,6 +8,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.unit.proxy.helpers import LONG, fleet, metric, proxy, sent, wait_until
 from tests.unit.proxy.test_proxy_flow import _colocated_stream, _stream_events
@@ -191,4 +192,93 @@ def test_a_client_that_leaves_while_hedged_has_both_legs_closed(engines):
         assert len(_hedge_legs(engines["p1"])) == 1
         assert metric(base, "vllm_pd_hedges_total", outcome="abandoned") == 1
         assert metric(base, "vllm_pd_aborts_total", phase="decode_wait") == 1
+        assert svc.router.guard.hedging == 0
+
+
+@pytest.mark.parametrize("decodes", [("d1",), ("d1", "d2")])
+def test_a_split_whose_decode_leg_fails_while_hedged_is_served_by_the_hedges_leg(engines, decodes):
+    """The split's decode leg answers 500 while its hedge's leg (on the prefill instance) is
+    under way: the hedge serves the request as the split's rescue (no other decode tried,
+    no 502 with one decode instance), and the failure counts once, as the decode error it
+    was, not also as a hedge beating the split."""
+    pool = fleet(engines, prefill=("p1",), decode=decodes)
+    expected = _colocated_stream(engines, pool)
+    for name in decodes:  # the split's leg fails once its hedge (at 1.5 s) is under way
+        engines[name].behavior.delay_s = 3.0
+        engines[name].behavior.status = 500
+    engines["p1"].behavior.colocated_stall_s = 2.5  # the hedge answers at about 4 s
+    with proxy(engines, instances=pool, stall_guard=HEDGE) as (base, svc):
+        assert _stream_events(base, 5, LONG) == expected
+        (split_leg,) = sent(engines["d1"])
+        assert split_leg["kv_transfer_params"]["do_remote_prefill"] is True
+        assert all(not engines[name].requests for name in decodes[1:])
+        assert len(_hedge_legs(engines["p1"])) == 1
+        assert metric(base, "vllm_pd_hedges_total", leg="decode", outcome="rescue") == 1
+        assert metric(base, "vllm_pd_hedges_total", outcome="colocated") == 0
+        assert metric(base, "vllm_pd_fallbacks_total", reason="hedge") == 0
+        pair = {"prefill": engines["p1"].url, "decode": engines["d1"].url}
+        assert metric(base, "vllm_pd_split_failures_total", reason="decode_error", **pair) == 1
+        assert metric(base, "vllm_pd_split_failures_total", reason="hedge", **pair) == 0
+        assert not svc.router.guard._pairs  # no stall on record for the breaker
+        assert svc.router.guard.hedging == 0
+
+
+def test_a_prefill_leg_past_its_deadline_then_beaten_by_the_hedge_counts_once(engines):
+    """p1's prefill leg misses its deadline (a prefill stall of p1 -> d1) while the hedge's
+    leg on d1 is under way, the leg retried on p2 is late too, and the hedge answers first:
+    it serves as the split's rescue; the one stall is p1's, not a second one for the hedge."""
+    pool = fleet(engines, prefill=("p1", "p2"), decode=("d1",))
+    expected = _colocated_stream(engines, pool)
+    engines["p1"].behavior.delay_s = 600.0
+    engines["p2"].behavior.delay_s = 600.0
+    # prefill legs measured at 1 s: the hedge at 1.55 s, p1's deadline at 4 s (factor 4),
+    # the hedge's leg answers at about 1.55 + 3.2 s, within its own 4 s
+    engines["d1"].behavior.colocated_stall_s = 3.2
+    guard = {**HEDGE, "floor_s": 1.0, "breaker_stalls": 5}
+    with proxy(engines, instances=pool, stall_guard=guard) as (base, svc):
+        for _ in range(5):
+            svc.router.decider.observe(500, prefill_s=1.0, transfer_gap_s=0.0)
+        assert _stream_events(base, 5, LONG) == expected
+        assert [len(sent(engines[p])) for p in ("p1", "p2")] == [1, 1]
+        assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_stall") == 1
+        assert metric(base, "vllm_pd_fallbacks_total", reason="hedge") == 0
+        assert metric(base, "vllm_pd_hedges_total", leg="prefill", outcome="rescue") == 1
+        stalls = {pair: state.stalls for pair, state in svc.router.guard._pairs.items()}
+        assert stalls == {(engines["p1"].url, engines["d1"].url): 1}
+        assert svc.router.guard.hedging == 0
+
+
+def test_splits_beaten_by_their_hedge_are_measured_at_what_they_took(engines):
+    """Every split stalls on its KV and its hedge wins: what each split took until then is
+    a sample of the typical split, so a pair whose splits all lose is measured (and the next
+    hedge waits for 1.5x that) instead of being hedged at the unmeasured delay for ever."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    engines["d1"].behavior.kv_stall_s = 600.0
+    with proxy(engines, instances=one_pair, stall_guard=HEDGE) as (base, svc):
+        decider = svc.router.decider
+        for _ in range(5):  # cost_min_samples
+            assert decider.expected_transfer_s(500) is None
+            assert _stream_events(base, 5, LONG)[-1] == "data: [DONE]"
+        assert metric(base, "vllm_pd_hedges_total", leg="decode", outcome="colocated") == 5
+        transfer = decider.expected_transfer_s(500)
+        assert transfer is not None and transfer >= 1.0  # the hedge began 1.5 s after the start
+        assert svc.router.guard.hedge_s(500) > HEDGE["hedge_unmeasured_s"]
+
+
+def test_a_late_prefill_leg_is_not_hedged_where_a_failed_prefill_must_fail(engines):
+    """With ``on_prefill_failure: retry-then-fail`` a split is never served colocated for a
+    prefill's sake: a late prefill leg gets no hedge, and when it then fails the client gets
+    the 502 that policy promises."""
+    one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
+    engines["p1"].behavior.delay_s = 3.0  # past the hedge's 1.5 s, then a 500
+    engines["p1"].behavior.status = 500
+    with proxy(
+        engines, instances=one_pair, stall_guard=HEDGE, on_prefill_failure="retry-then-fail"
+    ) as (base, svc):
+        body = {"model": "m", "prompt": LONG, "max_tokens": 5, "stream": True}
+        resp = httpx.post(f"{base}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 502
+        assert resp.json()["error"]["code"] == "prefill_failed"
+        assert not engines["d1"].requests
+        assert metric(base, "vllm_pd_hedges_total") == 0
         assert svc.router.guard.hedging == 0

@@ -218,6 +218,26 @@ def test_slow_legs_do_not_drag_the_deadlines_up_the_typical_leg_sets_them():
     assert guard.prefill_budget_s(1000) == pytest.approx(20.0)
 
 
+def test_a_prompt_is_timed_by_prompts_of_about_its_length_once_they_are_measured():
+    """Legs have fixed costs besides their per-token ones: once prompts of about a length
+    (the same power of two) are measured, their own per-token median times that length;
+    until then the median of all lengths does."""
+    _, decider, _ = _guard()
+    for _ in range(3):  # cost_min_samples is 2
+        decider.observe(4000, prefill_s=4.0, transfer_gap_s=0.4)
+    assert decider.expected_prefill_s(300) == pytest.approx(0.3)  # from 4000-token prompts
+    for _ in range(2):
+        decider.observe(300, prefill_s=0.9, transfer_gap_s=0.6)
+    assert decider.expected_prefill_s(300) == pytest.approx(0.9)
+    assert decider.expected_transfer_s(300) == pytest.approx(0.6)
+    assert decider.expected_prefill_s(4000) == pytest.approx(4.0)
+    assert decider.expected_prefill_s(5000) == pytest.approx(5.0)  # 4096-8191: all lengths
+    decider.observe_late(300, prefill_s=2.0, transfer_gap_s=None)  # a split given up
+    decider.observe_late(300, prefill_s=2.0, transfer_gap_s=None)
+    assert decider.expected_prefill_s(300) == pytest.approx(2.0)
+    assert decider.expected_transfer_s(300) == pytest.approx(0.6)  # its gap was not reached
+
+
 def test_prefill_stalls_of_unguarded_splits_open_no_breaker():
     """Only a guarded split's first token in time closes a breaker, so an unguarded one's
     prefill stall must not open one (it would never close)."""
