@@ -175,7 +175,7 @@ class StallGuardConfig(_Strict):
         "the prompt (once it has measured cost_min_samples splits), if more than floor_s",
     )
     hedge: bool = Field(
-        False,
+        True,
         description="streams: once a guarded split has run hedge_factor x its typical split "
         "(measured prefill leg + transfer gap) plus hedge_margin_s (hedge_unmeasured_s until "
         "measured) without a first token, start the request colocated beside it and keep "

@@ -30,7 +30,7 @@ so ``floor_s`` is set with room for it; once splits are measured the expected tr
 A prefill leg that misses its own deadline (``prefill_budget_s``) is a stall of its pair
 too: a prefill instance that keeps stalling trips the breaker just as a stalled transfer does.
 
-The hedge (``hedge``, off by default; ``hedge.py``). A deadline alone makes a stall cost the
+The hedge (``hedge``, on by default; ``hedge.py``). A deadline alone makes a stall cost the
 deadline plus the colocated answer after it, so a short deadline cuts healthy legs (their work
 wasted) and a long one leaves the stall in the tail (here at least ``floor_s``, and a prefill
 leg has no deadline until measured). So a guarded split stream that is late gets its colocated

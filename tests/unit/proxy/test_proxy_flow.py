@@ -617,7 +617,8 @@ def test_a_stalled_split_stream_is_served_colocated_before_the_client_sees_a_byt
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
     expected = _colocated_stream(engines, one_pair)
     engines["d1"].behavior.kv_stall_s = 600.0  # far past any client timeout here
-    guard = {"floor_s": 0.5, "breaker_stalls": 5, "stalled_on": stalled_on}
+    # the deadline itself, without a hedge started before it (test_hedge.py has those)
+    guard = {"floor_s": 0.5, "breaker_stalls": 5, "stalled_on": stalled_on, "hedge": False}
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
         assert _stream_events(base, 5, LONG) == expected
         wait_until(lambda: engines["d1"].disconnects == 1)
@@ -924,7 +925,8 @@ def test_a_stalled_split_whose_prefill_went_down_is_served_on_another_decode_fir
     expected = _colocated_stream(engines, one_pair)
     engines["d1"].behavior.kv_stall_s = 600.0
     engines["d1"].behavior.colocated_stall_s = 600.0
-    guard = {"floor_s": 3.0, "breaker_stalls": 5}
+    # where the stall's colocated leg goes, not a hedge's (test_hedge.py has those)
+    guard = {"floor_s": 3.0, "breaker_stalls": 5, "hedge": False}
     with _d1_looks_idle(engines, stall_guard=guard) as (base, svc), ThreadPoolExecutor(1) as pool:
         stream = pool.submit(_stream_events, base, 5, LONG)
         wait_until(lambda: len(engines["p1"].requests) == 1)  # the prefill leg: done
