@@ -48,6 +48,8 @@ def proxy_url(fleet, tmp_path_factory):
         "--min-split-prompt-tokens",
         "64",
         "--no-cost-model",
+        # the split path is what these tests check: no colocated leg beside a slow split
+        "--no-hedge",
     ]
     with running_proxy(args, log) as url:
         yield url

@@ -82,6 +82,7 @@ def test_each_request_is_one_trace_across_proxy_and_engines(
             ],
             "render": [render_url] if mode == "token" else [],
             "decision": {"min_split_prompt_tokens": 32, "cost_model": False},
+            "stall_guard": {"hedge": False},  # the split's spans: no colocated leg beside it
         }
     )
     app = create_app(config, tracing=Tracing.to_exporter(exporter, batch=False))

@@ -53,6 +53,7 @@ def test_our_connectors_transfer_spans_sit_under_the_proxys_legs(pdext_pair, col
             ],
             "protocol": "pdext-read",
             "decision": {"min_split_prompt_tokens": 32, "cost_model": False},
+            "stall_guard": {"hedge": False},  # the split's spans: no colocated leg beside it
         }
     )
     app = create_app(config, tracing=Tracing.to_exporter(exporter, batch=False))

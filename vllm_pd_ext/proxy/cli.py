@@ -97,6 +97,12 @@ def add_parser(subparsers: Any) -> None:
         "--no-cost-model", action="store_true", help="never colocate on measured transfer cost"
     )
     p.add_argument(
+        "--no-hedge",
+        action="store_true",
+        help="never start a late split stream colocated beside it (the stall guard's "
+        "deadlines alone)",
+    )
+    p.add_argument(
         "--no-fast-path",
         action="store_true",
         help="serve through uvicorn's own request cycle only (the fast path reads uvicorn "
@@ -148,6 +154,8 @@ def build_config(args: argparse.Namespace) -> ProxyConfig:
         decision["cost_model"] = False
     if decision:
         data["decision"] = decision
+    if args.no_hedge:
+        data["stall_guard"] = {**data.get("stall_guard", {}), "hedge": False}
     if args.no_fast_path:
         data["fast_path"] = False
     if args.max_migrations is not None:

@@ -185,6 +185,12 @@ class StallGuardConfig(_Strict):
         1.5, ge=1, description="a split is late, and hedged, past this many times its typical"
     )
     hedge_margin_s: float = Field(0.05, ge=0, description="seconds added to the hedge's delay")
+    hedge_min_s: float = Field(
+        0.5,
+        ge=0,
+        description="the hedge's delay is at least this: a hedge costs a whole colocated "
+        "prefill on another instance, worth it for a stalled split, not for a slightly slow one",
+    )
     hedge_unmeasured_s: float = Field(
         0.5,
         gt=0,

@@ -52,8 +52,10 @@ beyond that waits alone, counted ``bound``), so a loaded fleet does not double i
 ``vllm_pd_hedges_total{leg,outcome}`` counts each by the leg that was late and which leg won
 (split, colocated), or rescue (the split leg failed or missed its deadline first, counted as
 that, and the hedge's leg served), failed, bound, abandoned (the client left); a colocated win
-is also a fallback (``vllm_pd_fallbacks_total{reason="hedge"}``) and a stall of the pair for
-its breaker (the split was slower than colocated started after it), and what the split took
+is also a fallback (``vllm_pd_fallbacks_total{reason="hedge"}``) and a lost race of the pair
+(the split was slower than colocated started after it): its breaker opens when more than half
+of its last ``2 x breaker_stalls`` splits lost (a pair usually slower than colocated), or when
+the split was its probe, not for an occasional loss (a queue, a busy host); what the split took
 until then a sample of the typical legs (``Decider.observe_late``: splits that all lose still
 measure the pair). A split leg that fails while hedged (``Call.split_failed``) is counted as
 that once; the hedge's leg then serves as its rescue. Not hedged: non-streamed
@@ -75,9 +77,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_pd_ext.proxy.config import StallGuardConfig
 from vllm_pd_ext.proxy.decision import Decider
@@ -101,6 +103,9 @@ class _Pair:
     probe_at: float = -1e18  # when the last probe was sent (monotonic)
     closed_at: float = -1e18  # when a probe last closed its breaker (monotonic)
     decode_side: bool = False  # a decode leg's stall among those since it last closed
+    #: The pair's last hedged-or-guarded splits: True for one its hedge beat (``lost``),
+    #: False for one served in time (bounded by ``StallGuard.races``).
+    races: deque[bool] = field(default_factory=deque)
 
 
 class StallGuard:
@@ -145,14 +150,14 @@ class StallGuard:
     def hedge_s(self, prompt_tokens: int) -> float:
         """Seconds from a split's start (its prefill leg sent) after which it is late and
         hedged: ``hedge_factor`` times its typical split (the measured prefill leg and
-        transfer gap for a prompt this long) plus ``hedge_margin_s``; ``hedge_unmeasured_s``
-        until measured."""
+        transfer gap for a prompt this long) plus ``hedge_margin_s``, at least
+        ``hedge_min_s``; ``hedge_unmeasured_s`` until measured."""
         cfg = self.config
         prefill = self.decider.expected_prefill_s(prompt_tokens)
         transfer = self.decider.expected_transfer_s(prompt_tokens)
         if prefill is None or transfer is None:
             return cfg.hedge_unmeasured_s
-        return cfg.hedge_factor * (prefill + transfer) + cfg.hedge_margin_s
+        return max(cfg.hedge_min_s, cfg.hedge_factor * (prefill + transfer) + cfg.hedge_margin_s)
 
     def hedge_begin(self, leg: str) -> bool:
         """May a hedge start beside a late ``leg`` (prefill, decode)? Taken when True (give it
@@ -167,8 +172,8 @@ class StallGuard:
         """A hedge begun beside a split's late ``leg`` across this pair is over: ``outcome``
         says which leg answered first (split, colocated), that its leg served after the split
         had failed or missed its deadline (rescue: counted as that), or that it failed or the
-        client left. A colocated leg that answered first is a fallback, and a stall of the
-        pair for its breaker (the split was slower than colocated started after it)."""
+        client left. A colocated leg that answered first is a fallback, and a lost race of
+        the pair for its breaker (``_lost``)."""
         self.hedging -= 1
         self.metrics.hedges.labels(leg, outcome).inc()
         if outcome != "colocated":
@@ -176,7 +181,7 @@ class StallGuard:
         self.metrics.fallbacks.labels("hedge").inc()
         if prefill is not None:
             self.metrics.pair(self.metrics.split_failures, prefill, decode, "hedge").inc()
-            self._count_stall(prefill, decode, decode_side=leg == "decode")
+            self._lost(prefill, decode, decode_side=leg == "decode")
 
     def budget_s(self, prompt_tokens: int) -> float:
         """Seconds from the prefill leg's end to the decode leg's first token."""
@@ -286,18 +291,29 @@ class StallGuard:
             for (_, d), pair in self._pairs.items()
         )
 
-    def _count_stall(self, prefill: Instance, decode: Instance, decode_side: bool) -> None:
-        """One more stall in a row on this pair: its breaker opens at ``breaker_stalls``, or
-        again (for twice as long) when the stall was a probe's or came soon after a probe
-        closed it."""
+    def _record(self, prefill: Instance, decode: Instance) -> _Pair:
+        """This pair's record, made if it has none (the oldest forgotten past ``MAX_PAIRS``)."""
         key = (prefill.label, decode.label)
         pair = self._pairs.get(key)
         if pair is None:
-            pair = self._pairs[key] = _Pair()
+            pair = self._pairs[key] = _Pair(races=deque(maxlen=self.races))
             if len(self._pairs) > MAX_PAIRS:
                 (old_p, old_d), _ = self._pairs.popitem(last=False)
                 self.metrics.breaker_open.remove(old_p, old_d)
         self._pairs.move_to_end(key)
+        return pair
+
+    @property
+    def races(self) -> int:
+        """How many of a pair's last splits its hedges are weighed over: twice
+        ``breaker_stalls``."""
+        return 2 * self.config.breaker_stalls
+
+    def _count_stall(self, prefill: Instance, decode: Instance, decode_side: bool) -> None:
+        """One more stall in a row on this pair: its breaker opens at ``breaker_stalls``, or
+        again (for twice as long) when the stall was a probe's or came soon after a probe
+        closed it."""
+        pair = self._record(prefill, decode)
         pair.stalls += 1
         pair.decode_side = pair.decode_side or decode_side
         cfg = self.config
@@ -307,20 +323,40 @@ class StallGuard:
         probing = pair.open_until != 0.0
         relapse = now < pair.closed_at + cfg.breaker_max_open_s
         if probing or relapse or pair.stalls >= cfg.breaker_stalls:
-            pair.open_s = (
-                min(2 * pair.open_s, cfg.breaker_max_open_s)
-                if probing or relapse
-                else cfg.breaker_open_s
-            )
-            pair.open_until = now + pair.open_s
-            self.metrics.breaker_open.labels(prefill.label, decode.label).set(1)
-            logger.warning(
-                "no splits from %s to %s for %.0f s: %d stalls in a row",
-                prefill.label,
-                decode.label,
-                pair.open_s,
-                pair.stalls,
-            )
+            why = f"{pair.stalls} stalls in a row"
+            self._open(pair, prefill, decode, now, probing or relapse, why)
+
+    def _lost(self, prefill: Instance, decode: Instance, decode_side: bool) -> None:
+        """A split on this pair lost to its hedge (slower than colocated started after it).
+        Its breaker opens when the pair's splits lose more often than not (more than half of
+        its last ``races``), or for twice as long when the split was its probe: a pair that
+        is usually slower than colocated gets no splits, while an occasional loss (a queue,
+        a busy host) stops nothing."""
+        pair = self._record(prefill, decode)
+        pair.races.append(True)
+        now = self._clock()
+        if pair.open_until != 0.0 and now < pair.open_until:
+            return  # split before the breaker opened
+        probing = pair.open_until != 0.0
+        if probing or 2 * sum(pair.races) > self.races:
+            pair.decode_side = pair.decode_side or decode_side
+            why = f"{sum(pair.races)} of its last {len(pair.races)} splits slower than colocated"
+            self._open(pair, prefill, decode, now, probing, why)
+
+    def _open(
+        self, pair: _Pair, prefill: Instance, decode: Instance, now: float, doubled: bool, why: str
+    ) -> None:
+        """No splits across this pair for ``breaker_open_s``, or twice as long as last time."""
+        cfg = self.config
+        pair.open_s = (
+            min(2 * pair.open_s, cfg.breaker_max_open_s) if doubled else cfg.breaker_open_s
+        )
+        pair.open_until = now + pair.open_s
+        pair.races.clear()
+        self.metrics.breaker_open.labels(prefill.label, decode.label).set(1)
+        logger.warning(
+            "no splits from %s to %s for %.0f s: %s", prefill.label, decode.label, pair.open_s, why
+        )
 
     def served(self, prefill: Instance | None, decode: Instance) -> None:
         """A guarded leg's first token came in time: no stalls in a row now; a breaker
@@ -333,6 +369,7 @@ class StallGuard:
         pair = self._pairs.get(key)
         if pair is None:
             return
+        pair.races.append(False)
         now = self._clock()
         if pair.open_until != 0.0:
             if now < pair.open_until:
@@ -343,7 +380,7 @@ class StallGuard:
             pair.decode_side = False
             self.metrics.breaker_open.remove(prefill.label, decode.label)
             logger.warning("splits from %s to %s again", prefill.label, decode.label)
-        elif now < pair.closed_at + self.config.breaker_max_open_s:
+        elif now < pair.closed_at + self.config.breaker_max_open_s or any(pair.races):
             pair.stalls = 0
         else:
             del self._pairs[key]

@@ -206,7 +206,7 @@ def test_a_split_whose_decode_leg_fails_while_hedged_is_served_by_the_hedges_leg
     for name in decodes:  # the split's leg fails once its hedge (at 1.5 s) is under way
         engines[name].behavior.delay_s = 3.0
         engines[name].behavior.status = 500
-    engines["p1"].behavior.colocated_stall_s = 2.5  # the hedge answers at about 4 s
+    engines["p1"].behavior.colocated_stall_s = 6.0  # the hedge answers at about 7.5 s
     with proxy(engines, instances=pool, stall_guard=HEDGE) as (base, svc):
         assert _stream_events(base, 5, LONG) == expected
         (split_leg,) = sent(engines["d1"])
@@ -231,13 +231,13 @@ def test_a_prefill_leg_past_its_deadline_then_beaten_by_the_hedge_counts_once(en
     expected = _colocated_stream(engines, pool)
     engines["p1"].behavior.delay_s = 600.0
     engines["p2"].behavior.delay_s = 600.0
-    # prefill legs measured at 1 s: the hedge at 1.55 s, p1's deadline at 4 s (factor 4),
-    # the hedge's leg answers at about 1.55 + 3.2 s, within its own 4 s
-    engines["d1"].behavior.colocated_stall_s = 3.2
+    # prefill legs measured at 2 s: the hedge at 3.05 s, p1's deadline at 8 s (factor 4),
+    # the hedge's leg answers at about 3.05 + 6.5 s, within its own 8 s
+    engines["d1"].behavior.colocated_stall_s = 6.5
     guard = {**HEDGE, "floor_s": 1.0, "breaker_stalls": 5}
     with proxy(engines, instances=pool, stall_guard=guard) as (base, svc):
         for _ in range(5):
-            svc.router.decider.observe(500, prefill_s=1.0, transfer_gap_s=0.0)
+            svc.router.decider.observe(500, prefill_s=2.0, transfer_gap_s=0.0)
         assert _stream_events(base, 5, LONG) == expected
         assert [len(sent(engines[p])) for p in ("p1", "p2")] == [1, 1]
         assert metric(base, "vllm_pd_fallbacks_total", reason="prefill_stall") == 1

@@ -57,6 +57,18 @@ def test_no_fast_path_flag_turns_the_fast_path_off():
     assert build_config(args).fast_path is False
 
 
+def test_the_hedge_is_on_unless_no_hedge_turns_it_off(tmp_path):
+    args = build_parser().parse_args(["proxy", "--decode", "http://d:2"])
+    assert build_config(args).stall_guard.hedge is True
+    cfg = tmp_path / "proxy.yaml"
+    cfg.write_text("stall_guard:\n  floor_s: 3.0\n")
+    args = build_parser().parse_args(
+        ["proxy", "--decode", "http://d:2", "--config", str(cfg), "--no-hedge"]
+    )
+    config = build_config(args)
+    assert config.stall_guard.hedge is False and config.stall_guard.floor_s == 3.0
+
+
 def test_invalid_config_exits_2_with_message():
     proc = subprocess.run(
         [sys.executable, "-m", "vllm_pd_ext.cli", "proxy", "--decode", "not-a-url"],

@@ -269,27 +269,62 @@ def test_a_split_from_before_the_breaker_opened_does_not_delay_its_probe():
 
 
 def test_a_split_is_late_for_its_hedge_at_a_multiple_of_its_typical_split():
-    guard, decider, _ = _guard(hedge_factor=1.5, hedge_margin_s=0.05, hedge_unmeasured_s=0.4)
+    guard, decider, _ = _guard(
+        hedge_factor=1.5, hedge_margin_s=0.05, hedge_unmeasured_s=0.4, hedge_min_s=0.2
+    )
     assert guard.hedge_s(1000) == 0.4  # nothing measured: the configured delay
     for _ in range(2):
         decider.observe(1000, prefill_s=0.2, transfer_gap_s=0.1)
     assert guard.hedge_s(1000) == pytest.approx(0.5)  # 1.5 x (0.2 s + 0.1 s) + 0.05 s
+    assert guard.hedge_s(100) == 0.2  # 1.5 x 0.03 s + 0.05 s: the least delay
 
 
-def test_hedges_in_flight_are_bounded_and_a_colocated_win_is_a_stall_of_the_pair():
+def test_hedges_in_flight_are_bounded_and_a_pair_that_loses_most_races_stops_splitting():
+    """A colocated win is a fallback; the pair's breaker opens once more than half of its
+    last 2 x breaker_stalls splits lost to their hedge."""
     guard, _, metrics = _guard(hedge_max_in_flight=2, breaker_stalls=2)
     assert guard.hedge_begin("decode") and guard.hedge_begin("prefill")
     assert not guard.hedge_begin("decode")  # the bound: not hedged, counted
     guard.hedge_end("prefill", "split", P, D)
     assert guard.hedge_begin("decode")
     guard.hedge_end("decode", "colocated", P, D)
-    guard.hedge_end("decode", "colocated", P, D)  # two in a row: the pair's breaker opens
+    guard.hedge_end("decode", "colocated", P, D)  # 2 of 4: not more than half
     assert guard.hedging == 0
+    assert guard.allows(P, D, True) and _breaker(metrics) == 0
+    guard.hedge_begin("decode")
+    guard.hedge_end("decode", "colocated", P, D)  # 3 of 4: the pair's breaker opens
     assert not guard.allows(P, D, True) and _breaker(metrics) == 1
     got = parse_metrics(generate_latest(metrics.registry).decode())
     assert got.by_label("vllm_pd_hedges_total", "leg", "outcome") == {
         "decode/bound": 1.0,
         "prefill/split": 1.0,
-        "decode/colocated": 2.0,
+        "decode/colocated": 3.0,
     }
-    assert got.total("vllm_pd_fallbacks_total", reason="hedge") == 2
+    assert got.total("vllm_pd_fallbacks_total", reason="hedge") == 3
+
+
+def test_a_pair_that_loses_a_race_now_and_then_keeps_splitting_a_probe_that_loses_reopens():
+    """Splits served in time between the losses keep the pair splitting (a noisy host, a
+    queue); once open, a probe that loses to its hedge opens the breaker again, twice as
+    long, as a probe that stalls does."""
+    clock = Clock()
+    guard, _, metrics = _guard(clock, breaker_stalls=3, breaker_open_s=30, breaker_max_open_s=600)
+    for _ in range(3):  # three lost in a row, three served: never more than half of six
+        for _ in range(3):
+            guard.hedge_end("decode", "colocated", P, D)
+        assert guard.allows(P, D, True)
+        for _ in range(3):
+            guard.served(P, D)
+    assert guard.allows(P, D, True) and _breaker(metrics) == 0
+    for _ in range(4):
+        guard.hedge_end("prefill", "colocated", P, D)
+    assert not guard.allows(P, D, True) and _breaker(metrics) == 1
+    assert not guard.wedged(D)  # its prefill legs lost: the decode is not suspect
+    clock.now += 30.1
+    assert guard.allows(P, D, True)
+    guard.probing(P, D)
+    guard.hedge_end("decode", "colocated", P, D)  # the probe lost: 60 s now
+    clock.now += 59.9
+    assert not guard.allows(P, D, True)
+    clock.now += 0.2
+    assert guard.allows(P, D, True)
