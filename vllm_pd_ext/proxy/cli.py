@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import logging
 import os
@@ -15,6 +16,8 @@ from vllm_pd_ext.util.config_file import read_mapping
 from vllm_pd_ext.util.logs import LOG_FORMATS, setup_logging, uvicorn_log_config
 
 ENV_PREFIX = "VLLM_PD_PROXY_"
+#: The exit status when the server could not start (``uvicorn.run``'s).
+STARTUP_FAILURE = 3
 #: The proxy's log lines in text.
 TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
@@ -168,6 +171,7 @@ def main(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from vllm_pd_ext.proxy.app import create_app
+    from vllm_pd_ext.proxy.front_protocol import quiet_server
 
     try:
         config = build_config(args)
@@ -185,14 +189,19 @@ def main(args: argparse.Namespace) -> int:
     # objects of requests in flight: collect every 10,000 net allocations, not every 700
     # (a pass costs ~0.1-0.3 ms, paid by whichever request is running).
     gc.set_threshold(10_000, 10, 10)
-    uvicorn.run(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=args.log_level.lower(),
-        log_config=uvicorn_log_config(args.log_level, args.log_format, TEXT_FORMAT),
-        access_log=False,
-        proxy_headers=False,  # the proxy never reads the client's address
-        **app.server_settings(),
+    # ``uvicorn.run`` with one process, its server ticking once a second (``quiet_server``)
+    server = quiet_server(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=args.log_level.lower(),
+            log_config=uvicorn_log_config(args.log_level, args.log_format, TEXT_FORMAT),
+            access_log=False,
+            proxy_headers=False,  # the proxy never reads the client's address
+            **app.server_settings(),
+        )
     )
-    return 0
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
+    return 0 if server.started else STARTUP_FAILURE

@@ -73,6 +73,10 @@ class Timeouts:
 _HIGH_WATER = 1 << 20
 #: Longest response head accepted.
 _MAX_HEAD = 64 * 1024
+#: What a response head's line that ``_Conn._head`` reads can start with: the first letter
+#: of ``content-length``, ``transfer-encoding`` or ``connection`` in either case, or what
+#: ``bytes.strip`` takes before a name (an empty line too: ``b"" in`` is true).
+_FIELD_STARTS = b"cCtT \t\n\r\x0b\x0c"
 
 # body framing of the response being read
 _HEAD, _LENGTH, _CHUNK_SIZE, _CHUNK_DATA, _CHUNK_END, _TRAILER, _UNTIL_EOF, _DONE = range(8)
@@ -340,6 +344,8 @@ class _Conn(asyncio.Protocol):
         chunked = False
         keep_alive = version == b"HTTP/1.1"
         for line in lines[1:]:
+            if line[:1] not in _FIELD_STARTS:
+                continue  # none of the fields read below (most of a head: date, server, ...)
             name, _, value = line.partition(b":")
             name = name.strip().lower()
             if name == b"content-length":

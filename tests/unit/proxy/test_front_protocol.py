@@ -4,11 +4,16 @@ the fence around uvicorn's internals (checked at start-up, the plain path otherw
 
 from __future__ import annotations
 
+import asyncio
 import json
+import signal
 import socket
+import threading
+import time
 from typing import Any
 
 import pytest
+import uvicorn
 
 from vllm_pd_ext.proxy import front_protocol as front_protocol_module
 from vllm_pd_ext.proxy.app import create_app
@@ -282,3 +287,32 @@ def test_bodies_held_at_once_stay_within_the_budget():
         status, _, body = third.response()
         assert status == 200 and json.loads(body)["size"] == 600
         assert budget.used == 0
+
+
+def _serve_in_a_thread(server) -> threading.Thread:
+    thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.01)
+    return thread
+
+
+def test_the_quiet_server_ends_its_tick_at_once_on_an_exit_signal(monkeypatch):
+    """The proxy's server ticks once a second; a signal to exit does not wait for the tick
+    (one an hour here: the server is gone long before it)."""
+    monkeypatch.setattr(front_protocol_module, "TICK_S", 3600.0)
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off", log_level="warning")
+    server = front_protocol_module.quiet_server(config)
+    assert type(server).__name__ == "QuietServer"
+    thread = _serve_in_a_thread(server)
+    server.handle_exit(signal.SIGTERM, None)  # as the signal handler is called
+    thread.join(30)
+    assert not thread.is_alive()
+
+
+def test_a_uvicorn_server_lacking_what_the_quiet_one_overrides_is_uvicorns_own(monkeypatch):
+    monkeypatch.setattr(front_protocol_module, "_SERVER_NEEDS", ("renamed_in_a_release",))
+    config = uvicorn.Config(app, host="127.0.0.1", port=0, lifespan="off")
+    assert type(front_protocol_module.quiet_server(config)) is uvicorn.Server

@@ -171,6 +171,8 @@ SCHEMA, OWN = "Bad Request", "BadRequestError"
         (b"[1, 2]", 400, "JSON object", SCHEMA, "body"),
         (b'{"prompt": "x", "max_tokens": "ten"}', 400, "'max_tokens'", SCHEMA, "body.max_tokens"),
         (b'{"prompt": "x", "stream": "yes"}', 400, "'stream'", SCHEMA, "body.stream"),
+        # several wrong: the first of the checked fields, whatever the body's order
+        (b'{"prompt": "x", "n": "2", "model": 5}', 400, "'model'", SCHEMA, "body.model"),
         (
             b'{"prompt": "x", "max_tokens": -1}',
             400,
