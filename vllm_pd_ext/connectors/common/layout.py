@@ -91,8 +91,6 @@ class CacheView:
         }
         if self.heads:
             key["heads"] = self.heads
-        if self.state is not None:
-            key["state"] = self.state.to_dict()
         return key
 
     def split_key(self) -> dict[str, Any]:
@@ -120,6 +118,7 @@ class CacheView:
             "block_stride": self.block_stride,
             "piece_offsets": list(self.piece_offsets),
             "heads_axis": self.heads_axis,
+            **({"state": self.state.to_dict()} if self.state is not None else {}),
         }
 
     @classmethod
