@@ -14,7 +14,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.integration.fleet_helpers import FLEET_KEY, free_port_run, wait_idle
+from tests.integration.fleet_helpers import FLEET_KEY, free_port_run, split_write, wait_idle
 from tests.integration.test_mamba_pd import MAX_TOKENS, assert_same_tokens, completion, connector
 from tests.integration.test_moriio_tp import PAIR_SETTINGS, warm_up
 from vllm_pd_ext import fleet_key
@@ -29,6 +29,7 @@ from vllm_pd_ext.util.prom import EXTERNAL_KV, PROMPT_TOKENS_BY_SOURCE
 pytestmark = [pytest.mark.integration, pytest.mark.manual]
 
 TP = 2
+ROLES = (("prefill", "kv_producer"), ("decode", "kv_consumer"))
 
 
 def tp_connector(role: str) -> dict:
@@ -93,15 +94,17 @@ def test_tp2_split_equals_colocated_and_state_is_loaded(
 @pytest.fixture(scope="module", params=[(2, 1), (1, 2)], ids=["p-tp2-d-tp1", "p-tp1-d-tp2"])
 def hetero_pair(request, vllm_servers, tiny_granite_hybrid):
     """A prefill and a decode engine of different TP sizes (a TP 2 engine's rank i on core
-    i, the TP 1 engine on the core its role has in test_mamba_pd)."""
+    i, the TP 1 engine on the core its role has in test_mamba_pd), and the prefill's side
+    channel port."""
     sizes = dict(zip(("prefill", "decode"), request.param, strict=True))
+    configs = {role: tp_connector(kv_role) for role, kv_role in ROLES}
     servers = [
         vllm_servers.start(
             tiny_granite_hybrid,
             name=f"mamba-tp{sizes['prefill']}-tp{sizes['decode']}-{role}",
             wait=False,
             cpu_core=range(sizes[role]) if sizes[role] > 1 else core,
-            kv_transfer_config=tp_connector(kv_role),
+            kv_transfer_config=configs[role],
             extra_args=[
                 "--no-enable-prefix-caching",
                 "--dtype",
@@ -111,12 +114,12 @@ def hetero_pair(request, vllm_servers, tiny_granite_hybrid):
             ],
             env={fleet_key.KEY_ENV: FLEET_KEY},
         )
-        for role, kv_role, core in (("prefill", "kv_producer", 0), ("decode", "kv_consumer", 1))
+        for (role, _), core in zip(ROLES, (0, 1), strict=True)
     ]
     for server in servers:
         server.wait_healthy()
     warm_up(servers[0], servers[1], tiny_granite_hybrid)
-    yield servers
+    yield *servers, configs["prefill"]["kv_connector_extra_config"]["side_channel_port"]
     for server in reversed(servers):  # the next pair needs the cores
         server.stop()
 
@@ -124,4 +127,20 @@ def hetero_pair(request, vllm_servers, tiny_granite_hybrid):
 def test_split_between_tp_sizes_equals_colocated_and_state_is_loaded(
     hetero_pair, tiny_granite_hybrid
 ):
-    test_tp2_split_equals_colocated_and_state_is_loaded(hetero_pair, tiny_granite_hybrid, 100)
+    test_tp2_split_equals_colocated_and_state_is_loaded(hetero_pair[:2], tiny_granite_hybrid, 100)
+
+
+def test_write_between_tp_sizes_equals_colocated_and_state_is_written(
+    hetero_pair, tiny_granite_hybrid
+):
+    """WRITE: each prefill rank writes its parts of the state pages and its KV heads into
+    every decode rank that holds some of them."""
+    prefill, decode, side = hetero_pair
+    prompt_ids = make_prompt_ids(tiny_granite_hybrid, 100)
+    with httpx.Client(timeout=httpx.Timeout(300.0, connect=5.0)) as client:
+        colocated = completion(client, decode, prompt_ids)
+        before = decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV)
+        split = split_write(client, prefill, decode, side, prompt_ids, MAX_TOKENS)
+    assert split == colocated["token_ids"]
+    assert decode.metric(PROMPT_TOKENS_BY_SOURCE, **EXTERNAL_KV) - before == 99
+    wait_idle(prefill)
