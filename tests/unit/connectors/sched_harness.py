@@ -69,9 +69,14 @@ def make_vllm_config(
     )
 
 
-def make_scheduler(vllm_config: VllmConfig, hybrid: bool = False) -> Scheduler:
-    """A Scheduler with one full-attention group, or (``hybrid``) a Mamba2 state group and a
-    full-attention group as vLLM's hybrid allocator builds them for GraniteMoeHybrid."""
+def make_scheduler(
+    vllm_config: VllmConfig, hybrid: bool = False, mamba_type: str = "MAMBA2"
+) -> Scheduler:
+    """A Scheduler with one full-attention group, or (``hybrid``) a Mamba2 state group (or
+    one of another ``mamba_type``, same shapes) and a full-attention group as vLLM's hybrid
+    allocator builds them for GraniteMoeHybrid."""
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
     mc = vllm_config.model_config
     attention = FullAttentionSpec(
         block_size=BLOCK_SIZE,
@@ -86,6 +91,7 @@ def make_scheduler(vllm_config: VllmConfig, hybrid: bool = False) -> Scheduler:
             shapes=((3, 544), (8, 64, 16)),
             dtypes=(torch.bfloat16, torch.float32),
             page_size_padded=attention.page_size_bytes,
+            mamba_type=MambaAttentionBackendEnum[mamba_type],
         )
         groups.insert(0, KVCacheGroupSpec(["layer0"], mamba))
     kv_cache_config = KVCacheConfig(

@@ -25,10 +25,10 @@ def model(tiny_granite_hybrid):
     return tiny_granite_hybrid
 
 
-def scheduler(model, role, **kw):
+def scheduler(model, role, mamba_type="MAMBA2", **kw):
     cfg = make_vllm_config(model, role, {"side_channel_port": 24567}, connector=CONNECTOR, **kw)
     assert not cfg.scheduler_config.disable_hybrid_kv_cache_manager  # SupportsHMA keeps it on
-    return make_scheduler(cfg, hybrid=True)
+    return make_scheduler(cfg, hybrid=True, mamba_type=mamba_type)
 
 
 def prefill(model, prompt_tokens: int):
@@ -114,6 +114,30 @@ def test_decode_refuses_a_state_at_the_wrong_position(model):
     assert [r.request_id for r in out.kv_connector_metadata.release] == [
         params["remote_request_id"]
     ]
+
+
+@pytest.mark.parametrize(
+    ("mamba_type", "loads"), [("MAMBA2", True), ("MAMBA1", False), ("LINEAR", False)]
+)
+def test_state_from_a_prefill_of_another_tp_size_loads_only_where_split_by_heads(
+    model, mamba_type, loads
+):
+    """A READ answer from a prefill engine of TP 2 reaches a TP 1 decode engine of the hybrid
+    model: Mamba2 state pages are split by heads (each decode rank reads its parts), so the
+    load is planned; state of another kind (same shapes) is refused on arrival and the prompt
+    computed locally."""
+    params, *_ = prefill(model, 41)
+    params["tp_size"] = 2
+    sched = scheduler(model, "kv_consumer", mamba_type=mamba_type)
+    req = make_request(41, dict(params))
+    sched.add_request(req)
+    out, _ = step(sched)
+    if loads:
+        (spec,) = out.kv_connector_metadata.recv
+        assert spec.remote.tp_size == 2
+    else:
+        assert out.kv_connector_metadata.recv == []
+        assert out.num_scheduled_tokens[req.request_id] == 41  # computed locally
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])

@@ -13,7 +13,9 @@ Copying block ``b`` of a group on one worker into block ``c`` on another is then
 ``(local offset, remote offset, length)`` spans per view. A view whose pieces start with the KV
 heads dimension (``heads`` > 0: vLLM's head-major layout, as on the CPU backend) holds each
 head's bytes contiguously in each piece, so a slice of heads is one span per piece: that is
-what moves between engines of different tensor parallel sizes (``parallel.py``).
+what moves between engines of different tensor parallel sizes (``parallel.py``). A Mamba2
+state page (``state``: :class:`~.parallel.Mamba2State`) is split by heads in four parts; the
+spans of each part a rank holds move instead (:func:`state_block_spans`).
 :func:`layout_from_caches` runs in the worker; :class:`CacheLayout` travels in the handshake and
 :meth:`CacheLayout.check_compatible` fails closed on any difference that would put bytes in
 the wrong place.
@@ -24,12 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from vllm_pd_ext.connectors.common.parallel import HeadSlice
+from vllm_pd_ext.connectors.common.parallel import HeadSlice, Mamba2State, state_refusal
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +69,9 @@ class CacheView:
     #: addressable.
     heads: int = 0
     heads_axis: int = -1
+    #: This rank's Mamba2 state in each block (one piece, the state's bytes at its start), or
+    #: None: a slice of it is not addressable.
+    state: Mamba2State | None = None
 
     @property
     def head_len(self) -> int:
@@ -113,6 +118,7 @@ class CacheView:
             "block_stride": self.block_stride,
             "piece_offsets": list(self.piece_offsets),
             "heads_axis": self.heads_axis,
+            **({"state": self.state.to_dict()} if self.state is not None else {}),
         }
 
     @classmethod
@@ -130,13 +136,14 @@ class CacheView:
             block_shape=tuple(int(x) for x in d["block_shape"]),
             heads=int(d.get("heads", 0)),
             heads_axis=int(d.get("heads_axis", -1)),
+            state=Mamba2State.from_dict(d["state"]) if d.get("state") else None,
         )
 
 
 #: Model facts that differ between engines of different tensor parallel sizes: compared only
 #: when the sizes are equal (per-rank head counts: ``CacheView.heads`` times the TP size).
 _PER_RANK_FACTS = ("tp_size",)
-_PER_RANK_GROUP_FACTS = ("num_kv_heads",)
+_PER_RANK_GROUP_FACTS = ("num_kv_heads", "shapes")
 
 
 def _tp_free(key: str, value: Any) -> Any:
@@ -177,7 +184,8 @@ class CacheLayout:
     def check_compatible(self, remote: CacheLayout) -> None:
         """Raise :class:`LayoutMismatch` naming the first difference from ``remote``. Of
         different TP sizes, every view must be head-major on both sides, with the same total
-        heads and the same bytes per head (a slice of heads is then addressable)."""
+        heads and the same bytes per head (a slice of heads is then addressable), or a Mamba2
+        state page on both sides that :func:`~.parallel.state_refusal` accepts."""
         split = self.tp_size != remote.tp_size
         if list(self.block_sizes) != list(remote.block_sizes):
             raise LayoutMismatch(
@@ -210,6 +218,9 @@ class CacheLayout:
 
     def _check_split(self, mine: CacheView, theirs: CacheView, remote_tp: int) -> None:
         where = f"KV cache of {mine.layers[0]}"
+        if mine.state is not None or theirs.state is not None:
+            self._check_state_split(mine, theirs, remote_tp)
+            return
         for view, side, tp in ((mine, "here", self.tp_size), (theirs, "remote", remote_tp)):
             if not view.heads:
                 raise LayoutMismatch(
@@ -228,6 +239,24 @@ class CacheLayout:
         for key in a:
             if a[key] != b[key]:
                 raise LayoutMismatch(f"{where} {key}: {a[key]!r} here, {b[key]!r} remote")
+
+    def _check_state_split(self, mine: CacheView, theirs: CacheView, remote_tp: int) -> None:
+        where = f"state of {mine.layers[0]}"
+        if mine.state is None or theirs.state is None:
+            side = "here" if mine.state is None else "remote"
+            raise LayoutMismatch(
+                f"tensor parallel sizes differ (TP {self.tp_size} here, {remote_tp} remote) "
+                f"and the {where} {side} is not a Mamba2 state page split by heads: use the "
+                "same --tensor-parallel-size on both sides"
+            )
+        if refusal := state_refusal(mine.state, theirs.state):
+            raise LayoutMismatch(f"{where}: {refusal}")
+        for key in ("layers", "group", "piece_offsets"):
+            a, b = getattr(mine, key), getattr(theirs, key)
+            if key == "piece_offsets":
+                a, b = len(a), len(b)
+            if a != b:
+                raise LayoutMismatch(f"{where} {key}: {a!r} here, {b!r} remote")
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -330,6 +359,7 @@ def layout_from_caches(
     block_size: int | None = None,
     head_major: Mapping[int, int] | None = None,
     heads_first: bool = False,
+    states: Mapping[int, Mamba2State] | None = None,
     tp_size: int = 1,
     tp_rank: int = 0,
 ) -> tuple[CacheLayout, dict[str, torch.Tensor]]:
@@ -343,6 +373,8 @@ def layout_from_caches(
     tokens per block is ambiguous (``[heads, block_size, ...]`` or ``[block_size, heads,
     ...]``): head-major only when ``heads_first`` says the engine's declared KV cache layout
     puts each block's heads before its tokens, else not (no slice of heads is then read).
+    ``states`` maps the groups of Mamba2 state pages to this rank's state: their views get
+    ``state`` where each block is one piece that holds it.
     Regions are named ``kv0``, ``kv1``... and views ordered by layer name, so both sides name
     them alike.
     """
@@ -383,6 +415,14 @@ def layout_from_caches(
         )
         for vkey, layers in views.items()
     ]
+    for i, view in enumerate(out):
+        state = (states or {}).get(view.group)
+        if (
+            state is not None
+            and len(view.piece_offsets) == 1
+            and view.piece_len >= state.page_bytes
+        ):
+            out[i] = replace(view, state=state)
     layout = CacheLayout(
         regions=tuple(regions.values()),
         views=tuple(out),
@@ -435,4 +475,43 @@ def block_spans(
     out[:, 0] = (p[:, 0:1] * local.block_stride + lo[None, :]).reshape(-1)
     out[:, 1] = (p[:, 1:2] * remote.block_stride + ro[None, :]).reshape(-1)
     out[:, 2] = length
+    return out
+
+
+def state_block_spans(
+    local: CacheView,
+    remote: CacheView,
+    pairs: Sequence[tuple[int, int]] | np.ndarray,
+    page_spans: Sequence[tuple[int, int, int]],
+) -> np.ndarray:
+    """``(local offset, remote offset, length)`` rows moving, for block ``pairs[i] = (l, r)``
+    of two state views, the ``page_spans`` (offsets within one state page:
+    :func:`~.parallel.state_page_spans`); offsets relative to each view's region. Spans or
+    block ids outside either view raise :class:`LayoutMismatch`."""
+    p = np.asarray(pairs, dtype=np.int64).reshape(-1, 2)
+    if p.size and (
+        p.min() < 0 or p[:, 0].max() >= local.num_blocks or p[:, 1].max() >= remote.num_blocks
+    ):
+        raise LayoutMismatch(
+            f"block ids out of range (local < {local.num_blocks}, remote < {remote.num_blocks})"
+        )
+    s = np.asarray(page_spans, dtype=np.int64).reshape(-1, 3)
+    if len(local.piece_offsets) != 1 or len(remote.piece_offsets) != 1:
+        raise LayoutMismatch("a state page is one piece per block")
+    if s.size and (
+        s[:, :2].min() < 0
+        or s[:, 2].min() <= 0
+        or (s[:, 0] + s[:, 2]).max() > local.piece_len
+        or (s[:, 1] + s[:, 2]).max() > remote.piece_len
+    ):
+        raise LayoutMismatch(
+            f"state spans outside pages of {local.piece_len} (local) and "
+            f"{remote.piece_len} (remote) bytes"
+        )
+    lo = local.offset + local.piece_offsets[0] + s[:, 0]
+    ro = remote.offset + remote.piece_offsets[0] + s[:, 1]
+    out = np.empty((len(p) * len(s), 3), dtype=np.int64)
+    out[:, 0] = (p[:, 0:1] * local.block_stride + lo[None, :]).reshape(-1)
+    out[:, 1] = (p[:, 1:2] * remote.block_stride + ro[None, :]).reshape(-1)
+    out[:, 2] = np.tile(s[:, 2], len(p))
     return out

@@ -152,13 +152,21 @@ class TransferScheduler:
     """Scheduler-side state of one engine (both roles; a ``kv_both`` engine uses both)."""
 
     def __init__(
-        self, vllm_config: VllmConfig, cfg: TransferConfig, groups: tuple[GroupInfo, ...]
+        self,
+        vllm_config: VllmConfig,
+        cfg: TransferConfig,
+        groups: tuple[GroupInfo, ...],
+        *,
+        split_state: bool = False,
     ) -> None:
         self.cfg = cfg
         self.engine_id = str(vllm_config.kv_transfer_config.engine_id)
         self.groups = groups
         #: Trailing prompt tokens the prefill side leaves to the decode side (hybrid: 1).
         self.backoff = 1 if any(g.whole for g in groups) else 0
+        #: State pages that do not move between engines of different TP sizes (only Mamba2's
+        #: are split by heads here: ``split_state``).
+        self.unsplit_state = bool(self.backoff) and not split_state
         self.host, self.port = side_channel_address(vllm_config, cfg)
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         #: The model's KV heads (all ranks'), when known: decides which TP sizes may differ.
@@ -208,7 +216,7 @@ class TransferScheduler:
             if mode == READ:
                 answer = PdExtReadAnswer.check(p, self.key, now)
                 refusal = tp_refusal(
-                    answer.tp_size, self.tp_size, kv_heads=self.kv_heads, state=bool(self.backoff)
+                    answer.tp_size, self.tp_size, kv_heads=self.kv_heads, state=self.unsplit_state
                 )
                 if refusal is not None:
                     raise InvalidParams(refusal)

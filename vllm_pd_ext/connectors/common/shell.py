@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm_pd_ext import fleet_key
 from vllm_pd_ext.connectors.common.config import TransferConfig, parse_transfer_config
-from vllm_pd_ext.connectors.common.parallel import total_kv_heads
+from vllm_pd_ext.connectors.common.parallel import Mamba2State, total_kv_heads
 from vllm_pd_ext.connectors.common.scheduler import (
     TransferScheduler,
     default_host,
@@ -86,6 +86,38 @@ def head_major_groups(
     return out
 
 
+def mamba2_states(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
+) -> dict[int, Mamba2State]:
+    """KV cache groups of Mamba2 state pages, with this rank's state as vLLM shapes it: what
+    an engine of another TP size may read parts of (``parallel.py``). Other state (Mamba1,
+    gated delta nets, linear attention, replicated or ReplaySSM pages) is left out: it moves
+    only between engines of the same TP size."""
+    from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
+    from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    out = {}
+    for i, g in enumerate(kv_cache_config.kv_cache_groups if kv_cache_config else ()):
+        spec = g.kv_cache_spec
+        if (
+            not isinstance(spec, MambaSpec)
+            or spec.mamba_type != MambaAttentionBackendEnum.MAMBA2
+            or spec.tp_replicated
+        ):
+            continue
+        try:
+            out[i] = Mamba2State.from_shapes(
+                spec.shapes,
+                [d.itemsize for d in spec.dtypes],
+                tp_size=vllm_config.parallel_config.tensor_parallel_size,
+                channels_first=is_conv_state_dim_first(),
+            )
+        except ValueError:
+            continue
+    return out
+
+
 def _block_size(vllm_config: VllmConfig) -> int:
     return int(vllm_config.cache_config.block_size)
 
@@ -99,7 +131,10 @@ def make_scheduler(
     name: str, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig | None
 ) -> TransferScheduler:
     cfg = parse_transfer_config(name, vllm_config.kv_transfer_config.kv_connector_extra_config)
-    return TransferScheduler(vllm_config, cfg, groups_of(kv_cache_config, _block_size(vllm_config)))
+    groups = groups_of(kv_cache_config, _block_size(vllm_config))
+    states = mamba2_states(vllm_config, kv_cache_config)
+    split = all(i in states for i, g in enumerate(groups) if g.whole)
+    return TransferScheduler(vllm_config, cfg, groups, split_state=split)
 
 
 def make_worker(
@@ -134,5 +169,6 @@ def make_worker(
         group_of=group_of,
         head_major=head_major_groups(vllm_config, kv_cache_config),
         heads_first=bool(declared_heads_first(vllm_config)),
+        states=mamba2_states(vllm_config, kv_cache_config),
         key=fleet_key.load_key(),
     )

@@ -54,9 +54,11 @@ import numpy as np
 from vllm_pd_ext.connectors.common.config import TransferConfig
 from vllm_pd_ext.connectors.common.layout import (
     CacheLayout,
+    CacheView,
     LayoutMismatch,
     block_spans,
     layout_from_caches,
+    state_block_spans,
 )
 from vllm_pd_ext.connectors.common.leases import LeaseTable
 from vllm_pd_ext.connectors.common.metadata import (
@@ -68,10 +70,12 @@ from vllm_pd_ext.connectors.common.metadata import (
     RemoteRef,
 )
 from vllm_pd_ext.connectors.common.parallel import (
+    Mamba2State,
     head_slices,
     rank_refusal,
     reader_ranks,
     source_ranks,
+    state_page_spans,
     tp_refusal,
 )
 from vllm_pd_ext.connectors.common.side_channel import (
@@ -190,6 +194,7 @@ class TransferWorker:
         group_of: Mapping[str, int] | None = None,
         head_major: Mapping[int, int] | None = None,
         heads_first: bool = False,
+        states: Mapping[int, Mamba2State] | None = None,
         key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
         spans: TransferSpans | None = None,
@@ -211,6 +216,8 @@ class TransferWorker:
         #: the engine's declared KV cache layout puts each block's heads before its tokens
         #: (else the caches' shapes decide, and an ambiguous one is not head-major)
         self.heads_first = heads_first
+        #: KV cache groups of Mamba2 state pages -> this rank's state (``parallel.py``)
+        self.states = dict(states or {})
         self.stats = StatsRecorder()
         #: Ends the transfer spans of requests that carry a ``traceparent`` (``tracing.py``).
         self.spans = spans or TransferSpans()
@@ -277,6 +284,7 @@ class TransferWorker:
             group_of=self.group_of,
             head_major=self.head_major,
             heads_first=self.heads_first,
+            states=self.states,
             tp_size=self.tp_size,
             tp_rank=self.tp_rank,
         )
@@ -732,7 +740,9 @@ class TransferWorker:
         for peer in peers:
             split = peer.layout.tp_size != self.tp_size
             for mine, theirs in zip(self.layout.views, peer.layout.views, strict=True):
-                if split:
+                if split and mine.state is not None:
+                    spans = _state_spans(mine, self.tp_rank, theirs, peer.rank, pairs[mine.group])
+                elif split:
                     total = mine.heads * self.tp_size
                     slices = head_slices(self.tp_rank, self.tp_size, peer.layout.tp_size, total)
                     parts = [
@@ -922,6 +932,9 @@ class TransferWorker:
         rank, decode_tp = target.layout.tp_rank, target.layout.tp_size
         if decode_tp == self.tp_size:
             spans = block_spans(mine, theirs, pairs[mine.group])
+        elif mine.state is not None:  # the parts of our state pages decode rank ``rank`` holds
+            reverse = pairs[mine.group][:, ::-1]  # (decode block, ours)
+            spans = _state_spans(theirs, rank, mine, self.tp_rank, reverse)[:, [1, 0, 2]]
         else:  # the head slices of ours that decode rank ``rank`` holds, into their place
             reverse = pairs[mine.group][:, ::-1]  # (decode block, ours)
             parts = [
@@ -1398,6 +1411,22 @@ class TransferWorker:
         self._pool.shutdown(wait=False, cancel_futures=True)
         if self.transport is not None:
             self.transport.close()
+
+
+def _state_spans(
+    local: CacheView, rank: int, remote: CacheView, remote_rank: int, pairs: Any
+) -> np.ndarray:
+    """The ``(local, remote, length)`` rows moving, for blocks ``pairs`` (local, remote), the
+    parts of a Mamba2 state page that rank ``rank`` of ``local``'s engine takes from rank
+    ``remote_rank`` of ``remote``'s (engines of different TP sizes; none: an empty array)."""
+    if local.state is None or remote.state is None:
+        raise LayoutMismatch(f"the state of {local.layers[0]} is not split by heads on one side")
+    sources = source_ranks(rank, local.state.tp_size, remote.state.tp_size)
+    try:
+        page = state_page_spans(local.state, rank, remote.state, sources).get(remote_rank, [])
+    except ValueError as e:
+        raise LayoutMismatch(str(e)) from e
+    return state_block_spans(local, remote, pairs, page)
 
 
 def _failure(error: BaseException) -> str:
