@@ -30,6 +30,9 @@ def fleet(engines, prefill=("p1", "p2"), decode=("d1", "d2")) -> list[dict]:
 
 @contextmanager
 def proxy(engines, tracing=None, **overrides) -> Iterator[tuple[str, ProxyService]]:
+    # no hedge unless a test asks (test_hedge.py): on a loaded host any split of the fake
+    # engines may run past its least delay, and a hedge would serve it colocated instead
+    guard = {"hedge": False, **overrides.pop("stall_guard", {})}
     data = {
         "instances": fleet(engines),
         "health_interval_s": 0.2,
@@ -37,6 +40,7 @@ def proxy(engines, tracing=None, **overrides) -> Iterator[tuple[str, ProxyServic
         "prefill_policy": "round-robin",
         "decode_policy": "round-robin",
         "fast_path": FAST_PATH,
+        "stall_guard": guard,
         **overrides,
     }
     config = ProxyConfig.model_validate(data)
