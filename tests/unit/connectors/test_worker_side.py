@@ -780,6 +780,17 @@ def test_a_write_offer_from_a_decode_rank_holding_none_of_our_heads_is_refused(p
     assert "t-no" not in p._targets
 
 
+@pytest.mark.parametrize("pairs", [[[[5, -1]]], [[[-5, 0]]]])
+def test_a_write_offer_naming_a_negative_block_or_position_is_refused(pair, pairs):
+    """A prompt position of -1 would take our last block of the request (Python's index from
+    the end), a negative block id no block of the decode's: refused before anything is kept."""
+    p, _, d, _, port = pair
+    offer = offer_of(d, "t-neg", pairs=pairs)
+    with pytest.raises(SideChannelError, match="not negative"):
+        post_json("127.0.0.1", port, "/write_target", offer, 5.0)
+    assert "t-neg" not in p._targets
+
+
 def test_a_write_offer_one_prefill_rank_cannot_take_is_withdrawn_from_the_others(backend):
     """Decode TP 1 offers its blocks to both ranks of a TP 2 prefill engine; rank 1 is gone
     when the second transfer's offers go out (rank 0 has its offer already): the load fails,

@@ -854,12 +854,12 @@ class TransferWorker:
             if rank not in reader_ranks(self.tp_rank, self.tp_size, decode_tp):
                 raise ValueError(f"decode TP rank {rank!r} of {decode_tp} holds no head of ours")
         layout = self._check_handshake(body, None, peer_is_prefill=False, mode=WRITE, rank=rank)
+        pairs = [[(int(d), int(i)) for d, i in group] for group in body["pairs"]]
+        if any(d < 0 or i < 0 for group in pairs for d, i in group):
+            raise ValueError("an offer's block ids and prompt positions are not negative")
         peer_id = self.transport.connect(TransportDescriptor.from_dict(body["transport"]))
         target = _Target(
-            peer_id=peer_id,
-            layout=layout,
-            pairs=[[(int(d), int(i)) for d, i in group] for group in body["pairs"]],
-            reply_to=str(body["engine_id"]),
+            peer_id=peer_id, layout=layout, pairs=pairs, reply_to=str(body["engine_id"])
         )
         tid = str(body["transfer_id"])
         with self._lock:
