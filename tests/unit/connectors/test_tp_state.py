@@ -6,6 +6,8 @@ bytes along our spans, must equal the state vLLM would hold there."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -204,6 +206,30 @@ def test_a_page_that_is_not_mamba2_state_is_refused_between_tp_sizes(conv_layout
         mine.check_compatible(theirs)
     with pytest.raises(ValueError, match="not Mamba2's"):
         Mamba2State.from_shapes(((3, 32), (32, 16)), (2, 4), tp_size=1, channels_first=False)
+
+
+def test_a_peer_state_description_its_own_layout_contradicts_is_refused(conv_layout):
+    """What a peer says of its state page is checked against the rest of what it sent: the
+    TP size its layout gives, sizes of at least one, a page that fits its pieces."""
+    full = model_state(1)
+    shapes, page = shard(full, 1, 1, 0)
+    _, mine, _ = pages(shapes, page, 1, 0)
+    shapes, page = shard(full, 1, 2, 0)
+    _, theirs, _ = pages(shapes, page, 2, 0)
+    mine.check_compatible(theirs)  # as sent: fine
+    view = theirs.views[0]
+    assert view.state is not None
+    for changed, why in (
+        (dataclasses.replace(view, state=dataclasses.replace(view.state, tp_size=4)), "for TP 4"),
+        (
+            dataclasses.replace(view, state=dataclasses.replace(view.state, heads=-8, groups=-1)),
+            "not a Mamba2 state page",
+        ),
+        (dataclasses.replace(view, piece_len=view.state.page_bytes - 1), "not a Mamba2 state"),
+    ):
+        crafted = dataclasses.replace(theirs, views=(changed,))
+        with pytest.raises(LayoutMismatch, match=why):
+            mine.check_compatible(crafted)
 
 
 def test_state_spans_stay_inside_both_pages():

@@ -249,6 +249,18 @@ class CacheLayout:
                 f"and the {where} {side} is not a Mamba2 state page split by heads: use the "
                 "same --tensor-parallel-size on both sides"
             )
+        sides = (("here", mine, self.tp_size), ("remote", theirs, remote_tp))
+        for side, view, tp in sides:
+            s = view.state
+            assert s is not None
+            if s.tp_size != tp:
+                raise LayoutMismatch(f"{where} {side} is described for TP {s.tp_size}, not {tp}")
+            sizes = (s.heads, s.head_dim, s.state_size, s.groups, s.conv_rows)
+            if min(*sizes, s.conv_itemsize, s.ssm_itemsize) < 1 or view.piece_len < s.page_bytes:
+                raise LayoutMismatch(
+                    f"{where} {side}: sizes {sizes} in pieces of {view.piece_len} bytes are not "
+                    "a Mamba2 state page"
+                )
         if refusal := state_refusal(mine.state, theirs.state):
             raise LayoutMismatch(f"{where}: {refusal}")
         for key in ("layers", "group", "piece_offsets"):
