@@ -232,6 +232,44 @@ def test_a_peer_state_description_its_own_layout_contradicts_is_refused(conv_lay
             mine.check_compatible(crafted)
 
 
+@pytest.mark.parametrize("name", ["mamba_n_groups", "n_groups", "mamba_ngroups"])
+def test_models_of_different_group_counts_are_refused_between_tp_sizes(conv_layout, name):
+    """A model of 2 groups at TP 2 has the per-rank state shapes of one of 1 group: the group
+    count is a model fact (read from the config's name for it), so they do not pair."""
+    from types import SimpleNamespace
+
+    from vllm_pd_ext.connectors.common.shell import model_facts
+
+    def facts(groups: int) -> dict:
+        hf = SimpleNamespace(architectures=["GraniteMoeHybridForCausalLM"], **{name: groups})
+        model_config = SimpleNamespace(
+            hf_config=hf,
+            hf_text_config=hf,
+            get_num_layers=lambda _pc: 1,
+            get_total_num_kv_heads=lambda: 4,
+        )
+        vllm_config = SimpleNamespace(
+            model_config=model_config,
+            parallel_config=SimpleNamespace(tensor_parallel_size=1),
+            cache_config=SimpleNamespace(cache_dtype="auto"),
+        )
+        kv_cache = SimpleNamespace(has_mamba_layers=True, kv_cache_groups=[])
+        return model_facts(vllm_config, kv_cache)
+
+    assert facts(2)["ssm_groups"] == 2
+    full = model_state(1)
+    shapes, page = shard(full, 1, 1, 0)
+    _, mine, _ = pages(shapes, page, 1, 0)
+    shapes, page = shard(full, 1, 2, 0)
+    _, theirs, _ = pages(shapes, page, 2, 0)
+    mine = dataclasses.replace(mine, model={**mine.model, "ssm_groups": facts(1)["ssm_groups"]})
+    same = dataclasses.replace(theirs, model={**theirs.model, "ssm_groups": 1})
+    mine.check_compatible(same)
+    other = dataclasses.replace(theirs, model={**theirs.model, "ssm_groups": 2})
+    with pytest.raises(LayoutMismatch, match="model ssm_groups: 1 here, 2 remote"):
+        mine.check_compatible(other)
+
+
 def test_state_spans_stay_inside_both_pages():
     monkey = Mamba2State(1, 8, 4, 4, 1, 3, False, 2, 4)
     raw = torch.zeros(NUM_BLOCKS, 1, 1, monkey.page_bytes, dtype=torch.int8)

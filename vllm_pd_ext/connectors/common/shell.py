@@ -39,7 +39,23 @@ def model_facts(
         from vllm.model_executor.layers.mamba.mamba_utils import get_conv_state_layout
 
         facts["conv_state_layout"] = str(get_conv_state_layout())
+        groups = ssm_groups(getattr(mc, "hf_text_config", None) or mc.hf_config)
+        if groups is not None:  # (per-rank state shapes cannot tell 1 group from 2 at TP 2)
+            facts["ssm_groups"] = groups
     return facts
+
+
+#: What hybrid models' configs call the Mamba2 mixers' ``n_groups``.
+SSM_GROUPS_NAMES = ("mamba_n_groups", "n_groups", "mamba_ngroups")
+
+
+def ssm_groups(hf_config: Any) -> int | None:
+    """The model's Mamba2 group count, as its config names it (None: it names none)."""
+    for name in SSM_GROUPS_NAMES:
+        value = getattr(hf_config, name, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return None
 
 
 def _spec_facts(spec: Any) -> dict[str, Any]:
