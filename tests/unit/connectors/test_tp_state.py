@@ -378,17 +378,23 @@ def test_a_decode_rank_reads_its_state_and_heads_from_a_prefill_of_another_tp_si
             recv(d, RecvSpec("d-req", "read", ref, pairs, ((2,), (4, 5))))
             assert poll(lambda d=d: d.get_finished(set())[1], "a rank's load") == {"d-req"}
             assert d.take_failed_loads() == set()  # several groups: failures by request
-        for dc, (page, attn) in zip(dcs, want, strict=True):
-            raw = dc["model.layers.0.mixer"]
-            assert raw[2, 0, 0, : len(page)].view(torch.uint8).numpy().tobytes() == page
-            assert torch.count_nonzero(raw[1]) == 0
-            assert torch.equal(dc["model.layers.1.attn"][4], attn[2])
-            assert torch.equal(dc["model.layers.1.attn"][5], attn[3])
+        assert_decode_ranks_hold(dcs, want)
         for p in ps:
             assert poll(lambda p=p: p.get_finished(set())[0], "a rank's free") == {"p-req"}
     finally:
         for w in ds + ps:
             w.shutdown()
+
+
+def assert_decode_ranks_hold(dcs, want) -> None:
+    """Each decode rank's cache holds vLLM's state page for it in block 2 (block 1 untouched)
+    and its heads of attention blocks 2 and 3 in its blocks 4 and 5."""
+    for dc, (page, attn) in zip(dcs, want, strict=True):
+        raw = dc["model.layers.0.mixer"]
+        assert raw[2, 0, 0, : len(page)].view(torch.uint8).numpy().tobytes() == page
+        assert torch.count_nonzero(raw[1]) == 0
+        assert torch.equal(dc["model.layers.1.attn"][4], attn[2])
+        assert torch.equal(dc["model.layers.1.attn"][5], attn[3])
 
 
 @pytest.mark.parametrize("groups", [1, 4])
@@ -431,12 +437,7 @@ def test_prefill_ranks_write_their_state_parts_into_a_decode_of_another_tp_size(
         for d in ds:
             assert poll(lambda d=d: d.get_finished(set())[1], "a rank's load") == {"d-req"}
             assert d.take_failed_loads() == set()
-        for dc, (page, attn) in zip(dcs, want, strict=True):
-            raw = dc["model.layers.0.mixer"]
-            assert raw[2, 0, 0, : len(page)].view(torch.uint8).numpy().tobytes() == page
-            assert torch.count_nonzero(raw[1]) == 0
-            assert torch.equal(dc["model.layers.1.attn"][4], attn[2])
-            assert torch.equal(dc["model.layers.1.attn"][5], attn[3])
+        assert_decode_ranks_hold(dcs, want)
         for p in ps:
             assert poll(lambda p=p: p.get_finished({"p-req"})[0], "a rank's free") == {"p-req"}
     finally:
