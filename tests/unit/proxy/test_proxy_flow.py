@@ -619,9 +619,7 @@ def test_a_stalled_split_stream_is_served_colocated_before_the_client_sees_a_byt
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
     expected = _colocated_stream(engines, one_pair)
     engines["d1"].behavior.kv_stall_s = 600.0  # far past any client timeout here
-    # the deadlines and breakers here run without the hedge, which would start the colocated
-    # leg before them (test_hedge.py has the hedged cases)
-    guard = {"floor_s": 0.5, "breaker_stalls": 5, "stalled_on": stalled_on, "hedge": False}
+    guard = {"floor_s": 0.5, "breaker_stalls": 5, "stalled_on": stalled_on}
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
         assert _stream_events(base, 5, LONG) == expected
         wait_until(lambda: engines["d1"].disconnects == 1)
@@ -649,7 +647,7 @@ def test_a_stalled_split_stream_whose_prefill_froze_too_is_served_on_the_decode(
     expected = _colocated_stream(engines, one_pair)
     engines["d1"].behavior.kv_stall_s = 600.0
     engines["p1"].behavior.colocated_stall_s = 600.0
-    guard = {"floor_s": 0.5, "breaker_stalls": 5, "hedge": False}
+    guard = {"floor_s": 0.5, "breaker_stalls": 5}
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
         assert _stream_events(base, 5, LONG) == expected
         wait_until(lambda: engines["d1"].disconnects == 1 and engines["p1"].disconnects == 1)
@@ -692,7 +690,7 @@ def test_a_stalled_split_whose_pair_froze_is_served_on_another_decode(engines):
     engines["d1"].behavior.kv_stall_s = 600.0
     engines["d1"].behavior.colocated_stall_s = 600.0
     engines["p1"].behavior.colocated_stall_s = 600.0
-    guard = {"floor_s": 0.5, "breaker_stalls": 5, "hedge": False}
+    guard = {"floor_s": 0.5, "breaker_stalls": 5}
     with _d1_looks_idle(engines, stall_guard=guard) as (base, _):
         assert _stream_events(base, 5, LONG) == expected
         wait_until(lambda: engines["d1"].disconnects == 1 and engines["p1"].disconnects == 1)
@@ -714,7 +712,7 @@ def test_a_stream_routed_colocated_to_a_broken_decode_that_froze_moves_on(engine
     expected = _colocated_stream(engines, fleet(engines))
     engines["d1"].behavior.kv_stall_s = 600.0
     engines["d1"].behavior.colocated_stall_s = 600.0
-    guard = {"floor_s": 0.5, "breaker_stalls": 1, "breaker_open_s": 600.0, "hedge": False}
+    guard = {"floor_s": 0.5, "breaker_stalls": 1, "breaker_open_s": 600.0}
     with _d1_looks_idle(engines, stall_guard=guard) as (base, _):
         assert _stream_events(base, 5, LONG) == expected  # the stall, served on p1
         assert _stream_events(base, 5, LONG) == expected  # breaker open: colocated on d1
@@ -784,7 +782,7 @@ def test_a_stalled_non_streamed_split_is_served_colocated_on_its_prefill_instanc
         expected = _whole(base, body)["choices"]
     engines["d1"].requests.clear()
     engines["d1"].behavior.kv_stall_s = 600.0
-    guard = {"floor_s": 0.5, "breaker_stalls": 5, "hedge": False}
+    guard = {"floor_s": 0.5, "breaker_stalls": 5}
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
         assert _whole(base, body)["choices"] == expected
         wait_until(lambda: engines["d1"].disconnects == 1)
@@ -802,7 +800,7 @@ def test_a_pair_that_keeps_stalling_gets_no_splits_while_its_breaker_is_open(eng
     without a prefill leg (reason ``breaker_open``) and /metrics shows the breaker open."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
     engines["d1"].behavior.kv_stall_s = 600.0
-    guard = {"floor_s": 0.3, "breaker_stalls": 2, "breaker_open_s": 600.0, "hedge": False}
+    guard = {"floor_s": 0.3, "breaker_stalls": 2, "breaker_open_s": 600.0}
     p1, d1 = engines["p1"].url, engines["d1"].url
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, _):
         for _ in range(2):
@@ -867,7 +865,7 @@ def test_prefill_legs_that_keep_missing_their_deadline_open_the_pairs_breaker(en
     breaker, and the next request is served colocated without a prefill leg."""
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
     body = {"model": "m", "prompt": LONG, "max_tokens": 5}
-    guard = {"floor_s": 0.3, "breaker_stalls": 2, "breaker_open_s": 600.0, "hedge": False}
+    guard = {"floor_s": 0.3, "breaker_stalls": 2, "breaker_open_s": 600.0}
     p1, d1 = engines["p1"].url, engines["d1"].url
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, svc):
         measured = svc.router.decider.prefill_s_per_token
@@ -900,7 +898,7 @@ def test_once_a_breakers_open_time_is_over_one_split_probes_it_not_every_one_rou
     one_pair = fleet(engines, prefill=("p1",), decode=("d1",))
     # the second request must be routed while the probe's prefill leg runs and within
     # breaker_open_s of its start (else it probes too): both long enough for a loaded host
-    guard = {"floor_s": 0.3, "breaker_stalls": 1, "breaker_open_s": 6.0, "hedge": False}
+    guard = {"floor_s": 0.3, "breaker_stalls": 1, "breaker_open_s": 6.0}
     engines["d1"].behavior.kv_stall_s = 600.0
     with proxy(engines, instances=one_pair, stall_guard=guard) as (base, svc):
         assert _stream_events(base, 5, LONG)[-1] == "data: [DONE]"  # the stall: breaker open
@@ -928,7 +926,7 @@ def test_a_stalled_split_whose_prefill_went_down_is_served_on_another_decode_fir
     expected = _colocated_stream(engines, one_pair)
     engines["d1"].behavior.kv_stall_s = 600.0
     engines["d1"].behavior.colocated_stall_s = 600.0
-    guard = {"floor_s": 3.0, "breaker_stalls": 5, "hedge": False}
+    guard = {"floor_s": 3.0, "breaker_stalls": 5}
     with _d1_looks_idle(engines, stall_guard=guard) as (base, svc), ThreadPoolExecutor(1) as pool:
         stream = pool.submit(_stream_events, base, 5, LONG)
         wait_until(lambda: len(engines["p1"].requests) == 1)  # the prefill leg: done
